@@ -1,0 +1,249 @@
+"""Grouping layers by spec and sizing the pools for a memory budget.
+
+Layers with equal specs form a group; each group has its own block table. Attention groups share one
+block pool whose unit is a *page*: ``layers_per_block`` layers x ``block_size`` tokens. A block id
+owned by a group addresses that page in each of the group's layers, so a group must hold exactly
+``layers_per_block`` layers. We therefore split each attention spec's layers into groups of
+``gcd(layer counts)`` consecutive layers: the pool stays exact (no padded pages) whatever the mix, e.g.
+Llama-4-Scout (12 global + 36 chunked) -> 4 groups of 12, Gemma-3-27B (10 + 52) -> 31 groups of 2.
+
+Mamba layers never enter the block pool: their fixed-size states live in a slot pool sized by the
+number of concurrent requests (+ prefix-cache checkpoint slots), so attention keeps its small native
+block size and nothing is padded to a state's size (DESIGN.md §4, item 1). Slot 0 and block 0 are
+null entries, never handed out, so padded rows of a batch always point somewhere harmless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.kv_groups.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from hybridkv.utils import format_bytes
+
+DEFAULT_STEP_TOKENS = 2048
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheGroup:
+    """Layers that share one spec and one block table."""
+
+    group_id: int
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layer_names:
+            raise ValueError(f"KVCacheGroup {self.group_id} has no layers")
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+
+def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+    """Group layers with equal specs, in order of first appearance; split attention specs into
+    groups of ``gcd(layer counts)`` layers so every attention group fills whole pool pages."""
+    if not layer_specs:
+        raise ValueError("no layers to plan: the layer -> spec mapping is empty")
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
+        by_spec.setdefault(spec, []).append(name)
+
+    attention = [spec for spec in by_spec if spec.is_attention]
+    block_sizes = {spec.block_size for spec in attention}
+    if len(block_sizes) > 1:
+        raise ValueError(f"attention layers must share one block_size, got {sorted(block_sizes)}")
+    per_group = math.gcd(*(len(by_spec[s]) for s in attention)) if attention else 0
+
+    groups: list[KVCacheGroup] = []
+    for spec, names in by_spec.items():
+        step = per_group if spec.is_attention else len(names)
+        for start in range(0, len(names), step):
+            groups.append(KVCacheGroup(group_id=len(groups), spec=spec,
+                                       layer_names=tuple(names[start:start + step])))
+    return tuple(groups)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """One group's share of a plan, for one max-length request."""
+
+    group: KVCacheGroup
+    blocks_per_request: int       # steady (decode) need of one max-length request; slots for Mamba
+    bytes_per_request: int
+    bytes_per_request_if_full: int
+
+    def to_dict(self, plan: KVCachePlan) -> dict[str, Any]:
+        spec = self.group.spec
+        out: dict[str, Any] = {
+            "group_id": self.group.group_id,
+            "kind": spec.kind,
+            "spec": spec.describe(),
+            "layers": list(self.group.layer_names),
+            "block_size": spec.block_size,
+            "bytes_per_block": spec.bytes_per_block * len(self.group.layer_names),
+            "blocks_per_request_max": self.blocks_per_request,
+            "bytes_per_request_max": self.bytes_per_request,
+        }
+        if spec.is_attention:
+            out["num_blocks"] = plan.num_blocks        # shared pool
+        else:
+            out["num_slots"] = plan.num_state_slots
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCachePlan:
+    """How a memory budget is split into a block pool and a state-slot pool."""
+
+    groups: tuple[KVCacheGroup, ...]
+    group_plans: tuple[GroupPlan, ...] = field(repr=False)
+    max_model_len: int
+    step_tokens: int
+    budget_bytes: int
+    block_size: int
+    layers_per_block: int                 # layers in every attention group (= layers per pool page)
+    page_bytes: int                       # one pool block: layers_per_block layers x block_size tokens
+    num_blocks: int                       # in the shared attention pool, null block 0 included
+    num_state_slots: int                  # in the Mamba slot pool, null slot 0 included
+    num_checkpoint_slots: int             # of those, reserved for prefix-cache state checkpoints
+    reserved_step_blocks: int             # transient prefill-chunk blocks, reserved once per step
+    padding_bytes: int                    # bytes allocated but never needed at max concurrency
+    max_concurrent_requests: int          # max-length requests that fit at once
+    max_concurrent_requests_if_all_full: int
+
+    @property
+    def attention_groups(self) -> tuple[KVCacheGroup, ...]:
+        return tuple(g for g in self.groups if g.spec.is_attention)
+
+    @property
+    def mamba_groups(self) -> tuple[KVCacheGroup, ...]:
+        return tuple(g for g in self.groups if not g.spec.is_attention)
+
+    @property
+    def bytes_per_request_max(self) -> int:
+        return sum(gp.bytes_per_request for gp in self.group_plans)
+
+    @property
+    def bytes_per_request_if_all_full_attention(self) -> int:
+        return sum(gp.bytes_per_request_if_full for gp in self.group_plans)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return sum(g.spec.bytes_per_block * len(g.layer_names) for g in self.mamba_groups)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes + self.num_state_slots * self.state_bytes_per_slot
+
+    @property
+    def concurrency_vs_all_full(self) -> float:
+        return self.max_concurrent_requests / max(1, self.max_concurrent_requests_if_all_full)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "step_tokens": self.step_tokens,
+            "budget_bytes": self.budget_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "block_size": self.block_size,
+            "layers_per_block": self.layers_per_block,
+            "page_bytes": self.page_bytes,
+            "num_blocks": self.num_blocks,
+            "num_state_slots": self.num_state_slots,
+            "num_checkpoint_slots": self.num_checkpoint_slots,
+            "reserved_step_blocks": self.reserved_step_blocks,
+            "groups": [gp.to_dict(self) for gp in self.group_plans],
+            "bytes_per_request_max": self.bytes_per_request_max,
+            "bytes_per_request_if_all_full_attention": self.bytes_per_request_if_all_full_attention,
+            "padding_bytes": self.padding_bytes,
+            "max_concurrent_requests": self.max_concurrent_requests,
+            "max_concurrent_requests_if_all_full_attention": self.max_concurrent_requests_if_all_full,
+            "concurrency_vs_all_full_attention": round(self.concurrency_vs_all_full, 3),
+        }
+
+    def summary(self) -> str:
+        """A few plain lines; the CLI renders the full table."""
+        return (f"{len(self.groups)} groups, {self.num_blocks} blocks x {format_bytes(self.page_bytes)}"
+                f" + {self.num_state_slots} state slots; {format_bytes(self.bytes_per_request_max)} per "
+                f"{self.max_model_len}-token request; {self.max_concurrent_requests} concurrent "
+                f"({self.concurrency_vs_all_full:.2f}x all-full-attention)")
+
+
+def plan_kv_cache(
+    layer_specs: Mapping[str, KVCacheSpec],
+    *,
+    max_model_len: int,
+    kv_memory: int,
+    max_num_seqs: int | None = None,
+    step_tokens: int | None = None,
+    num_checkpoint_slots: int = 0,
+) -> KVCachePlan:
+    """Split ``kv_memory`` bytes into pools and report how many ``max_model_len`` requests fit.
+
+    ``step_tokens`` is the scheduler's per-step token budget (max_num_batched_tokens): the transient
+    blocks of prefill chunks in flight are reserved once for the step, not once per request."""
+    for name, value in (("max_model_len", max_model_len), ("kv_memory", kv_memory)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if max_num_seqs is not None and max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    if num_checkpoint_slots < 0:
+        raise ValueError(f"num_checkpoint_slots must be >= 0, got {num_checkpoint_slots}")
+    step = min(step_tokens or DEFAULT_STEP_TOKENS, max_model_len)
+
+    groups = group_layers(layer_specs)
+    attention = [g for g in groups if g.spec.is_attention]
+    per_group = len(attention[0].layer_names) if attention else 0
+    block_size = attention[0].spec.block_size if attention else groups[0].spec.block_size
+    page_bytes = per_group * max((g.spec.bytes_per_block for g in attention), default=0)
+
+    group_plans = []
+    for g in groups:
+        n = g.spec.steady_blocks_per_request(max_model_len)
+        if isinstance(g.spec, AttentionSpec):
+            full = g.spec.as_full_attention().steady_blocks_per_request(max_model_len)
+            group_plans.append(GroupPlan(group=g, blocks_per_request=n, bytes_per_request=n * page_bytes,
+                                         bytes_per_request_if_full=full * page_bytes))
+        else:
+            assert isinstance(g.spec, MambaSpec)
+            nbytes = g.spec.bytes_per_block * len(g.layer_names)
+            group_plans.append(GroupPlan(group=g, blocks_per_request=1, bytes_per_request=nbytes,
+                                         bytes_per_request_if_full=nbytes))
+
+    blocks_per_request = sum(gp.blocks_per_request for gp in group_plans if gp.group.spec.is_attention)
+    full_blocks_per_request = sum(gp.bytes_per_request_if_full // page_bytes for gp in group_plans
+                                  if gp.group.spec.is_attention) if page_bytes else 0
+    slot_bytes = sum(gp.bytes_per_request for gp in group_plans if not gp.group.spec.is_attention)
+    reserved = sum(g.spec.transient_blocks_per_step(step) for g in attention)
+    fixed_bytes = (1 + reserved) * page_bytes + (1 + num_checkpoint_slots) * slot_bytes
+    per_request = blocks_per_request * page_bytes + slot_bytes
+    per_request_full = full_blocks_per_request * page_bytes + slot_bytes
+
+    fits = (kv_memory - fixed_bytes) // per_request if kv_memory > fixed_bytes else 0
+    if fits < 1:
+        raise ValueError(
+            f"kv_memory={format_bytes(kv_memory)} is too small for one request of max_model_len="
+            f"{max_model_len}: it needs {format_bytes(per_request + fixed_bytes)} ({format_bytes(per_request)}"
+            f" per request + {format_bytes(fixed_bytes)} for null entries, checkpoints and the step reserve)")
+    fits_full = max(0, (kv_memory - fixed_bytes) // per_request_full)
+    concurrent = min(fits, max_num_seqs) if max_num_seqs else fits
+
+    num_state_slots = (1 + num_checkpoint_slots + concurrent) if slot_bytes else 0
+    num_blocks = (kv_memory - num_state_slots * slot_bytes) // page_bytes if page_bytes else 0
+    # Padding: pages sized for the widest attention spec but used by a narrower one.
+    widest = page_bytes // per_group if per_group else 0
+    padding = concurrent * sum(gp.blocks_per_request * per_group * (widest - gp.group.spec.bytes_per_block)
+                               for gp in group_plans if gp.group.spec.is_attention)
+    return KVCachePlan(
+        groups=groups, group_plans=tuple(group_plans), max_model_len=max_model_len, step_tokens=step,
+        budget_bytes=kv_memory, block_size=block_size, layers_per_block=per_group, page_bytes=page_bytes,
+        num_blocks=num_blocks, num_state_slots=num_state_slots, num_checkpoint_slots=num_checkpoint_slots,
+        reserved_step_blocks=reserved, padding_bytes=padding, max_concurrent_requests=concurrent,
+        max_concurrent_requests_if_all_full=min(fits_full, max_num_seqs) if max_num_seqs else fits_full,
+    )

@@ -1,0 +1,361 @@
+"""A decoder described as data: an ordered list of layers, each a token mixer plus a feed-forward.
+
+This one description drives everything: the model is built from it, HF checkpoints are converted to
+it, and the KV-cache plan is derived from it (``HybridConfig.kv_specs``), so a custom layer mix gets
+its cache groups for free::
+
+    cfg = HybridConfig(vocab_size=1000, hidden_size=256, layers=(
+        Layer(mixer=Mamba2(num_heads=8, head_dim=32, state_size=16), ffn=MLP(intermediate_size=512)),
+        Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=64)),
+        Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=64, attention_chunk_size=128)),
+        Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=64, rope=None)),   # global NoPE
+    ))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.kv_groups.specs import (
+    DEFAULT_BLOCK_SIZE,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
+
+
+def _positive(owner: str, **values: float | int | None) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{owner}.{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rope:
+    """Rotary embedding. ``interleaved`` rotates pairs (x[2i], x[2i+1]) (Llama-4, GPT-J); otherwise
+    the halves are rotated (NeoX / Llama / Mistral / Gemma). ``scaling``: None, "linear" or "llama3"."""
+
+    theta: float = 10000.0
+    interleaved: bool = False
+    partial_rotary_factor: float = 1.0
+    scaling: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _positive("Rope", theta=self.theta, factor=self.factor)
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.scaling not in (None, "linear", "llama3"):
+            raise ValueError(f"Rope.scaling must be None, 'linear' or 'llama3', got {self.scaling!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attention:
+    """Softmax attention over a paged KV cache: full, sliding-window or chunked-local.
+
+    ``rope=None`` is NoPE. ``qk_norm``: None, "rms" (learned per-head-dim weight) or "rms_weightless"
+    (Llama-4, applied after RoPE). ``temperature_tuning=(attn_scale, floor_scale)`` scales q on Llama-4
+    NoPE layers by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)). ``shared_id`` marks layers
+    that share weights (Zamba2) while keeping separate KV caches."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    rope: Rope | None = Rope()
+    qk_norm: str | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    temperature_tuning: tuple[float, float] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    shared_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                  head_dim=self.head_dim, sliding_window=self.sliding_window,
+                  attention_chunk_size=self.attention_chunk_size, scale=self.scale, softcap=self.softcap)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Attention.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise ValueError("Attention: set sliding_window or attention_chunk_size, not both")
+        if self.qk_norm not in (None, "rms", "rms_weightless"):
+            raise ValueError(f"Attention.qk_norm must be None, 'rms' or 'rms_weightless', got {self.qk_norm!r}")
+
+    @property
+    def kind(self) -> str:
+        if self.sliding_window is not None:
+            return "sliding_window"
+        return "chunked_local" if self.attention_chunk_size is not None else "full"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2:
+    """Mamba2 mixer (HF semantics, DESIGN.md §3). State per request: conv (conv_dim, conv_kernel - 1)
+    and SSM (num_heads, head_dim, state_size) in fp32."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        _positive("Mamba2", num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size,
+                  n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"Mamba2.n_groups={self.n_groups} must divide num_heads={self.num_heads}")
+
+    @property
+    def kind(self) -> str:
+        return "mamba2"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba1:
+    """Mamba-1 selective-scan mixer (Jamba: with RMS norms on dt, B and C)."""
+
+    intermediate_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int = 4
+    dt_norm: bool = False
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _positive("Mamba1", intermediate_size=self.intermediate_size, state_size=self.state_size,
+                  dt_rank=self.dt_rank, conv_kernel=self.conv_kernel)
+
+    @property
+    def kind(self) -> str:
+        return "mamba1"
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLP:
+    """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH)."""
+
+    intermediate_size: int
+    activation: str = "silu"
+    gated: bool = True
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("MLP", intermediate_size=self.intermediate_size)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MLP.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoE:
+    """Routed experts plus optional shared experts.
+
+    ``router``: "softmax" (top-k of softmax, optionally renormalised), "sigmoid_input" (Llama-4: sigmoid
+    top-k weights scale the expert *input*), "sigmoid_bias" (NemotronH: sigmoid scores with a
+    correction bias for selection, weights renormalised and scaled by ``routed_scaling_factor``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax"
+    renormalize: bool = True
+    shared_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    activation: str = "silu"
+    gated: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("MoE", num_experts=self.num_experts, top_k=self.top_k,
+                  intermediate_size=self.intermediate_size)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoE.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.router not in ("softmax", "sigmoid_input", "sigmoid_bias"):
+            raise ValueError(f"MoE.router must be 'softmax', 'sigmoid_input' or 'sigmoid_bias', "
+                             f"got {self.router!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+
+
+Mixer = Attention | Mamba2 | Mamba1
+FeedForward = MLP | MoE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One decoder layer: ``x += mixer(norm(x)); x += ffn(norm(x))``. Either part may be absent
+    (NemotronH layers are one of mamba / attention / mlp / moe). ``parallel_mixer`` runs beside the
+    mixer on the same normed input and their outputs are added (Falcon-H1: attention + Mamba2).
+    ``sandwich_norm`` adds the Gemma-2/3 post-norms."""
+
+    mixer: Mixer | None = None
+    parallel_mixer: Mamba2 | None = None
+    ffn: FeedForward | None = None
+    sandwich_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixer is None and self.ffn is None:
+            raise ValueError("Layer needs a mixer, a feed-forward, or both")
+        if self.mixer is not None and not isinstance(self.mixer, Attention | Mamba2 | Mamba1):
+            raise ValueError(f"Layer.mixer: unknown kind {type(self.mixer).__name__}")
+        if self.parallel_mixer is not None and not isinstance(self.mixer, Attention):
+            raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
+        if self.ffn is not None and not isinstance(self.ffn, MLP | MoE):
+            raise ValueError(f"Layer.ffn: unknown kind {type(self.ffn).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """The whole decoder. ``norm``: "rms" or "gemma_rms" ((1 + w) scaling)."""
+
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[Layer, ...]
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
+    final_softcap: float | None = None
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"
+    architecture: str = "HybridForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive("HybridConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                  max_position_embeddings=self.max_position_embeddings)
+        if not self.layers:
+            raise ValueError("HybridConfig.layers is empty")
+        if self.norm not in ("rms", "gemma_rms"):
+            raise ValueError(f"HybridConfig.norm must be 'rms' or 'gemma_rms', got {self.norm!r}")
+        if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
+            raise ValueError(f"HybridConfig.dtype: unknown torch dtype {self.dtype!r}")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Layer):
+                raise ValueError(f"HybridConfig.layers[{i}]: expected Layer, got {type(layer).__name__}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def layer_cache_name(self, index: int, *, parallel: bool = False) -> str:
+        """Name of layer ``index``'s cache in the KV-cache plan (``parallel``: its parallel mixer's)."""
+        return f"layers.{index}.parallel" if parallel else f"layers.{index}"
+
+    def kv_specs(self, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: torch.dtype | None = None,
+                 conv_state_dtype: torch.dtype | None = None) -> dict[str, KVCacheSpec]:
+        """Layer cache name -> KV-cache spec, for every layer that keeps per-request state.
+
+        KV and conv states default to the model dtype; the SSM state is always fp32. A window or chunk
+        of at least ``max_position_embeddings`` behaves as full attention and is planned as such."""
+        kv_dtype = kv_dtype or self.torch_dtype
+        conv_dtype = conv_state_dtype or kv_dtype
+        specs: dict[str, KVCacheSpec] = {}
+        for i, layer in enumerate(self.layers):
+            mixer = layer.mixer
+            try:
+                if isinstance(mixer, Attention):
+                    common = dict(block_size=block_size, num_kv_heads=mixer.num_kv_heads,
+                                  head_size=mixer.head_dim, dtype=kv_dtype)
+                    limit = self.max_position_embeddings
+                    if mixer.sliding_window is not None and mixer.sliding_window < limit:
+                        specs[self.layer_cache_name(i)] = SlidingWindowSpec(
+                            sliding_window=mixer.sliding_window, **common)
+                    elif mixer.attention_chunk_size is not None and mixer.attention_chunk_size < limit:
+                        specs[self.layer_cache_name(i)] = ChunkedLocalAttentionSpec(
+                            attention_chunk_size=mixer.attention_chunk_size, **common)
+                    else:
+                        specs[self.layer_cache_name(i)] = FullAttentionSpec(**common)
+                elif isinstance(mixer, Mamba2 | Mamba1):
+                    specs[self.layer_cache_name(i)] = MambaSpec(
+                        block_size=block_size, shapes=mixer.state_shapes(), dtypes=(conv_dtype, torch.float32))
+                if layer.parallel_mixer is not None:
+                    specs[self.layer_cache_name(i, parallel=True)] = MambaSpec(
+                        block_size=block_size, shapes=layer.parallel_mixer.state_shapes(),
+                        dtypes=(conv_dtype, torch.float32))
+            except ValueError as err:
+                raise ValueError(f"layer {i} ({type(mixer).__name__}): {err}") from None
+        return specs
+
+    # -- (de)serialisation: config.json next to model.safetensors -------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        def encode(obj: Any) -> Any:
+            if dataclasses.is_dataclass(obj):
+                out = {"type": type(obj).__name__}
+                out.update({f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+                return out
+            if isinstance(obj, tuple):
+                return [encode(x) for x in obj]
+            if isinstance(obj, float) and math.isinf(obj):
+                return "inf"
+            return obj
+
+        return {"hybridkv_config": encode(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, MLP, MoE, Layer, HybridConfig)}
+
+        def decode(obj: Any) -> Any:
+            if isinstance(obj, dict) and "type" in obj:
+                kind = obj["type"]
+                if kind not in types:
+                    raise ValueError(f"unknown config type {kind!r} (known: {sorted(types)})")
+                return types[kind](**{k: decode(v) for k, v in obj.items() if k != "type"})
+            if isinstance(obj, list):
+                return tuple(decode(x) for x in obj)
+            return math.inf if obj == "inf" else obj
+
+        if "hybridkv_config" not in data:
+            raise ValueError("not a hybridkv config: missing the 'hybridkv_config' key")
+        return decode(data["hybridkv_config"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> HybridConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
