@@ -1,3 +1,8 @@
 """hybridkv: a runtime for hybrid LLMs whose KV cache treats each layer kind as what it is."""
 
+from hybridkv.models.config import HybridConfig
+from hybridkv.planning import plan
+
 __version__ = "0.1.0"
+
+__all__ = ["HybridConfig", "__version__", "plan"]

@@ -58,7 +58,8 @@ class Rope:
     def __post_init__(self) -> None:
         _positive("Rope", theta=self.theta, factor=self.factor)
         if not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+            raise ValueError(
+                f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.scaling not in (None, "linear", "llama3"):
             raise ValueError(f"Rope.scaling must be None, 'linear' or 'llama3', got {self.scaling!r}")
 
@@ -70,7 +71,13 @@ class Attention:
     ``rope=None`` is NoPE. ``qk_norm``: None, "rms" (learned per-head-dim weight) or "rms_weightless"
     (Llama-4, applied after RoPE). ``temperature_tuning=(attn_scale, floor_scale)`` scales q on Llama-4
     NoPE layers by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)). ``shared_id`` marks layers
-    that share weights (Zamba2) while keeping separate KV caches."""
+    that share weights (Zamba2) while keeping separate KV caches.
+
+    "rms" q/k norms are learned per head dim, use the model's norm flavour (``HybridConfig.norm``) and
+    run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4).
+    ``scale`` overrides head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; Granite:
+    attention_multiplier). Falcon-H1 µP multipliers: the input is scaled by ``input_multiplier``, keys by
+    ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``."""
 
     num_heads: int
     num_kv_heads: int
@@ -85,6 +92,9 @@ class Attention:
     qkv_bias: bool = False
     o_bias: bool = False
     shared_id: int | None = None
+    input_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    output_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -96,7 +106,8 @@ class Attention:
         if self.sliding_window is not None and self.attention_chunk_size is not None:
             raise ValueError("Attention: set sliding_window or attention_chunk_size, not both")
         if self.qk_norm not in (None, "rms", "rms_weightless"):
-            raise ValueError(f"Attention.qk_norm must be None, 'rms' or 'rms_weightless', got {self.qk_norm!r}")
+            raise ValueError(
+                f"Attention.qk_norm must be None, 'rms' or 'rms_weightless', got {self.qk_norm!r}")
 
     @property
     def kind(self) -> str:
@@ -112,7 +123,14 @@ class Attention:
 @dataclass(frozen=True, kw_only=True)
 class Mamba2:
     """Mamba2 mixer (HF semantics, DESIGN.md §3). State per request: conv (conv_dim, conv_kernel - 1)
-    and SSM (num_heads, head_dim, state_size) in fp32."""
+    and SSM (num_heads, head_dim, state_size) in fp32.
+
+    The output is gated by an RMSNorm over ``n_groups`` groups of the inner dim, ``norm(y * silu(z))``
+    (``norm_before_gate``: ``norm(y) * silu(z)``); with ``gated_norm=False`` it is plain ``y * silu(z)``
+    (Falcon-H1 without mamba_rms_norm). ``proj_bias`` is the in_proj bias and, unless ``out_proj_bias``
+    says otherwise, the out_proj bias. Falcon-H1 µP: the input is scaled by ``input_multiplier``, the
+    in_proj output's z, x, B, C, dt sections by ``zxbcdt_multipliers``, the output by
+    ``output_multiplier``."""
 
     num_heads: int
     head_dim: int
@@ -123,13 +141,22 @@ class Mamba2:
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     conv_bias: bool = True
     proj_bias: bool = False
+    out_proj_bias: bool | None = None
     norm_eps: float = 1e-5
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    input_multiplier: float = 1.0
+    zxbcdt_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    output_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("Mamba2", num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size,
                   n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
         if self.num_heads % self.n_groups:
             raise ValueError(f"Mamba2.n_groups={self.n_groups} must divide num_heads={self.num_heads}")
+        if len(self.zxbcdt_multipliers) != 5:
+            raise ValueError(f"Mamba2.zxbcdt_multipliers needs 5 values (z, x, B, C, dt), "
+                             f"got {self.zxbcdt_multipliers!r}")
 
     @property
     def kind(self) -> str:
@@ -174,12 +201,17 @@ class Mamba1:
 
 @dataclass(frozen=True, kw_only=True)
 class MLP:
-    """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH)."""
+    """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH).
+
+    Gated: ``down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier`` (the multipliers are
+    Falcon-H1's µP factors, 1 elsewhere)."""
 
     intermediate_size: int
     activation: str = "silu"
     gated: bool = True
     bias: bool = False
+    gate_multiplier: float = 1.0
+    down_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("MLP", intermediate_size=self.intermediate_size)
@@ -193,7 +225,13 @@ class MoE:
 
     ``router``: "softmax" (top-k of softmax, optionally renormalised), "sigmoid_input" (Llama-4: sigmoid
     top-k weights scale the expert *input*), "sigmoid_bias" (NemotronH: sigmoid scores with a
-    correction bias for selection, weights renormalised and scaled by ``routed_scaling_factor``)."""
+    correction bias for selection, weights renormalised and scaled by ``routed_scaling_factor``).
+
+    NemotronH extras: selection first keeps the ``topk_groups`` best of ``num_groups`` expert groups
+    (group score = sum of its two best corrected scores), and with ``latent_size`` the routed experts
+    run in a smaller latent space (hidden -> latent projection before, latent -> hidden after). The
+    shared expert (``shared_intermediate_size`` > 0) sees the layer input and uses the experts'
+    activation and gating."""
 
     num_experts: int
     top_k: int
@@ -204,6 +242,9 @@ class MoE:
     routed_scaling_factor: float = 1.0
     activation: str = "silu"
     gated: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    latent_size: int | None = None
 
     def __post_init__(self) -> None:
         _positive("MoE", num_experts=self.num_experts, top_k=self.top_k,
@@ -215,6 +256,40 @@ class MoE:
                              f"got {self.router!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        _positive("MoE", num_groups=self.num_groups, topk_groups=self.topk_groups,
+                  latent_size=self.latent_size)
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(f"MoE: num_groups={self.num_groups} must divide num_experts={self.num_experts} "
+                             f"and be >= topk_groups={self.topk_groups}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedBlock:
+    """Zamba2's shared transformer block, run at the start of a layer, before its mixer::
+
+        t = linear(mlp(norm2(attention(norm1(concat(x, embeddings))))))    # no residual inside
+        x = x + mixer(norm(x + t))
+
+    ``embeddings`` are the token embeddings (the model input), so attention and its pre-norm are
+    2 * hidden wide when ``concat_embeddings``. Uses with the same ``block_id`` share attention, MLP
+    and norm weights but each keeps its own KV cache; ``linear`` belongs to the layer. With
+    ``adapter_rank`` > 0 every use ``use_index`` (its ordinal among all shared-block uses) adds its own
+    low-rank adapter to the MLP's gate_up projection and, with ``attention_adapters``, to q, k and v."""
+
+    block_id: int
+    use_index: int
+    attention: Attention
+    mlp: MLP
+    concat_embeddings: bool = True
+    adapter_rank: int = 0
+    attention_adapters: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_id < 0 or self.use_index < 0 or self.adapter_rank < 0:
+            raise ValueError(f"SharedBlock: block_id, use_index and adapter_rank must be >= 0, got "
+                             f"{self.block_id}, {self.use_index}, {self.adapter_rank}")
+        if self.attention_adapters and not self.adapter_rank:
+            raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
 Mixer = Attention | Mamba2 | Mamba1
@@ -226,12 +301,14 @@ class Layer:
     """One decoder layer: ``x += mixer(norm(x)); x += ffn(norm(x))``. Either part may be absent
     (NemotronH layers are one of mamba / attention / mlp / moe). ``parallel_mixer`` runs beside the
     mixer on the same normed input and their outputs are added (Falcon-H1: attention + Mamba2).
-    ``sandwich_norm`` adds the Gemma-2/3 post-norms."""
+    ``sandwich_norm`` adds the Gemma-2/3 post-norms. ``shared_block`` (Zamba2) runs first and feeds
+    the mixer's input (see ``SharedBlock``)."""
 
     mixer: Mixer | None = None
     parallel_mixer: Mamba2 | None = None
     ffn: FeedForward | None = None
     sandwich_norm: bool = False
+    shared_block: SharedBlock | None = None
 
     def __post_init__(self) -> None:
         if self.mixer is None and self.ffn is None:
@@ -242,11 +319,19 @@ class Layer:
             raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
         if self.ffn is not None and not isinstance(self.ffn, MLP | MoE):
             raise ValueError(f"Layer.ffn: unknown kind {type(self.ffn).__name__}")
+        if self.shared_block is not None and self.mixer is None:
+            raise ValueError("Layer.shared_block needs a mixer to feed")
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig:
-    """The whole decoder. ``norm``: "rms" or "gemma_rms" ((1 + w) scaling)."""
+    """The whole decoder. ``norm``: "rms" or "gemma_rms" ((1 + w) scaling).
+
+    ``embedding_multiplier`` scales the token embeddings (Gemma: sqrt(hidden), which HF rounds to the
+    weight dtype first; Falcon-H1, Granite: µP), ``residual_multiplier`` every block output before it
+    is added (Granite), ``logits_multiplier`` the logits (Falcon-H1 lm_head_multiplier, Granite
+    1 / logits_scaling) before ``final_softcap``. ``residual_in_fp32`` keeps the residual stream in
+    fp32 (HF Mamba2)."""
 
     vocab_size: int
     hidden_size: int
@@ -258,6 +343,7 @@ class HybridConfig:
     residual_multiplier: float = 1.0
     logits_multiplier: float = 1.0
     final_softcap: float | None = None
+    residual_in_fp32: bool = False
     max_position_embeddings: int = 4096
     dtype: str = "float32"
     architecture: str = "HybridForCausalLM"
@@ -273,17 +359,40 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.norm must be 'rms' or 'gemma_rms', got {self.norm!r}")
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
             raise ValueError(f"HybridConfig.dtype: unknown torch dtype {self.dtype!r}")
+        shared: dict[int, SharedBlock] = {}
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, Layer):
                 raise ValueError(f"HybridConfig.layers[{i}]: expected Layer, got {type(layer).__name__}")
+            block = layer.shared_block
+            if block is not None:
+                first = shared.setdefault(block.block_id, block)
+                if (first.attention, first.mlp, first.concat_embeddings) != (
+                        block.attention, block.mlp, block.concat_embeddings):
+                    raise ValueError(f"HybridConfig.layers[{i}]: shared block {block.block_id} differs from "
+                                     f"its first use; uses of one block share weights, so must match")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def layer_cache_name(self, index: int, *, parallel: bool = False) -> str:
-        """Name of layer ``index``'s cache in the KV-cache plan (``parallel``: its parallel mixer's)."""
-        return f"layers.{index}.parallel" if parallel else f"layers.{index}"
+    def layer_cache_name(self, index: int, *, parallel: bool = False, shared: bool = False) -> str:
+        """Name of layer ``index``'s cache in the KV-cache plan (``parallel``: its parallel mixer's;
+        ``shared``: its shared block's attention)."""
+        if parallel:
+            return f"layers.{index}.parallel"
+        return f"layers.{index}.shared" if shared else f"layers.{index}"
+
+    def stateful_mixers(self) -> list[tuple[str, Mixer]]:
+        """(cache name, mixer) for every mixer that keeps per-request state, in execution order."""
+        out: list[tuple[str, Mixer]] = []
+        for i, layer in enumerate(self.layers):
+            if layer.shared_block is not None:
+                out.append((self.layer_cache_name(i, shared=True), layer.shared_block.attention))
+            if layer.mixer is not None:
+                out.append((self.layer_cache_name(i), layer.mixer))
+            if layer.parallel_mixer is not None:
+                out.append((self.layer_cache_name(i, parallel=True), layer.parallel_mixer))
+        return out
 
     def kv_specs(self, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: torch.dtype | None = None,
                  conv_state_dtype: torch.dtype | None = None) -> dict[str, KVCacheSpec]:
@@ -293,31 +402,25 @@ class HybridConfig:
         of at least ``max_position_embeddings`` behaves as full attention and is planned as such."""
         kv_dtype = kv_dtype or self.torch_dtype
         conv_dtype = conv_state_dtype or kv_dtype
+        limit = self.max_position_embeddings
         specs: dict[str, KVCacheSpec] = {}
-        for i, layer in enumerate(self.layers):
-            mixer = layer.mixer
+        for name, mixer in self.stateful_mixers():
             try:
                 if isinstance(mixer, Attention):
                     common = dict(block_size=block_size, num_kv_heads=mixer.num_kv_heads,
                                   head_size=mixer.head_dim, dtype=kv_dtype)
-                    limit = self.max_position_embeddings
                     if mixer.sliding_window is not None and mixer.sliding_window < limit:
-                        specs[self.layer_cache_name(i)] = SlidingWindowSpec(
-                            sliding_window=mixer.sliding_window, **common)
+                        specs[name] = SlidingWindowSpec(sliding_window=mixer.sliding_window, **common)
                     elif mixer.attention_chunk_size is not None and mixer.attention_chunk_size < limit:
-                        specs[self.layer_cache_name(i)] = ChunkedLocalAttentionSpec(
+                        specs[name] = ChunkedLocalAttentionSpec(
                             attention_chunk_size=mixer.attention_chunk_size, **common)
                     else:
-                        specs[self.layer_cache_name(i)] = FullAttentionSpec(**common)
-                elif isinstance(mixer, Mamba2 | Mamba1):
-                    specs[self.layer_cache_name(i)] = MambaSpec(
-                        block_size=block_size, shapes=mixer.state_shapes(), dtypes=(conv_dtype, torch.float32))
-                if layer.parallel_mixer is not None:
-                    specs[self.layer_cache_name(i, parallel=True)] = MambaSpec(
-                        block_size=block_size, shapes=layer.parallel_mixer.state_shapes(),
-                        dtypes=(conv_dtype, torch.float32))
+                        specs[name] = FullAttentionSpec(**common)
+                else:
+                    specs[name] = MambaSpec(block_size=block_size, shapes=mixer.state_shapes(),
+                                            dtypes=(conv_dtype, torch.float32))
             except ValueError as err:
-                raise ValueError(f"layer {i} ({type(mixer).__name__}): {err}") from None
+                raise ValueError(f"{name} ({type(mixer).__name__}): {err}") from None
         return specs
 
     # -- (de)serialisation: config.json next to model.safetensors -------------------------------------
@@ -337,7 +440,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, MLP, MoE, Layer, HybridConfig)}
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, MLP, MoE, SharedBlock, Layer,
+                                         HybridConfig)}
 
         def decode(obj: Any) -> Any:
             if isinstance(obj, dict) and "type" in obj:

@@ -24,7 +24,9 @@ from hybridkv.layers.ops.conv1d_ref import _check_shape, _check_state_indices, _
 __all__ = ["selective_scan_ref", "selective_state_update_mamba1_ref"]
 
 
-def _discretize_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
+def _discretize_delta(
+    delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool
+) -> torch.Tensor:
     delta = delta.float()
     if delta_bias is not None:
         delta = delta + delta_bias.float()
@@ -154,7 +156,9 @@ def selective_state_update_mamba1_ref(
 
     dt = _discretize_delta(dt, dt_bias, dt_softplus)  # (batch, dim)
     state = ssm_states[slots].to(device=x.device, dtype=torch.float32)  # (batch, dim, dstate)
-    state = torch.exp(dt[:, :, None] * A.float()) * state + (dt * x.float())[:, :, None] * B.float()[:, None, :]
+    state = (
+        torch.exp(dt[:, :, None] * A.float()) * state + (dt * x.float())[:, :, None] * B.float()[:, None, :]
+    )
     ssm_states[slots] = state.to(ssm_states)
     y = torch.einsum("bdn,bn->bd", state, C.float())  # (batch, dim)
     return _skip_and_gate(y, x, D, z).to(x.dtype)

@@ -56,8 +56,10 @@ def _check_ssd_params(
     n, nheads, headdim = x.shape
     _check_shape("dt", dt, (n, nheads))
     _check_shape("A", A, (nheads,))
-    _check_shape("B", B, (n, None, None))
-    ngroups, dstate = B.shape[1:]
+    _check_shape("ssm_states", ssm_states, (None, nheads, headdim, None))
+    dstate = ssm_states.shape[-1]
+    _check_shape("B", B, (n, None, dstate))
+    ngroups = B.shape[1]
     if ngroups < 1 or nheads % ngroups != 0:
         raise ValueError(f"B has {ngroups} groups, which must divide nheads={nheads}")
     _check_shape("C", C, (n, ngroups, dstate))
@@ -67,7 +69,6 @@ def _check_ssd_params(
         _check_shape("z", z, (n, nheads, headdim))
     if dt_bias is not None:
         _check_shape("dt_bias", dt_bias, (nheads,))
-    _check_shape("ssm_states", ssm_states, (None, nheads, headdim, dstate))
     return nheads // ngroups
 
 

@@ -1,0 +1,208 @@
+"""The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | bench``.
+
+Subcommands live in ``COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds its
+arguments and a function that runs it and returns the exit code), so adding one is one ``register``
+call. Bad input (missing file, bad JSON, unsupported model, a budget too small) is reported as one line
+on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.planning import bundled_config_names, load_model_config, plan
+from hybridkv.utils import format_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.kv_groups.plan import KVCachePlan
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> Command:
+    if command.name in COMMANDS:
+        raise ValueError(f"hybridkv subcommand {command.name!r} is already registered")
+    COMMANDS[command.name] = command
+    return command
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so every error is one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hybridkv", description="Hybrid-LLM runtime with a per-layer-kind KV cache.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for command in COMMANDS.values():
+        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hybridkv`` console script; returns the exit code."""
+    parser = build_parser()
+    prog = "hybridkv"
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        prog = f"hybridkv {args.command}"
+        return COMMANDS[args.command].run(args)
+    except UsageError as err:
+        print(" ".join(str(err).split()), file=sys.stderr)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# -- plan ---------------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG_OR_DIR",
+                        help="config.json, a checkpoint directory, or a bundled config name "
+                             f"({', '.join(bundled_config_names())})")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="tokens per request (default: the model's max positions)")
+    parser.add_argument("--kv-memory", default="40GiB", help="KV-cache budget, e.g. 40GiB (default: 40GiB)")
+    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                        help="cap on concurrent requests")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                        help="tokens per scheduler step (default: 2048)")
+    parser.add_argument("--kv-dtype", default=None, help="KV dtype (default: the checkpoint dtype)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def layer_ranges(names: Sequence[str]) -> str:
+    """Cache names -> compact layer ranges: layers.0..2,4 -> "0-2,4"; ".parallel"/".shared" caches get
+    their suffix once per run of equal suffixes ("0-3 parallel")."""
+    parts: list[tuple[int, str]] = []
+    for name in names:
+        m = re.fullmatch(r"layers\.(\d+)(?:\.(\w+))?", name)
+        if m is None:
+            return ",".join(names)
+        parts.append((int(m.group(1)), m.group(2) or ""))
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        j = i
+        while j + 1 < len(parts) and parts[j + 1] == (parts[j][0] + 1, parts[i][1]):
+            j += 1
+        start, suffix = parts[i]
+        text = str(start) if j == i else f"{start}-{parts[j][0]}"
+        out.append(f"{text} {suffix}" if suffix else text)
+        i = j + 1
+    return ",".join(out)
+
+
+def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan]:
+    """(JSON-ready dict, KVCachePlan) for the parsed ``plan`` arguments."""
+    config = load_model_config(args.config)
+    result = plan(config, max_model_len=args.max_model_len, kv_memory=args.kv_memory,
+                  block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
+    report = {"model": str(args.config), "architecture": config.architecture,
+              "num_layers": len(config.layers), **result.to_dict()}
+    for group in report["groups"]:
+        group["layer_ranges"] = layer_ranges(group["layers"])
+    return report, result
+
+
+def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    width = shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
+    console = Console(file=sys.stdout, width=max(width, 100), highlight=False)
+    title = (f"{report['architecture']} ({report['model']}): {report['num_layers']} layers, "
+             f"max_model_len {report['max_model_len']}, budget {format_bytes(report['budget_bytes'])}")
+    groups = Table(title=title, title_justify="left")
+    for name, justify in (("group", "right"), ("kind", "left"), ("spec", "left"), ("layers", "left"),
+                          ("block size", "right"), ("bytes/token", "right"), ("per request", "right"),
+                          ("bytes/request", "right")):
+        groups.add_column(name, justify=justify)
+    for g, gp in zip(report["groups"], result.group_plans, strict=True):
+        spec = gp.group.spec
+        per_token = (format_bytes(spec.bytes_per_token * len(g["layers"]))
+                     if spec.is_attention else "constant")
+        unit = "blocks" if spec.is_attention else "slot"
+        groups.add_row(str(g["group_id"]), g["kind"], g["spec"], g["layer_ranges"].replace(",", ", "),
+                       str(g["block_size"]),
+                       per_token, f"{g['blocks_per_request_max']} {unit}",
+                       format_bytes(g["bytes_per_request_max"]))
+    console.print(groups)
+
+    full = report["max_concurrent_requests_if_all_full_attention"]
+    summary = Table(show_header=False, title="Budget", title_justify="left")
+    summary.add_column("", justify="left")
+    summary.add_column("", justify="right")
+    rows = [
+        ("bytes per max-length request", format_bytes(report["bytes_per_request_max"])),
+        ("… if every attention layer were full",
+         format_bytes(report["bytes_per_request_if_all_full_attention"])),
+        ("block pool", f"{report['num_blocks']} blocks x {format_bytes(report['page_bytes'])} "
+                       f"({report['layers_per_block']} layers x {report['block_size']} tokens)"
+                       if report["num_blocks"] else "none (no attention layers)"),
+        ("state slots", f"{report['num_state_slots']} ({report['num_checkpoint_slots']} checkpoint)"),
+        ("step reserve (prefill chunks)", f"{report['reserved_step_blocks']} blocks"),
+        ("allocated", f"{format_bytes(report['allocated_bytes'])} of {format_bytes(report['budget_bytes'])}"),
+        ("padding bytes", str(report["padding_bytes"])),
+        ("max concurrent requests", str(report["max_concurrent_requests"])),
+        ("… if all full attention", f"{full} (ratio {report['concurrency_vs_all_full_attention']:.2f}x)"),
+    ]
+    for row in rows:
+        summary.add_row(*row)
+    console.print(summary)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    report, result = plan_report(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_tables(report, result)
+    return 0
+
+
+register(Command(name="plan", help="show layer -> KV-cache group and the concurrency a memory budget buys",
+                 add_arguments=_plan_arguments, run=run_plan))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

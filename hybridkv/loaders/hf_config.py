@@ -1,0 +1,724 @@
+"""HF ``config.json`` -> ``HybridConfig``: one converter per architecture, registered by name.
+
+The reference is transformers' own modeling code (5.23): every converter reads the keys that HF's
+modules read, falls back to HF's class defaults for keys a checkpoint omits (released multimodal
+configs store only the non-default text fields), and derives the per-layer mix the way HF does
+(``layer_types``, ``no_rope_layers``, ``hybrid_override_pattern``, periods and offsets, ...). Both the
+hub's older spelling (``rope_theta`` + ``rope_scaling``) and the 5.x ``to_dict()`` spelling
+(``rope_parameters``) are read.
+
+Nothing here imports transformers: a config is plain data, and planning must work without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.models.config import (
+    MLP,
+    Attention,
+    HybridConfig,
+    Layer,
+    Mamba1,
+    Mamba2,
+    MoE,
+    Rope,
+    SharedBlock,
+)
+
+Converter = Callable[[Mapping[str, Any]], HybridConfig]
+
+CONVERTERS: dict[str, Converter] = {}
+
+# ``model_type`` -> architecture, for configs without ``architectures`` (e.g. ``XxxConfig().to_dict()``).
+MODEL_TYPES: dict[str, str] = {
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
+    "mamba2": "Mamba2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "bamba": "BambaForCausalLM",
+    "jamba": "JambaForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+}
+
+# Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
+# tests up to 256k tokens. Only the default of ``max_model_len``; a Mamba state does not depend on it.
+UNBOUNDED_POSITIONS = 262144
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu2": "relu2"}
+_INF = math.inf
+
+
+def register(*architectures: str) -> Callable[[Converter], Converter]:
+    """Register ``fn`` as the converter for ``architectures`` (HF ``architectures[0]`` names)."""
+
+    def wrap(fn: Converter) -> Converter:
+        for name in architectures:
+            CONVERTERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(CONVERTERS))
+
+
+def architecture_of(config: Mapping[str, Any]) -> str:
+    """The architecture a converter is registered for: the first supported ``architectures`` entry,
+    else the one ``model_type`` implies."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in CONVERTERS:
+            return name
+    if not names and config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[config["model_type"]]
+    found = ", ".join(names) or f"model_type={config.get('model_type')!r}"
+    raise ValueError(f"unsupported architecture {found}; supported: {', '.join(supported_architectures())}")
+
+
+def hf_config_to_hybrid(config: Mapping[str, Any]) -> HybridConfig:
+    """Convert an HF ``config.json`` dict (or an HF config's ``to_dict()``) to a ``HybridConfig``."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"expected a config dict, got {type(config).__name__}")
+    return CONVERTERS[architecture_of(config)](config)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """Read ``path`` (a config.json, or a checkpoint directory holding one) as a dict."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no config file at {file}")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> HybridConfig:
+    """A ``HybridConfig`` from a path or dict holding either an HF config or a hybridkv-native one."""
+    data = source if isinstance(source, Mapping) else read_config_json(source)
+    if "hybridkv_config" in data:
+        return HybridConfig.from_dict(dict(data))
+    return hf_config_to_hybrid(data)
+
+
+# -- shared helpers --------------------------------------------------------------------------------------
+class _Fields:
+    """One config dict laid over HF's class defaults; missing keys name the architecture."""
+
+    def __init__(self, arch: str, raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+        self.arch = arch
+        self.raw = raw
+        self._data = {**defaults, **raw}
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise ValueError(f"{self.arch}: config lacks the key {key!r}") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def first(self, *keys: str, default: Any = None) -> Any:
+        """The first of ``keys`` present and not null (for renamed keys)."""
+        for key in keys:
+            if self._data.get(key) is not None:
+                return self._data[key]
+        return default
+
+    def kv_heads(self) -> int:
+        return self["num_key_value_heads"] or self["num_attention_heads"]
+
+
+def _activation(name: str, owner: str) -> str:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{owner}: unsupported activation {name!r} (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+def _dtype(*configs: Mapping[str, Any]) -> str:
+    """The checkpoint dtype: ``dtype`` (5.x) or ``torch_dtype`` (4.x), innermost config first; float32
+    (what HF instantiates) when no config names one."""
+    for cfg in configs:
+        value = cfg.get("dtype") or cfg.get("torch_dtype")
+        if value:
+            name = str(value).removeprefix("torch.")
+            if not isinstance(getattr(torch, name, None), torch.dtype):
+                raise ValueError(f"unknown dtype {value!r} in config")
+            return name
+    return "float32"
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def _rope(params: Mapping[str, Any] | None, *, theta: float, interleaved: bool = False,
+          partial_rotary_factor: float | None = None) -> Rope:
+    """A ``Rope`` from one (flat) RoPE parameter dict; ``theta``/``partial_rotary_factor`` fill gaps."""
+    params = dict(params or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    partial = params.get("partial_rotary_factor", partial_rotary_factor)
+    common = dict(theta=float(params.get("rope_theta") or theta), interleaved=interleaved,
+                  partial_rotary_factor=float(partial if partial is not None else 1.0))
+    if kind == "default":
+        return Rope(**common)
+    if kind == "linear":
+        return Rope(scaling="linear", factor=float(params["factor"]), **common)
+    if kind == "llama3":
+        return Rope(scaling="llama3", factor=float(params["factor"]),
+                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        params.get("original_max_position_embeddings", 8192)),
+                    **common)
+    raise ValueError(f"RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _rope_params(cfg: _Fields) -> dict[str, Any]:
+    """HF's priority: ``rope_scaling`` (4.x), else ``rope_parameters`` (5.x), then ``rope_theta``."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if cfg.get("rope_theta") is not None:
+        params.setdefault("rope_theta", cfg.get("rope_theta"))
+    return params
+
+
+def _check_layer_types(arch: str, types: Iterable[str], allowed: Iterable[str]) -> list[str]:
+    allowed = tuple(allowed)
+    types = list(types)
+    for i, kind in enumerate(types):
+        if kind not in allowed:
+            raise ValueError(f"{arch}: layer {i} has unknown layer type {kind!r} (expected one of "
+                             f"{', '.join(allowed)})")
+    return types
+
+
+def _mamba_heads(cfg: _Fields, intermediate: int, heads_key: str, head_key: str) -> tuple[int, int]:
+    """(heads, head_dim) with HF's ``"auto"`` head dim = intermediate // heads, checked as HF does."""
+    heads = cfg[heads_key]
+    head_dim = cfg[head_key]
+    if head_dim in (None, "auto"):
+        head_dim = intermediate // heads
+    if heads * head_dim != intermediate:
+        raise ValueError(f"{cfg.arch}: {heads_key}={heads} x {head_key}={head_dim} must equal the Mamba "
+                         f"inner size {intermediate}")
+    return heads, head_dim
+
+
+def _check_silu(cfg: _Fields, key: str) -> None:
+    if cfg[key] not in ("silu", "swish"):
+        raise ValueError(f"{cfg.arch}: Mamba layers support only the silu activation, got {key}={cfg[key]!r}")
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    return (0.0, _INF) if value is None else (float(value[0]), float(value[1]))
+
+
+def _model(cfg: _Fields, layers: Iterable[Layer], *, outer: Mapping[str, Any] | None = None,
+           **overrides: Any) -> HybridConfig:
+    """The HybridConfig fields every family shares; ``overrides`` take precedence."""
+    outer = outer or {}
+    fields: dict[str, Any] = dict(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], layers=tuple(layers),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        max_position_embeddings=cfg["max_position_embeddings"], dtype=_dtype(cfg.raw, outer),
+        architecture=cfg.arch, bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_token_ids(outer.get("eos_token_id", cfg.get("eos_token_id"))))
+    fields.update(overrides)
+    return HybridConfig(**fields)
+
+
+def _text_part(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's config of a multimodal checkpoint (``text_config``), else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+# -- Llama-4 -----------------------------------------------------------------------------------------------
+_LLAMA4_TEXT_DEFAULTS = dict(
+    vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+    num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+    max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False, num_experts_per_tok=1, num_local_experts=16, moe_layers=None,
+    interleave_moe_layer_step=1, use_qk_norm=True, no_rope_layers=None, no_rope_layer_interval=4,
+    attention_chunk_size=8192, layer_types=None, attn_temperature_tuning=True, floor_scale=8192,
+    attn_scale=0.1, attention_bias=False)
+
+
+@register("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+def llama4(config: Mapping[str, Any]) -> HybridConfig:
+    """RoPE layers are chunked-local, NoPE layers global (HF ``layer_types``); weightless qk-norm after
+    RoPE on RoPE layers; temperature tuning on NoPE layers (``attn_temperature_tuning`` may be the int 4
+    the hub config holds); MoE layers from ``moe_layers`` or the interleave step."""
+    arch = architecture_of(config)
+    cfg = _Fields(arch, _text_part(config), _LLAMA4_TEXT_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    interval = cfg.first("no_rope_layer_interval", "nope_layer_interval", default=4)
+    uses_rope = cfg["no_rope_layers"] or [int((i + 1) % interval != 0) for i in range(n)]
+    if len(uses_rope) < n:
+        raise ValueError(f"{arch}: no_rope_layers has {len(uses_rope)} entries for {n} layers")
+    step = cfg["interleave_moe_layer_step"]
+    moe_layers = set(cfg["moe_layers"] if cfg["moe_layers"] is not None else range(step - 1, n, step))
+    types = cfg["layer_types"] or ["chunked_attention" if r else "full_attention" for r in uses_rope]
+    types = _check_layer_types(arch, types[:n], ("chunked_attention", "full_attention"))
+    rope = _rope(_rope_params(cfg), theta=500000.0, interleaved=True)
+    act = _activation(cfg["hidden_act"], arch)
+    tuning = (float(cfg["attn_scale"]), float(cfg["floor_scale"])) if cfg["attn_temperature_tuning"] else None
+    moe = MoE(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+              intermediate_size=cfg["intermediate_size"], router="sigmoid_input", renormalize=False,
+              shared_intermediate_size=cfg["intermediate_size"], activation=act)
+    dense = MLP(intermediate_size=cfg["intermediate_size_mlp"], activation=act)
+    layers = []
+    for i in range(n):
+        with_rope = bool(uses_rope[i])
+        attention = Attention(
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(),
+            head_dim=cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"],
+            attention_chunk_size=cfg["attention_chunk_size"] if types[i] == "chunked_attention" else None,
+            rope=rope if with_rope else None,
+            qk_norm="rms_weightless" if cfg["use_qk_norm"] and with_rope else None,
+            temperature_tuning=None if with_rope else tuning,
+            qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"])
+        layers.append(Layer(mixer=attention, ffn=moe if i in moe_layers else dense))
+    tie = config.get("tie_word_embeddings", cfg["tie_word_embeddings"])
+    return _model(cfg, layers, outer=config if cfg.raw is not config else None, norm_eps=cfg["rms_norm_eps"],
+                  tie_word_embeddings=bool(tie))
+
+
+# -- Mistral -----------------------------------------------------------------------------------------------
+_MISTRAL_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, sliding_window=4096)
+
+
+@register("MistralForCausalLM")
+def mistral(config: Mapping[str, Any]) -> HybridConfig:
+    """Every layer slides over ``sliding_window`` keys; null means full attention (HF ignores
+    ``layer_types`` for Mistral, and so do we)."""
+    cfg = _Fields("MistralForCausalLM", config, _MISTRAL_DEFAULTS)
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
+    attention = Attention(num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(),
+                          head_dim=head_dim, sliding_window=cfg["sliding_window"],
+                          rope=_rope(_rope_params(cfg), theta=10000.0))
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch))
+    return _model(cfg, [Layer(mixer=attention, ffn=mlp)] * cfg["num_hidden_layers"])
+
+
+# -- Gemma-2 / Gemma-3 -------------------------------------------------------------------------------------
+_GEMMA2_DEFAULTS = dict(
+    vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+    rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+    query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0, use_bidirectional_attention=None)
+_GEMMA3_TEXT_DEFAULTS = {
+    **_GEMMA2_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+    "sliding_window_pattern": 6}
+_GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma(cfg: _Fields, types: list[str], ropes: Mapping[str, Rope], *, qk_norm: str | None,
+           outer: Mapping[str, Any] | None = None, tie: bool | None = None) -> HybridConfig:
+    """Gemma-2/3 share everything but the layer pattern, RoPE per layer type and the q/k norms."""
+    if cfg["use_bidirectional_attention"]:
+        raise ValueError(f"{cfg.arch}: use_bidirectional_attention is not supported (not a causal decoder)")
+    n = cfg["num_hidden_layers"]
+    types = _check_layer_types(cfg.arch, types[:n], _GEMMA_LAYER_TYPES)
+    softcap = cfg["attn_logit_softcapping"]
+    mlp = MLP(intermediate_size=cfg["intermediate_size"],
+              activation=_activation(cfg["hidden_activation"], cfg.arch))
+    layers = []
+    for kind in types:
+        attention = Attention(
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(), head_dim=cfg["head_dim"],
+            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None, rope=ropes[kind],
+            qk_norm=qk_norm, scale=float(cfg["query_pre_attn_scalar"]) ** -0.5,
+            softcap=float(softcap) if softcap else None,
+            qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"])
+        layers.append(Layer(mixer=attention, ffn=mlp, sandwich_norm=True))
+    final_softcap = cfg["final_logit_softcapping"]
+    return _model(cfg, layers, outer=outer, norm="gemma_rms", norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+                  final_softcap=float(final_softcap) if final_softcap else None,
+                  tie_word_embeddings=bool(cfg["tie_word_embeddings"] if tie is None else tie))
+
+
+@register("Gemma2ForCausalLM")
+def gemma2(config: Mapping[str, Any]) -> HybridConfig:
+    """Alternating sliding/global layers (sliding first) unless ``layer_types`` says otherwise; one RoPE."""
+    cfg = _Fields("Gemma2ForCausalLM", config, _GEMMA2_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    rope = _rope(_rope_params(cfg), theta=10000.0)
+    return _gemma(cfg, types, {kind: rope for kind in _GEMMA_LAYER_TYPES}, qk_norm=None)
+
+
+@register("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+def gemma3(config: Mapping[str, Any]) -> HybridConfig:
+    """``layer_types`` or every ``sliding_window_pattern``-th layer global; local layers rotate with
+    ``rope_local_base_freq`` and no scaling, global ones with ``rope_theta`` and ``rope_scaling``."""
+    arch = architecture_of(config)
+    cfg = _Fields(arch, _text_part(config), _GEMMA3_TEXT_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    pattern = cfg["sliding_window_pattern"]
+    types = cfg["layer_types"] or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    nested = cfg.get("rope_parameters") or {}
+    if isinstance(nested, Mapping) and "full_attention" in nested:      # 5.x: one dict per layer type
+        full, local = dict(nested["full_attention"]), dict(nested.get("sliding_attention") or {})
+    else:
+        full = dict(cfg.get("rope_scaling") or nested or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    ropes = {"full_attention": _rope(full, theta=1_000_000.0),
+             "sliding_attention": _rope(local, theta=10_000.0)}
+    outer = config if cfg.raw is not config else None
+    tie = config.get("tie_word_embeddings", True) if outer is not None else None
+    return _gemma(cfg, types, ropes, qk_norm="rms", outer=outer, tie=tie)
+
+
+# -- Mamba2 (Mamba-Codestral) ------------------------------------------------------------------------------
+_MAMBA2_DEFAULTS = dict(
+    num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128, num_hidden_layers=64,
+    layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=2, expand=2, conv_kernel=4, n_groups=8,
+    use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
+    time_step_limit=(0.0, _INF), chunk_size=256, tie_word_embeddings=False, max_position_embeddings=None)
+
+
+@register("Mamba2ForCausalLM")
+def mamba2(config: Mapping[str, Any]) -> HybridConfig:
+    """A stack of Mamba2 blocks (no feed-forward); the residual stream in fp32 as HF's
+    ``residual_in_fp32``. No position limit, so ``max_position_embeddings`` is a planning default."""
+    cfg = _Fields("Mamba2ForCausalLM", config, _MAMBA2_DEFAULTS)
+    _check_silu(cfg, "hidden_act")
+    intermediate = cfg["expand"] * cfg["hidden_size"]
+    heads, head_dim = _mamba_heads(cfg, intermediate, "num_heads", "head_dim")
+    mixer = Mamba2(num_heads=heads, head_dim=head_dim, state_size=cfg["state_size"], n_groups=cfg["n_groups"],
+                   conv_kernel=cfg["conv_kernel"], chunk_size=cfg["chunk_size"],
+                   time_step_limit=_time_step_limit(cfg["time_step_limit"]), conv_bias=cfg["use_conv_bias"],
+                   proj_bias=cfg["use_bias"], norm_eps=cfg["layer_norm_epsilon"])
+    return _model(cfg, [Layer(mixer=mixer)] * cfg["num_hidden_layers"], norm_eps=cfg["layer_norm_epsilon"],
+                  residual_in_fp32=bool(cfg["residual_in_fp32"]),
+                  max_position_embeddings=cfg["max_position_embeddings"] or UNBOUNDED_POSITIONS)
+
+
+# -- Bamba -------------------------------------------------------------------------------------------------
+_BAMBA_DEFAULTS = dict(
+    vocab_size=128000, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
+    bos_token_id=1, eos_token_id=2, max_position_embeddings=262144, attn_layer_indices=None,
+    mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+    time_step_limit=(0.0, _INF), attention_bias=False, mlp_bias=False)
+
+
+@register("BambaForCausalLM")
+def bamba(config: Mapping[str, Any]) -> HybridConfig:
+    """Mamba2 layers except ``attn_layer_indices`` (full attention, RoPE on the first half of each head:
+    HF hard-codes partial_rotary_factor 0.5); every layer has a gated MLP."""
+    cfg = _Fields("BambaForCausalLM", config, _BAMBA_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    attn_layers = set(cfg["attn_layer_indices"] or ())
+    if bad := sorted(i for i in attn_layers if not 0 <= i < n):
+        raise ValueError(f"{cfg.arch}: attn_layer_indices {bad} outside the {n} layers")
+    _check_silu(cfg, "hidden_act")
+    hidden = cfg["hidden_size"]
+    heads, head_dim = _mamba_heads(cfg, cfg["mamba_expand"] * hidden, "mamba_n_heads", "mamba_d_head")
+    mamba = Mamba2(num_heads=heads, head_dim=head_dim, state_size=cfg["mamba_d_state"],
+                   n_groups=cfg["mamba_n_groups"], conv_kernel=cfg["mamba_d_conv"],
+                   chunk_size=cfg["mamba_chunk_size"],
+                   time_step_limit=_time_step_limit(cfg["time_step_limit"]),
+                   conv_bias=cfg["mamba_conv_bias"], proj_bias=cfg["mamba_proj_bias"],
+                   norm_eps=cfg["rms_norm_eps"])
+    rope_params = _rope_params(cfg)
+    attention = Attention(num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or hidden // cfg["num_attention_heads"],
+                          rope=_rope(rope_params, theta=10000.0,
+                                     partial_rotary_factor=rope_params.get("partial_rotary_factor", 0.5)),
+                          qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"])
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch),
+              bias=cfg["mlp_bias"])
+    layers = [Layer(mixer=attention if i in attn_layers else mamba, ffn=mlp) for i in range(n)]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"])
+
+
+# -- Jamba -------------------------------------------------------------------------------------------------
+_JAMBA_DEFAULTS = dict(
+    vocab_size=65536, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, max_position_embeddings=262144, num_experts_per_tok=2, num_experts=16,
+    expert_layer_period=2, expert_layer_offset=1, attn_layer_period=8, attn_layer_offset=4,
+    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_conv_bias=True,
+    mamba_proj_bias=False)
+
+
+@register("JambaForCausalLM")
+def jamba(config: Mapping[str, Any]) -> HybridConfig:
+    """Attention (NoPE, full) at ``i % attn_layer_period == attn_layer_offset``, Mamba-1 with RMS norms on
+    dt, B and C elsewhere; softmax top-k MoE (weights not renormalised) at the expert period/offset."""
+    cfg = _Fields("JambaForCausalLM", config, _JAMBA_DEFAULTS)
+    for what in ("attn", "expert"):
+        if cfg[f"{what}_layer_offset"] >= cfg[f"{what}_layer_period"]:
+            raise ValueError(f"{cfg.arch}: {what}_layer_offset must be smaller than {what}_layer_period")
+    _check_silu(cfg, "hidden_act")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    num_experts = cfg.first("num_experts", "num_local_experts")
+    dt_rank = cfg["mamba_dt_rank"]
+    mamba = Mamba1(intermediate_size=cfg["mamba_expand"] * hidden, state_size=cfg["mamba_d_state"],
+                   dt_rank=math.ceil(hidden / 16) if dt_rank == "auto" else dt_rank,
+                   conv_kernel=cfg["mamba_d_conv"], dt_norm=True, conv_bias=cfg["mamba_conv_bias"],
+                   proj_bias=cfg["mamba_proj_bias"], norm_eps=cfg["rms_norm_eps"])
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=hidden // heads, rope=None)
+    act = _activation(cfg["hidden_act"], cfg.arch)
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=act)
+    moe = MoE(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
+              intermediate_size=cfg["intermediate_size"], router="softmax", renormalize=False,
+              activation=act) if num_experts > 1 else mlp
+    layers = [Layer(mixer=attention if i % cfg["attn_layer_period"] == cfg["attn_layer_offset"] else mamba,
+                    ffn=moe if i % cfg["expert_layer_period"] == cfg["expert_layer_offset"] else mlp)
+              for i in range(cfg["num_hidden_layers"])]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"])
+
+
+# -- Zamba2 ------------------------------------------------------------------------------------------------
+_ZAMBA2_DEFAULT_TYPES = (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"]
+                         + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2)
+_ZAMBA2_DEFAULTS = dict(
+    vocab_size=32000, max_position_embeddings=4096, hidden_size=2560, layers_block_type=None,
+    mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, time_step_min=0.001, n_mamba_heads=8,
+    mamba_headdim="auto",
+    chunk_size=256, add_bias_linear=False, intermediate_size=None, hidden_act="gelu",
+    num_attention_heads=32, num_key_value_heads=None, num_mem_blocks=1, use_shared_attention_adapter=False,
+    adapter_rank=128, use_mem_rope=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    use_long_context=False, tie_word_embeddings=True)
+
+
+@register("Zamba2ForCausalLM")
+def zamba2(config: Mapping[str, Any]) -> HybridConfig:
+    """Every layer is Mamba2; "hybrid" layers first run a shared transformer block on
+    concat(hidden, embeddings). Uses cycle through ``num_mem_blocks`` weight sets, each keeps its own KV
+    cache; attention heads are 2 * hidden / heads wide, scaled by (head_dim / 2) ** -0.5 as in HF."""
+    cfg = _Fields("Zamba2ForCausalLM", config, _ZAMBA2_DEFAULTS)
+    types = [{"linear_attention": "mamba"}.get(t, t)
+             for t in cfg["layers_block_type"] or _ZAMBA2_DEFAULT_TYPES]
+    types = _check_layer_types(cfg.arch, types, ("mamba", "hybrid"))
+    if cfg.get("num_hidden_layers", len(types)) != len(types):
+        raise ValueError(f"{cfg.arch}: num_hidden_layers={cfg['num_hidden_layers']} but "
+                         f"layers_block_type has {len(types)} entries")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = 2 * hidden // heads
+    heads_m, head_dim_m = _mamba_heads(cfg, cfg["mamba_expand"] * hidden, "n_mamba_heads", "mamba_headdim")
+    mamba = Mamba2(num_heads=heads_m, head_dim=head_dim_m, state_size=cfg["mamba_d_state"],
+                   n_groups=cfg["mamba_ngroups"], conv_kernel=cfg["mamba_d_conv"],
+                   chunk_size=cfg["chunk_size"],
+                   time_step_limit=(float(cfg["time_step_min"]), _INF), conv_bias=True,
+                   proj_bias=cfg["add_bias_linear"], norm_eps=1e-5)
+    rope = _rope(_rope_params(cfg), theta=10000.0) if cfg["use_mem_rope"] else None
+    mlp = MLP(intermediate_size=cfg["intermediate_size"] or 4 * hidden,
+              activation=_activation(cfg["hidden_act"], cfg.arch), bias=cfg["add_bias_linear"])
+    layers, uses = [], 0
+    for kind in types:
+        block = None
+        if kind == "hybrid":
+            block_id = uses % cfg["num_mem_blocks"]
+            attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=head_dim, rope=rope,
+                                  scale=(head_dim / 2) ** -0.5, shared_id=block_id)
+            block = SharedBlock(block_id=block_id, use_index=uses, attention=attention, mlp=mlp,
+                                adapter_rank=cfg["adapter_rank"],
+                                attention_adapters=bool(cfg["use_shared_attention_adapter"]))
+            uses += 1
+        layers.append(Layer(mixer=mamba, shared_block=block))
+    max_positions = 16384 if cfg["use_long_context"] else cfg["max_position_embeddings"]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"], max_position_embeddings=max_positions)
+
+
+# -- NemotronH ---------------------------------------------------------------------------------------------
+_NEMOTRON_H_DEFAULTS = dict(
+    vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, num_attention_heads=32, num_key_value_heads=8, head_dim=None,
+    max_position_embeddings=4096, intermediate_size=21504, mlp_hidden_act="relu2", mlp_bias=False,
+    ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64, mamba_hidden_act="silu", n_groups=8,
+    conv_kernel=4, time_step_min=0.001, use_conv_bias=True, chunk_size=128, n_routed_experts=8,
+    moe_intermediate_size=7688, moe_shared_expert_intermediate_size=7688, moe_latent_size=None,
+    num_experts_per_tok=2, routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
+    use_bias=False, layer_norm_epsilon=1e-5)
+_NEMOTRON_H_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_H_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+                       "mamba_dt_min": "time_step_min", "mamba_conv_bias": "use_conv_bias",
+                       "mamba_chunk_size": "chunk_size"}
+
+
+def _nemotron_h_types(cfg: _Fields) -> list[str]:
+    if cfg["layers_block_type"]:
+        types = [{"mamba": "linear_attention", "attention": "full_attention"}.get(t, t)
+                 for t in cfg["layers_block_type"]]
+        return _check_layer_types(cfg.arch, types, _NEMOTRON_H_PATTERN.values())
+    pattern = cfg.get("hybrid_override_pattern")
+    if pattern is None:
+        return ["linear_attention", "moe", "full_attention", "mlp"]
+    for i, char in enumerate(pattern):
+        if char not in _NEMOTRON_H_PATTERN:
+            raise ValueError(f"{cfg.arch}: layer {i} has unknown hybrid_override_pattern character {char!r} "
+                             f"(expected one of {''.join(_NEMOTRON_H_PATTERN)})")
+    return [_NEMOTRON_H_PATTERN[char] for char in pattern]
+
+
+@register("NemotronHForCausalLM")
+def nemotron_h(config: Mapping[str, Any]) -> HybridConfig:
+    """One part per layer (``hybrid_override_pattern``: M mamba, * attention, - MLP, E MoE), each with one
+    pre-norm and a residual. Attention is NoPE without biases; MLPs are relu² and ungated; Mamba's dt is
+    clamped below at ``time_step_min`` (HF's modeling, whatever ``time_step_limit`` says). Multi-token
+    prediction layers are not part of the decoder."""
+    renamed = dict(config)
+    for old, new in _NEMOTRON_H_ALIASES.items():       # as in HF, an old spelling wins over the new one
+        if old in config:
+            renamed[new] = config[old]
+    cfg = _Fields("NemotronHForCausalLM", renamed, _NEMOTRON_H_DEFAULTS)
+    _check_silu(cfg, "mamba_hidden_act")
+    act = _activation(cfg["mlp_hidden_act"], cfg.arch)
+    mamba = Mamba2(num_heads=cfg["mamba_num_heads"], head_dim=cfg["mamba_head_dim"],
+                   state_size=cfg["ssm_state_size"], n_groups=cfg["n_groups"], conv_kernel=cfg["conv_kernel"],
+                   chunk_size=cfg["chunk_size"], time_step_limit=(float(cfg["time_step_min"]), _INF),
+                   conv_bias=cfg["use_conv_bias"], proj_bias=cfg["use_bias"],
+                   norm_eps=cfg["layer_norm_epsilon"])
+    attention = Attention(num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.first("head_dim", "attention_head_dim", default=128), rope=None)
+    parts: dict[str, Callable[[], Layer]] = {
+        "linear_attention": lambda: Layer(mixer=mamba),
+        "full_attention": lambda: Layer(mixer=attention),
+        "mlp": lambda: Layer(ffn=MLP(intermediate_size=cfg["intermediate_size"], activation=act, gated=False,
+                                     bias=cfg["mlp_bias"])),
+        "moe": lambda: Layer(ffn=MoE(
+            num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"], router="sigmoid_bias",
+            renormalize=bool(cfg["norm_topk_prob"]),
+            shared_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
+            routed_scaling_factor=float(cfg["routed_scaling_factor"]), activation=act, gated=False,
+            num_groups=cfg["n_group"], topk_groups=cfg["topk_group"], latent_size=cfg["moe_latent_size"])),
+    }
+    return _model(cfg, [parts[kind]() for kind in _nemotron_h_types(cfg)],
+                  norm_eps=cfg["layer_norm_epsilon"])
+
+
+# -- Falcon-H1 ---------------------------------------------------------------------------------------------
+_FALCON_H1_DEFAULTS = dict(
+    vocab_size=128000, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
+    bos_token_id=1, eos_token_id=2, max_position_embeddings=8192, mamba_d_ssm=1024, mamba_n_heads=128,
+    mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False, mamba_norm_before_gate=True,
+    mamba_rms_norm=False, time_step_limit=(0.0, _INF), projectors_bias=False, lm_head_multiplier=1.0,
+    embedding_multiplier=1.0, mlp_multipliers=None, key_multiplier=1.0, attention_out_multiplier=1.0,
+    attention_in_multiplier=1.0, ssm_multipliers=None, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
+    attention_bias=False, mlp_bias=False)
+
+
+@register("FalconH1ForCausalLM")
+def falcon_h1(config: Mapping[str, Any]) -> HybridConfig:
+    """Every layer runs attention and Mamba2 side by side on the same normed input (outputs summed),
+    then a gated MLP; µP multipliers on embeddings, attention, SSM, MLP and logits."""
+    cfg = _Fields("FalconH1ForCausalLM", config, _FALCON_H1_DEFAULTS)
+    _check_silu(cfg, "hidden_act")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    inner = cfg["mamba_d_ssm"] if cfg["mamba_d_ssm"] is not None else cfg["mamba_expand"] * hidden
+    heads_m, head_dim_m = _mamba_heads(cfg, inner, "mamba_n_heads", "mamba_d_head")
+    gate_mult, down_mult = cfg["mlp_multipliers"] or (1.0, 1.0)
+    mamba = Mamba2(num_heads=heads_m, head_dim=head_dim_m, state_size=cfg["mamba_d_state"],
+                   n_groups=cfg["mamba_n_groups"], conv_kernel=cfg["mamba_d_conv"],
+                   chunk_size=cfg["mamba_chunk_size"],
+                   time_step_limit=_time_step_limit(cfg["time_step_limit"]),
+                   conv_bias=cfg["mamba_conv_bias"], proj_bias=cfg["mamba_proj_bias"],
+                   out_proj_bias=cfg["projectors_bias"], norm_eps=cfg["rms_norm_eps"],
+                   gated_norm=bool(cfg["mamba_rms_norm"]),
+                   norm_before_gate=bool(cfg["mamba_norm_before_gate"]),
+                   input_multiplier=float(cfg["ssm_in_multiplier"]),
+                   zxbcdt_multipliers=tuple(float(m) for m in cfg["ssm_multipliers"] or (1.0,) * 5),
+                   output_multiplier=float(cfg["ssm_out_multiplier"]))
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or hidden // heads,
+                          rope=_rope(_rope_params(cfg), theta=10000.0), qkv_bias=cfg["attention_bias"],
+                          o_bias=cfg["attention_bias"],
+                          input_multiplier=float(cfg["attention_in_multiplier"]),
+                          key_multiplier=float(cfg["key_multiplier"]),
+                          output_multiplier=float(cfg["attention_out_multiplier"]))
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch),
+              bias=cfg["mlp_bias"], gate_multiplier=float(gate_mult), down_multiplier=float(down_mult))
+    layer = Layer(mixer=attention, parallel_mixer=mamba, ffn=mlp)
+    return _model(cfg, [layer] * cfg["num_hidden_layers"], norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["embedding_multiplier"]),
+                  logits_multiplier=float(cfg["lm_head_multiplier"]))
+
+
+# -- Granite-4.0-H (GraniteMoeHybrid) ----------------------------------------------------------------------
+_GRANITE_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=False, embedding_multiplier=1.0,
+    logits_scaling=1.0, residual_multiplier=1.0, attention_multiplier=1.0, num_local_experts=8,
+    num_experts_per_tok=2, shared_intermediate_size=1024, position_embedding_type=None, layer_types=None,
+    mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_head="auto", mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+    time_step_limit=(0.0, _INF))
+
+
+@register("GraniteMoeHybridForCausalLM")
+def granite_moe_hybrid(config: Mapping[str, Any]) -> HybridConfig:
+    """``layer_types`` picks Mamba2 or attention (NoPE unless ``position_embedding_type`` is "rope",
+    softmax scale = ``attention_multiplier``); every layer has the shared MLP, plus routed experts (softmax
+    over the top-k logits) when ``num_local_experts`` > 0; embedding/residual/logit multipliers."""
+    cfg = _Fields("GraniteMoeHybridForCausalLM", config, _GRANITE_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    legacy = {"mamba": "linear_attention", "attention": "full_attention"}
+    types = [legacy.get(t, t) for t in cfg["layer_types"] or ["linear_attention"] * n]
+    types = _check_layer_types(cfg.arch, types, ("linear_attention", "full_attention"))
+    if len(types) != n:
+        raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    _check_silu(cfg, "hidden_act")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    heads_m, head_dim_m = _mamba_heads(cfg, cfg["mamba_expand"] * hidden, "mamba_n_heads", "mamba_d_head")
+    mamba = Mamba2(num_heads=heads_m, head_dim=head_dim_m, state_size=cfg["mamba_d_state"],
+                   n_groups=cfg["mamba_n_groups"], conv_kernel=cfg["mamba_d_conv"],
+                   chunk_size=cfg["mamba_chunk_size"],
+                   time_step_limit=_time_step_limit(cfg["time_step_limit"]),
+                   conv_bias=cfg["mamba_conv_bias"], proj_bias=cfg["mamba_proj_bias"],
+                   norm_eps=cfg["rms_norm_eps"])
+    rope = _rope(_rope_params(cfg), theta=10000.0) if cfg["position_embedding_type"] == "rope" else None
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or hidden // heads, rope=rope,
+                          scale=float(cfg["attention_multiplier"]), qkv_bias=cfg["attention_bias"],
+                          o_bias=cfg["attention_bias"])
+    act = _activation(cfg["hidden_act"], cfg.arch)
+    shared = cfg["shared_intermediate_size"]
+    ffn: MLP | MoE = (
+        MoE(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["intermediate_size"], router="softmax", renormalize=True,
+            shared_intermediate_size=shared, activation=act)
+        if cfg["num_local_experts"] > 0 else MLP(intermediate_size=shared, activation=act))
+    layers = [Layer(mixer=attention if kind == "full_attention" else mamba, ffn=ffn) for kind in types]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["embedding_multiplier"]),
+                  residual_multiplier=float(cfg["residual_multiplier"]),
+                  logits_multiplier=1.0 / float(cfg["logits_scaling"]))

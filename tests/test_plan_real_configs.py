@@ -1,0 +1,159 @@
+"""``hybridkv.plan`` on released checkpoints' config.json (tests/_configs.py): groups, bytes and the
+concurrency targets of DESIGN.md §4 (items 1 and 2), asserted exactly.
+
+Byte arithmetic used below (bf16 KV, block 16): one token of one attention layer holds K and V,
+2 x kv_heads x head_dim x 2 bytes; a pool page is (layers per group) x 16 tokens of that. A Mamba2 slot
+holds the conv state (conv_dim x (kernel - 1), bf16) and the SSM state (heads x head_dim x state, fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from _configs import (
+    BAMBA_9B,
+    GEMMA3_27B,
+    LLAMA4_SCOUT,
+    MAMBA_CODESTRAL_7B,
+    MISTRAL_7B,
+    NEMOTRON_H_8B,
+    RELEASED,
+)
+
+from hybridkv import HybridConfig, plan
+from hybridkv.kv_groups import KVCachePlan
+from hybridkv.loaders import hf_config_to_hybrid
+from hybridkv.planning import BUNDLED_CONFIGS, bundled_config_names
+
+GiB = 1 << 30
+BUDGET = 640 * GiB
+
+
+def groups_by_kind(result: KVCachePlan) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for group in result.to_dict()["groups"]:
+        out.setdefault(group["spec"], []).append(group)
+    return out
+
+
+def layer_ids(group: dict[str, Any]) -> list[int]:
+    return [int(name.split(".")[1]) for name in group["layers"]]
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_bundled_configs_are_the_released_ones(name: str) -> None:
+    assert json.loads((BUNDLED_CONFIGS / f"{name}.json").read_text()) == RELEASED[name]
+    assert plan(name, kv_memory=BUDGET).to_dict() == plan(RELEASED[name], kv_memory=BUDGET).to_dict()
+
+
+def test_bundled_names_include_the_demo_hybrid() -> None:
+    assert set(RELEASED) | {"hybrid-demo"} == set(bundled_config_names())
+    demo = plan("hybrid-demo", kv_memory=BUDGET)
+    assert {g.kind for g in demo.groups} == {"mamba", "sliding_window", "chunked_local", "full"}
+    assert isinstance(HybridConfig.load(BUNDLED_CONFIGS / "hybrid-demo.json"), HybridConfig)
+
+
+def test_llama4_scout_at_128k() -> None:
+    """48 layers: RoPE layers chunked-local (8192), every 4th NoPE layer global; 36 + 12 -> 4 groups of 12."""
+    config = hf_config_to_hybrid(LLAMA4_SCOUT)
+    assert (config.architecture, config.dtype, config.max_position_embeddings) == (
+        "Llama4ForConditionalGeneration", "bfloat16", 262144)
+    result = plan(LLAMA4_SCOUT, max_model_len=131072, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert [layer_ids(g) for g in kinds["chunked_local(8192)"]] == [
+        [i for i in range(start, start + 16) if i % 4 != 3] for start in (0, 16, 32)]
+    assert [layer_ids(g) for g in kinds["full"]] == [list(range(3, 48, 4))]
+    page = 12 * 16 * (2 * 8 * 128 * 2)                                    # 786432 B
+    assert result.page_bytes == page
+    chunked = math.ceil((8192 + 1) / 16) * page                           # 513 blocks: chunk + 1 token
+    full = 131072 // 16 * page
+    assert [g["bytes_per_request_max"] for g in result.to_dict()["groups"]] == [chunked] * 3 + [full]
+    assert result.bytes_per_request_max == 3 * chunked + full == 7_652_769_792
+    assert result.bytes_per_request_if_all_full_attention == 4 * full == 25_769_803_776
+    assert result.padding_bytes == 0
+    assert result.concurrency_vs_all_full >= 3.2
+
+
+def test_gemma3_27b_at_32k() -> None:
+    """62 layers, every 6th global: 52 sliding (1024) + 10 full -> 31 groups of 2 layers."""
+    result = plan(GEMMA3_27B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert len(kinds["sliding_window(1024)"]) == 26 and len(kinds["full"]) == 5
+    assert sum((layer_ids(g) for g in kinds["full"]), []) == list(range(5, 62, 6))
+    page = 2 * 16 * (2 * 16 * 128 * 2)                                    # 262144 B
+    sliding = (math.ceil(1024 / 16) + 1) * page                           # window + 1 block
+    full = 32768 // 16 * page
+    assert result.bytes_per_request_max == 26 * sliding + 5 * full == 3_127_377_920
+    assert result.bytes_per_request_if_all_full_attention == 31 * full
+    assert result.padding_bytes == 0
+    assert result.concurrency_vs_all_full >= 4.5
+
+
+def test_gemma3_27b_rope_bases() -> None:
+    config = hf_config_to_hybrid(GEMMA3_27B)
+    local, glob = config.layers[0].mixer, config.layers[5].mixer
+    assert (local.rope.theta, local.rope.scaling) == (10_000.0, None)
+    assert (glob.rope.theta, glob.rope.scaling, glob.rope.factor) == (1_000_000.0, "linear", 8.0)
+    assert local.scale == 168 ** -0.5 and config.eos_token_ids == (1, 106) and config.vocab_size == 262208
+
+
+def test_mistral_7b_at_32k() -> None:
+    result = plan(MISTRAL_7B, max_model_len=32768, kv_memory=BUDGET)
+    (group,) = result.to_dict()["groups"]
+    assert (group["spec"], len(group["layers"]), group["blocks_per_request_max"]) == (
+        "sliding_window(4096)", 32, 257)
+    page = 32 * 16 * (2 * 8 * 128 * 2)                                    # 2 MiB
+    assert result.bytes_per_request_max == 257 * page == 538_968_064
+    assert result.bytes_per_request_if_all_full_attention == 2048 * page
+    assert result.padding_bytes == 0
+    assert result.concurrency_vs_all_full >= 6.5
+
+
+def test_mamba_codestral_is_one_slot_per_request() -> None:
+    result = plan(MAMBA_CODESTRAL_7B, max_model_len=32768, kv_memory=BUDGET)
+    (group,) = result.to_dict()["groups"]
+    conv = (8192 + 2 * 8 * 128) * 3 * 2
+    ssm = 128 * 64 * 128 * 4
+    assert (group["kind"], len(group["layers"]), group["num_slots"]) == ("mamba", 64, result.num_state_slots)
+    assert result.bytes_per_request_max == 64 * (conv + ssm) == 272_367_616
+    assert result.num_blocks == 0 and result.padding_bytes == 0
+    assert result.max_concurrent_requests == (BUDGET - 64 * (conv + ssm)) // (64 * (conv + ssm))
+    # No position limit in the config: the default length changes nothing for a pure Mamba model.
+    assert plan(MAMBA_CODESTRAL_7B, kv_memory=BUDGET).bytes_per_request_max == 272_367_616
+
+
+@pytest.mark.parametrize(("config", "attention_layers", "mamba_layers", "conv_dim"), [
+    (NEMOTRON_H_8B, [7, 18, 29, 40], 24, 8192 + 2 * 8 * 128),
+    (BAMBA_9B, [9, 18, 27], 29, 8192 + 2 * 1 * 128),
+])
+def test_mamba_hybrids_keep_small_blocks_and_no_padding(
+        config: dict[str, Any], attention_layers: list[int], mamba_layers: int, conv_dim: int) -> None:
+    result = plan(config, max_model_len=8192, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (full,) = kinds["full"]
+    (mamba,) = [g for spec, gs in kinds.items() if spec.startswith("mamba(") for g in gs]
+    assert layer_ids(full) == attention_layers and len(mamba["layers"]) == mamba_layers
+    assert full["block_size"] == result.block_size == 16
+    assert result.padding_bytes == 0
+    page = len(attention_layers) * 16 * (2 * 8 * 128 * 2)
+    slot = mamba_layers * (conv_dim * 3 * 2 + 128 * 64 * 128 * 4)
+    assert result.bytes_per_request_max == 8192 // 16 * page + slot
+    assert result.allocated_bytes <= result.budget_bytes
+
+
+def test_kv_dtype_and_block_size_options() -> None:
+    fp32 = plan(MISTRAL_7B, max_model_len=32768, kv_memory=BUDGET, kv_dtype="float32")
+    bf16 = plan(MISTRAL_7B, max_model_len=32768, kv_memory=BUDGET)
+    assert fp32.page_bytes == 2 * bf16.page_bytes
+    big = plan(LLAMA4_SCOUT, max_model_len=131072, kv_memory=BUDGET, block_size=64)
+    assert big.block_size == 64 and big.padding_bytes == 0
+    capped = plan(MISTRAL_7B, max_model_len=32768, kv_memory=BUDGET, max_num_seqs=8)
+    assert capped.max_concurrent_requests == 8
+
+
+def test_budget_too_small_says_how_many_bytes() -> None:
+    with pytest.raises(ValueError, match=r"too small for one request .* it needs"):
+        plan(MISTRAL_7B, max_model_len=32768, kv_memory="100MiB")
