@@ -19,6 +19,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,9 @@ import torch
 __all__ = [
     "SLICE_KINDS",
     "CommonAttentionMetadata",
+    "FieldRule",
     "debug_enabled",
+    "field_rules",
     "host_to_device",
 ]
 
@@ -41,14 +44,51 @@ def debug_enabled() -> bool:
     return os.environ.get("HYBRIDKV_DEBUG", "0") not in ("", "0")
 
 
-def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_to_device(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """Device twin of a host array; on the CPU it shares memory (zero copy), so never mutate either."""
     t = torch.from_numpy(arr)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
 
 def _spec(kind: str, **extra: Any) -> dict[str, Any]:
     return {"slice": kind, **extra}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldRule:
+    """A field's slicing declaration, read once per class (the per-call dispatch must stay cheap).
+
+    ``on_cut``: how a per-request value changes when its request is cut by a token split ("sub_tail": minus
+    the tokens cut off the end; "add_head": plus the tokens cut off the start). ``twin``: the host array a
+    device tensor mirrors (on the CPU the tensor is rebuilt from it with no copy). ``derived``: a scalar
+    recomputed from the arrays (otherwise a scalar is kept).
+    """
+
+    name: str
+    kind: str
+    on_cut: str | None = None
+    twin: str | None = None
+    derived: bool = False
+
+
+@cache
+def field_rules(cls: type) -> tuple[FieldRule, ...]:
+    """Rules of every dataclass field of ``cls``, host fields before their device twins."""
+    rules = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("slice") not in SLICE_KINDS:
+            raise TypeError(f"{cls.__name__}.{f.name}: no valid 'slice' declaration (one of {SLICE_KINDS})")
+        rules.append(
+            FieldRule(
+                name=f.name,
+                kind=f.metadata["slice"],
+                on_cut=f.metadata.get("on_cut"),
+                twin=f.metadata.get("twin"),
+                derived=bool(f.metadata.get("derived", False)),
+            )
+        )
+    return tuple(sorted(rules, key=lambda r: r.twin is not None))
 
 
 def _as_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -76,18 +116,18 @@ class CommonAttentionMetadata:
     """
 
     # (num_reqs+1,) cumulative query offsets
-    query_start_loc: torch.Tensor = field(metadata=_spec("request_offsets"))
+    query_start_loc: torch.Tensor = field(metadata=_spec("request_offsets", twin="query_start_loc_cpu"))
     query_start_loc_cpu: np.ndarray = field(metadata=_spec("request_offsets"))
     # (num_reqs,) keys per request, counted from key_start; the last query of the request sits at seq_len-1
-    seq_lens: torch.Tensor = field(metadata=_spec("request", on_cut="sub_tail"))
+    seq_lens: torch.Tensor = field(metadata=_spec("request", on_cut="sub_tail", twin="seq_lens_cpu"))
     seq_lens_cpu: np.ndarray = field(metadata=_spec("request", on_cut="sub_tail"))
     # (num_reqs,) keys before this step's queries (= seq_lens - query_lens), relative to key_start
     num_computed_tokens_cpu: np.ndarray = field(metadata=_spec("request", on_cut="add_head"))
     # (num_reqs,) absolute position of block-table column 0; a multiple of block_size
-    key_start: torch.Tensor = field(metadata=_spec("request"))
+    key_start: torch.Tensor = field(metadata=_spec("request", twin="key_start_cpu"))
     key_start_cpu: np.ndarray = field(metadata=_spec("request"))
     # (num_reqs, max_blocks) physical block ids; 0 is the null block
-    block_table_tensor: torch.Tensor = field(metadata=_spec("block_row"))
+    block_table_tensor: torch.Tensor = field(metadata=_spec("block_row", twin="block_table_cpu"))
     block_table_cpu: np.ndarray = field(metadata=_spec("block_row"))
     # (num_actual_tokens,) int64: where the KV of each query token is written (block_id * block_size + off)
     slot_mapping: torch.Tensor = field(metadata=_spec("token"))
@@ -107,7 +147,7 @@ class CommonAttentionMetadata:
     @property
     def query_lens_cpu(self) -> np.ndarray:
         """(num_reqs,) int32 query tokens per request."""
-        return np.diff(self.query_start_loc_cpu)
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
     @property
     def max_blocks(self) -> int:
@@ -122,7 +162,7 @@ class CommonAttentionMetadata:
         return {
             "num_reqs": n,
             "num_actual_tokens": int(query_start_loc_cpu[-1]),
-            "max_query_len": int(np.diff(query_start_loc_cpu).max()) if n else 0,
+            "max_query_len": int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max()) if n else 0,
             "max_seq_len": int(seq_lens_cpu.max()) if n else 0,
         }
 
@@ -138,29 +178,37 @@ class CommonAttentionMetadata:
         block_size: int,
         device: torch.device,
         causal: bool = True,
+        query_lens_cpu: np.ndarray | None = None,
+        query_start_loc: torch.Tensor | None = None,
     ) -> CommonAttentionMetadata:
         """Assemble a CAM from int32 host arrays (no checks): device twins and derived fields are filled in.
 
-        This is the transforms' constructor; ``build`` is the checked entry point for callers.
+        This is the transforms' constructor: ``query_lens_cpu`` may be passed when already known, and
+        ``query_start_loc`` when the offsets are unchanged (no host-to-device copy). ``build`` is the
+        checked entry point for callers.
         """
-        q = np.diff(query_start_loc_cpu)
+        qsl = query_start_loc_cpu
+        q = qsl[1:] - qsl[:-1] if query_lens_cpu is None else query_lens_cpu
+        n = q.shape[0]
+        # zero-copy twins on the CPU (the common case on the host path)
+        to_dev = torch.from_numpy if device.type == "cpu" else partial(host_to_device, device=device)
         cam = cls(
-            query_start_loc=host_to_device(query_start_loc_cpu, device),
+            query_start_loc=to_dev(query_start_loc_cpu) if query_start_loc is None else query_start_loc,
             query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=host_to_device(seq_lens_cpu, device),
+            seq_lens=to_dev(seq_lens_cpu),
             seq_lens_cpu=seq_lens_cpu,
             num_computed_tokens_cpu=seq_lens_cpu - q,
-            key_start=host_to_device(key_start_cpu, device),
+            key_start=to_dev(key_start_cpu),
             key_start_cpu=key_start_cpu,
-            block_table_tensor=host_to_device(block_table_cpu, device),
+            block_table_tensor=to_dev(block_table_cpu),
             block_table_cpu=block_table_cpu,
             slot_mapping=slot_mapping,
             block_size=block_size,
             causal=causal,
-            num_reqs=int(seq_lens_cpu.shape[0]),
+            num_reqs=n,
             num_actual_tokens=int(query_start_loc_cpu[-1]),
-            max_query_len=int(q.max()) if q.size else 0,
-            max_seq_len=int(seq_lens_cpu.max()) if q.size else 0,
+            max_query_len=int(q.max()) if n else 0,
+            max_seq_len=int(seq_lens_cpu.max()) if n else 0,
         )
         if debug_enabled():
             cam.validate()
@@ -243,6 +291,9 @@ class CommonAttentionMetadata:
         the CPU, when ``HYBRIDKV_DEBUG=1``, or when ``check_device=True`` (it syncs a GPU).
         """
         n, t, bs = self.num_reqs, self.num_actual_tokens, self.block_size
+        qsl = self.query_start_loc_cpu
+        if isinstance(qsl, np.ndarray) and qsl.ndim == 1 and qsl.shape[0] != n + 1:
+            raise ValueError(f"num_reqs: {n} but query_start_loc_cpu has {qsl.shape[0]} offsets")
         host = {
             "query_start_loc_cpu": (self.query_start_loc_cpu, (n + 1,)),
             "seq_lens_cpu": (self.seq_lens_cpu, (n,)),
@@ -253,9 +304,30 @@ class CommonAttentionMetadata:
         for name, (arr, shape) in host.items():
             if not isinstance(arr, np.ndarray) or arr.dtype != np.int32:
                 raise ValueError(f"{name}: must be a numpy int32 array, got {type(arr).__name__}")
-            if arr.ndim != len(shape) or any(w is not None and w != a for w, a in zip(shape, arr.shape)):
+            if arr.ndim != len(shape) or any(
+                w is not None and w != a for w, a in zip(shape, arr.shape, strict=True)
+            ):
                 raise ValueError(f"{name}: shape {arr.shape} does not match num_reqs={n}")
+        if bs <= 0:
+            raise ValueError(f"block_size: must be positive, got {bs}")
+        q = np.diff(qsl)
+        if qsl[0] != 0 or (q < 0).any():
+            raise ValueError("query_start_loc_cpu: must start at 0 and be non-decreasing")
+        if qsl[-1] != t:
+            raise ValueError(f"num_actual_tokens: {t} != query_start_loc_cpu[-1]={qsl[-1]}")
+        s = self.seq_lens_cpu
+        if (s < q).any():
+            raise ValueError("seq_lens_cpu: a request has fewer keys than queries")
+        if not np.array_equal(self.num_computed_tokens_cpu, s - q):
+            raise ValueError("num_computed_tokens_cpu: != seq_lens - query_lens")
+        ks = self.key_start_cpu
+        if ((ks < 0) | (ks % bs != 0)).any():
+            raise ValueError("key_start_cpu: must be non-negative multiples of block_size")
         width = self.block_table_cpu.shape[1]
+        if n and ((-(-s // bs)) > width).any():
+            raise ValueError("block_table_cpu: too narrow for seq_lens")
+        if n and width and self.block_table_cpu.min() < 0:
+            raise ValueError("block_table_cpu: negative block id (the null block is 0)")
         dev = {
             "query_start_loc": (self.query_start_loc, torch.int32, (n + 1,)),
             "seq_lens": (self.seq_lens, torch.int32, (n,)),
@@ -270,26 +342,6 @@ class CommonAttentionMetadata:
                 raise ValueError(f"{name}: shape {tuple(ten.shape)} != expected {shape}")
             if ten.device != self.device:
                 raise ValueError(f"{name}: on {ten.device}, the batch is on {self.device}")
-        if bs <= 0:
-            raise ValueError(f"block_size: must be positive, got {bs}")
-        qsl = self.query_start_loc_cpu
-        q = np.diff(qsl)
-        if qsl[0] != 0 or (q < 0).any():
-            raise ValueError("query_start_loc_cpu: must start at 0 and be non-decreasing")
-        if qsl[-1] != t:
-            raise ValueError(f"num_actual_tokens: {t} != query_start_loc_cpu[-1]={qsl[-1]}")
-        s = self.seq_lens_cpu
-        if (s < q).any():
-            raise ValueError("seq_lens_cpu: a request has fewer keys than queries")
-        if not np.array_equal(self.num_computed_tokens_cpu, s - q):
-            raise ValueError("num_computed_tokens_cpu: != seq_lens - query_lens")
-        ks = self.key_start_cpu
-        if ((ks < 0) | (ks % bs != 0)).any():
-            raise ValueError("key_start_cpu: must be non-negative multiples of block_size")
-        if n and ((-(-s // bs)) > width).any():
-            raise ValueError("block_table_cpu: too narrow for seq_lens")
-        if n and width and self.block_table_cpu.min() < 0:
-            raise ValueError("block_table_cpu: negative block id (the null block is 0)")
         scalars = self.derive_scalars(qsl, s)
         for name, value in scalars.items():
             if getattr(self, name) != value:
@@ -309,8 +361,9 @@ class CommonAttentionMetadata:
         for name, (ten, arr) in pairs.items():
             if not np.array_equal(ten.cpu().numpy(), arr):
                 raise ValueError(f"{name}: device tensor differs from its host twin")
-        expect = _slot_mapping(self.query_start_loc_cpu, self.num_computed_tokens_cpu, self.block_table_cpu,
-                               self.block_size)
+        expect = _slot_mapping(
+            self.query_start_loc_cpu, self.num_computed_tokens_cpu, self.block_table_cpu, self.block_size
+        )
         if not np.array_equal(self.slot_mapping.cpu().numpy(), expect):
             raise ValueError("slot_mapping: differs from block_table + positions")
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridkv.metadata import CommonAttentionMetadata, debug_enabled
+from hybridkv.transforms.block_rows import floordiv, gather_block_rows
 
 __all__ = [
     "make_local_attention_virtual_batches",
@@ -56,45 +57,39 @@ def max_local_virtual_batches(attn_chunk_size: int, max_num_reqs: int, max_num_t
 
 def _virtual_host(
     cam: CommonAttentionMetadata, chunk: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(req, qv, kv, key_start_v, col0, nblk) of every virtual request, int64 except where noted."""
-    qsl, s, ks = cam.query_start_loc_cpu, cam.seq_lens_cpu, cam.key_start_cpu
-    q = np.diff(qsl)
-    a0 = ks.astype(np.int64) + (s - q)  # absolute position of each request's first query
-    a1 = ks.astype(np.int64) + s  # one past its last query
-    c0 = a0 // chunk
-    cnt = np.where(q > 0, (a1 - 1) // chunk - c0 + 1, 0)
-    if (q > 0).any() and (ks > c0 * chunk)[q > 0].any():
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(req, q_len, seq_len, key_start, first column, blocks) of every virtual request (int32/intp), and
+    whether there is exactly one per input request (so the query offsets are unchanged)."""
+    qsl, s, ks, bs = cam.query_start_loc_cpu, cam.seq_lens_cpu, cam.key_start_cpu, cam.block_size
+    # (numpy call overhead dominates at these sizes, so the decode path below is kept to few calls)
+    q = qsl[1:] - qsl[:-1]
+    a1 = ks + s  # absolute position one past each request's last query
+    a0 = a1 - q  # absolute position of its first query
+    c0 = floordiv(a0, chunk)
+    lo0 = c0 * chunk  # start of the chunk of the first query
+    if q.all() and (a1 - lo0 <= chunk).all():  # each request inside one chunk (e.g. decodes): 1:1
+        req = np.arange(cam.num_reqs)
+        lo, qv, kv = lo0, q, a1 - lo0
+        col0 = floordiv(lo0 - ks, bs)
+        missing = col0.size > 0 and col0.min() < 0
+    else:
+        live = q > 0
+        cnt = np.where(live, floordiv(a1 - 1, chunk) - c0 + 1, 0)
+        missing = (live & (ks > lo0)).any()
+        req = np.repeat(np.arange(cam.num_reqs), cnt)
+        starts = np.cumsum(cnt) - cnt
+        lo = (c0[req] + (np.arange(len(req), dtype=np.int32) - starts[req])) * chunk
+        hi = np.minimum(a1[req], lo + chunk)
+        qv = hi - np.maximum(a0[req], lo)
+        kv = hi - lo
+        col0 = floordiv(lo - ks[req], bs)
+    if missing:
         raise ValueError(
             "key_start_cpu: the block table starts after the first query's chunk "
             "(trimmed with a window narrower than the chunk?); its keys are gone"
         )
-    n_virt = int(cnt.sum())
-    if (cnt == 1).all():  # every request inside one chunk (e.g. decodes)
-        req = np.arange(cam.num_reqs)
-        first = c0
-    else:
-        req = np.repeat(np.arange(cam.num_reqs), cnt)
-        starts = np.cumsum(cnt) - cnt
-        first = c0[req] + (np.arange(n_virt) - starts[req])
-    lo = first * chunk  # absolute position of the chunk's first key
-    qv = np.minimum(a1[req], lo + chunk) - np.maximum(a0[req], lo)
-    kv = np.minimum(a1[req], lo + chunk) - lo
-    col0 = (lo - ks[req]) // cam.block_size
-    nblk = -(-kv // cam.block_size)
-    return req, qv, kv, lo, col0, nblk
-
-
-def _gather_rows(bt: np.ndarray, req: np.ndarray, col0: np.ndarray, nblk: np.ndarray, width: int) -> np.ndarray:
-    """(len(req), width) int32: row req[i] of bt from column col0[i], null (0) past nblk[i] columns."""
-    n_rows, bt_width = bt.shape
-    if len(req) == 0 or width == 0:
-        return np.zeros((len(req), width), np.int32)
-    flat = np.append(bt.ravel(), np.int32(0))  # trailing null entry that masked columns point at
-    j = np.arange(width)
-    idx = (req * bt_width + col0)[:, None] + j
-    idx = np.where(j < nblk[:, None], idx, flat.size - 1)
-    return flat.take(idx)
+    nblk = floordiv(kv + (bs - 1), bs)
+    return req, qv, kv, lo, col0, nblk, qv is q
 
 
 def make_local_attention_virtual_batches(
@@ -103,19 +98,27 @@ def make_local_attention_virtual_batches(
     """Split every request's queries at chunk boundaries into virtual requests (see the module diagram).
 
     Virtual requests keep token order, so ``slot_mapping`` and the query/output tensors are unchanged.
-    Requests with no queries produce no virtual request. Needs each first query's chunk to still be in the
-    block table (``key_start <= chunk start``), otherwise ValueError.
+    Requests with no queries produce no virtual request. Returns ``cam`` itself when every request already
+    lies in the chunk its block table starts at (e.g. all sequences shorter than C). Needs each first
+    query's chunk to still be in the block table (``key_start <= chunk start``), otherwise ValueError.
     """
     chunk = _check_chunk(cam, attn_chunk_size)
-    req, qv, kv, lo, col0, nblk = _virtual_host(cam, chunk)
-    qsl = np.zeros(len(req) + 1, np.int32)
-    np.cumsum(qv, out=qsl[1:])
+    req, qv, kv, lo, col0, nblk, one_each = _virtual_host(cam, chunk)
+    if one_each:  # same requests, same query offsets (the decode hot path): reuse them, host and device
+        if not col0.any():
+            return cam
+        qsl, qsl_dev = cam.query_start_loc_cpu, cam.query_start_loc
+    else:
+        qsl, qsl_dev = np.zeros(len(req) + 1, np.int32), None
+        np.cumsum(qv, out=qsl[1:])
     width = int(nblk.max()) if len(nblk) else 0
-    bt = _gather_rows(cam.block_table_cpu, req, col0, nblk, width)
+    bt = gather_block_rows(cam.block_table_cpu, req, col0, nblk, width)
     return CommonAttentionMetadata.from_host(
         query_start_loc_cpu=qsl,
-        seq_lens_cpu=kv.astype(np.int32),
-        key_start_cpu=lo.astype(np.int32),
+        query_start_loc=qsl_dev,
+        query_lens_cpu=qv.astype(np.int32, copy=False),
+        seq_lens_cpu=kv.astype(np.int32, copy=False),
+        key_start_cpu=lo.astype(np.int32, copy=False),
         block_table_cpu=bt,
         slot_mapping=cam.slot_mapping,
         block_size=cam.block_size,
@@ -175,7 +178,7 @@ def make_local_attention_virtual_batches_device(
     qsl_out[1:] = torch.cumsum(qv, 0)
 
     # ---- host twins: the same result, padded the same way
-    req_h, qv_h, kv_h, lo_h, col0_h, nblk_h = _virtual_host(cam, chunk)
+    req_h, qv_h, kv_h, lo_h, col0_h, nblk_h, _ = _virtual_host(cam, chunk)
     n_virt = len(req_h)
     if n_virt > v_max:
         raise ValueError(f"max_virtual_reqs: {v_max} is below the {n_virt} virtual requests of this batch")
@@ -184,7 +187,7 @@ def make_local_attention_virtual_batches_device(
     np.cumsum(np.pad(qv_h, (0, pad)), out=qsl_h[1:])
     seq_h = np.pad(kv_h, (0, pad)).astype(np.int32)
     bt_h = np.zeros((v_max, width), np.int32)
-    bt_h[:n_virt] = _gather_rows(cam.block_table_cpu, req_h, col0_h, nblk_h, width)
+    bt_h[:n_virt] = gather_block_rows(cam.block_table_cpu, req_h, col0_h, nblk_h, width)
     scalars = CommonAttentionMetadata.derive_scalars(qsl_h, seq_h)
     out = CommonAttentionMetadata(
         **scalars,
@@ -204,4 +207,3 @@ def make_local_attention_virtual_batches_device(
     if debug_enabled():
         out.validate()
     return out
-

@@ -1,0 +1,97 @@
+"""Per-group builders: one step's ``CommonAttentionMetadata`` for a group -> the inputs its kernels need.
+
+Each group kind applies its transform once per step, and every layer of the group reuses the result:
+
+- full attention: the CAM as is;
+- sliding window W: ``trim_sliding_window`` (kernels never see, so never read, a block outside every window);
+- chunked local C: ``make_local_attention_virtual_batches`` (any causal paged kernel then does chunked attention);
+- Mamba: state-slot indices, has-initial-state flags and the decode/prefill split.
+
+KV writes always use the untransformed slot mapping: transforms change what is *read*, not where a token lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.kv_groups.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from hybridkv.metadata import CommonAttentionMetadata
+from hybridkv.transforms import make_local_attention_virtual_batches, trim_sliding_window
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionInputs:
+    cam: CommonAttentionMetadata     # what the attention kernel reads (possibly transformed)
+    slot_mapping: torch.Tensor       # (num_tokens,) int64: where each token's K/V is written
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaInputs:
+    """Requests are ordered decodes first (the scheduler guarantees it); decodes use the one-step
+    state update, the rest the packed chunked scan."""
+
+    query_start_loc: torch.Tensor    # (num_reqs + 1,) int32
+    state_indices: torch.Tensor      # (num_reqs,) int64: each request's working state slot
+    has_initial_state: torch.Tensor  # (num_reqs,) bool: continues from its slot (else starts at zero)
+    num_decodes: int
+    num_decode_tokens: int
+    # the prefill part, re-based to start at token 0
+    prefill_query_start_loc: torch.Tensor
+    num_reqs: int
+
+
+def _build_full(spec: FullAttentionSpec, cam: CommonAttentionMetadata) -> AttentionInputs:
+    return AttentionInputs(cam=cam, slot_mapping=cam.slot_mapping)
+
+
+def _build_sliding(spec: SlidingWindowSpec, cam: CommonAttentionMetadata) -> AttentionInputs:
+    return AttentionInputs(cam=trim_sliding_window(cam, spec.sliding_window), slot_mapping=cam.slot_mapping,
+                           sliding_window=spec.sliding_window)
+
+
+def _build_chunked(spec: ChunkedLocalAttentionSpec, cam: CommonAttentionMetadata) -> AttentionInputs:
+    return AttentionInputs(cam=make_local_attention_virtual_batches(cam, spec.attention_chunk_size),
+                           slot_mapping=cam.slot_mapping)
+
+
+def _build_mamba(spec: MambaSpec, cam: CommonAttentionMetadata) -> MambaInputs:
+    # The leading run of 1-token continuations goes to the one-step update; a fresh 1-token request
+    # has no state to continue from, so it stays with the scan (which starts it from zeros).
+    is_decode = (np.diff(cam.query_start_loc_cpu) == 1) & (cam.num_computed_tokens_cpu > 0)
+    num_decodes = cam.num_reqs if is_decode.all() else int(np.argmin(is_decode))
+    device = cam.query_start_loc.device
+    state_indices = cam.block_table_tensor[:, 0].long()
+    has_initial = torch.from_numpy(cam.num_computed_tokens_cpu > 0).to(device, non_blocking=True)
+    num_decode_tokens = int(cam.query_start_loc_cpu[num_decodes])
+    prefill_qsl = cam.query_start_loc[num_decodes:] - num_decode_tokens
+    return MambaInputs(query_start_loc=cam.query_start_loc, state_indices=state_indices,
+                       has_initial_state=has_initial, num_decodes=num_decodes,
+                       num_decode_tokens=num_decode_tokens, prefill_query_start_loc=prefill_qsl,
+                       num_reqs=cam.num_reqs)
+
+
+_BUILDERS: dict[type[KVCacheSpec], Callable] = {
+    FullAttentionSpec: _build_full,
+    SlidingWindowSpec: _build_sliding,
+    ChunkedLocalAttentionSpec: _build_chunked,
+    MambaSpec: _build_mamba,
+}
+
+
+def build_group_inputs(spec: KVCacheSpec, cam: CommonAttentionMetadata) -> AttentionInputs | MambaInputs:
+    """The inputs every layer of a group with ``spec`` reads this step."""
+    builder = _BUILDERS.get(type(spec))
+    if builder is None:
+        raise TypeError(f"no metadata builder for spec kind {type(spec).__name__}")
+    return builder(spec, cam)

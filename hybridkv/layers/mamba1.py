@@ -1,0 +1,85 @@
+"""Mamba-1 mixer over per-request state slots (HF ``JambaMambaMixer`` semantics).
+
+in_proj -> [x | z]; causal depthwise conv over x (conv state = last kernel-1 inputs); x_proj -> [dt | B | C],
+optionally RMS-normed (Jamba's dt/b/c layernorms); dt_proj's weight maps dt to the inner dim and its bias
+is added inside the scan (delta_bias, as HF does); selective scan (SSM state fp32, per channel and
+state entry); y = (scan + D * x) * silu(z); out_proj. Decodes (1-token continuations, batched first)
+take the one-step update ops; everything else the packed scan with per-request initial states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hybridkv.forward_context import get_forward_context
+from hybridkv.layers.norms import RMSNorm
+from hybridkv.models.config import Mamba1
+
+
+class Mamba1Layer(nn.Module):
+    def __init__(self, hidden_size: int, cfg: Mamba1, *, cache_name: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.cache_name = cache_name
+        inter, n, rank = cfg.intermediate_size, cfg.state_size, cfg.dt_rank
+        self.in_proj = nn.Linear(hidden_size, 2 * inter, bias=cfg.proj_bias)
+        # HF stores the depthwise conv as (inter, 1, kernel); we keep that layout for loading.
+        self.conv1d = nn.Conv1d(inter, inter, cfg.conv_kernel, groups=inter, bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(inter, rank + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(rank, inter, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(inter, 1))
+        self.D = nn.Parameter(torch.ones(inter))
+        self.out_proj = nn.Linear(inter, hidden_size, bias=cfg.proj_bias)
+        if cfg.dt_norm:
+            self.dt_layernorm = RMSNorm(rank, eps=cfg.norm_eps)
+            self.b_layernorm = RMSNorm(n, eps=cfg.norm_eps)
+            self.c_layernorm = RMSNorm(n, eps=cfg.norm_eps)
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
+
+    def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
+        """conv_states: (num_slots, inter, kernel - 1); ssm_states: (num_slots, inter, state) fp32."""
+        self.state = (conv_states, ssm_states)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden_size)
+        cfg = self.cfg
+        if self.state is None:
+            raise RuntimeError(f"{self.cache_name}: no state slots bound (the model runner binds them)")
+        ctx = get_forward_context()
+        meta = ctx.inputs[self.cache_name]
+        be = ctx.backend
+        conv_states, ssm_states = self.state
+        xs, z = self.in_proj(x).chunk(2, dim=-1)                            # (num_tokens, inter) each
+        weight = self.conv1d.weight.squeeze(1)                              # (inter, kernel)
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        u = torch.empty_like(xs)
+        if nd:
+            u[:ndt] = be.causal_conv1d_update(xs[:ndt], conv_states=conv_states, weight=weight,
+                                              bias=self.conv1d.bias, state_indices=meta.state_indices[:nd],
+                                              activation="silu")
+        if nd < meta.num_reqs:
+            u[ndt:] = be.causal_conv1d(xs[ndt:], weight, self.conv1d.bias, conv_states=conv_states,
+                                       query_start_loc=meta.prefill_query_start_loc,
+                                       state_indices=meta.state_indices[nd:],
+                                       has_initial_state=meta.has_initial_state[nd:], activation="silu")
+
+        dt, B, C = self.x_proj(u).split([cfg.dt_rank, cfg.state_size, cfg.state_size], dim=-1)
+        if cfg.dt_norm:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        dt = F.linear(dt, self.dt_proj.weight)              # (num_tokens, inter); bias added in the scan
+        A = -torch.exp(self.A_log.float())                                  # (inter, state)
+        y = torch.empty_like(xs)
+        if nd:
+            y[:ndt] = be.selective_state_update(ssm_states, u[:ndt], dt[:ndt], A, B[:ndt], C[:ndt],
+                                                state_indices=meta.state_indices[:nd], z=z[:ndt],
+                                                dt_bias=self.dt_proj.bias, dt_softplus=True, D=self.D)
+        if nd < meta.num_reqs:
+            y[ndt:] = be.selective_scan(u[ndt:], dt[ndt:], A, B[ndt:], C[ndt:],
+                                        query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
+                                        state_indices=meta.state_indices[nd:],
+                                        has_initial_state=meta.has_initial_state[nd:],
+                                        D=self.D, z=z[ndt:], delta_bias=self.dt_proj.bias,
+                                        delta_softplus=True)
+        return self.out_proj(y)                                             # (num_tokens, hidden_size)

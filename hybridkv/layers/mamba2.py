@@ -1,0 +1,78 @@
+"""Mamba2 mixer over per-request state slots (HF ``Mamba2Mixer`` semantics, DESIGN.md §3).
+
+in_proj -> [z | xBC | dt]; causal depthwise conv over xBC (conv state = last kernel-1 inputs);
+SSD scan over x with B, C, dt (SSM state fp32); y = gated group RMSNorm(y, z); out_proj.
+Decodes (1-token continuations, batched first) take the one-step update ops; everything else the
+packed chunked scan with per-request initial states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.forward_context import get_forward_context
+from hybridkv.layers.norms import GatedGroupRMSNorm
+from hybridkv.models.config import Mamba2
+
+
+class Mamba2Layer(nn.Module):
+    def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.cache_name = cache_name
+        inter, conv_dim = cfg.intermediate_size, cfg.conv_dim
+        self.in_proj = nn.Linear(hidden_size, inter + conv_dim + cfg.num_heads, bias=cfg.proj_bias)
+        # HF stores the depthwise conv as (conv_dim, 1, kernel); we keep that layout for loading.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(cfg.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, cfg.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(cfg.num_heads))
+        self.norm = GatedGroupRMSNorm(inter, n_groups=cfg.n_groups, eps=cfg.norm_eps)
+        self.out_proj = nn.Linear(inter, hidden_size, bias=cfg.proj_bias)
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
+
+    def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
+        """conv_states: (num_slots, conv_dim, kernel - 1); ssm_states: (num_slots, heads, head_dim, state) fp32."""
+        self.state = (conv_states, ssm_states)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden_size)
+        cfg = self.cfg
+        if self.state is None:
+            raise RuntimeError(f"{self.cache_name}: no state slots bound (the model runner binds them)")
+        ctx = get_forward_context()
+        meta = ctx.inputs[self.cache_name]
+        be = ctx.backend
+        conv_states, ssm_states = self.state
+        z, xbc, dt = self.in_proj(x).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
+        A = -torch.exp(self.A_log.float())
+        ssm_kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.time_step_limit)
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        y = torch.empty(x.shape[0], cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+
+        if nd:
+            dec_idx = meta.state_indices[:nd]
+            xbc_d = be.causal_conv1d_update(xbc[:ndt], conv_states=conv_states, weight=weight,
+                                            bias=self.conv1d.bias, state_indices=dec_idx, activation="silu")
+            xs, B, C = self._split_xbc(xbc_d)
+            y[:ndt] = be.ssd_state_update(ssm_states, xs, dt[:ndt], A, B, C, state_indices=dec_idx, **ssm_kw)
+        if nd < meta.num_reqs:
+            idx, init = meta.state_indices[nd:], meta.has_initial_state[nd:]
+            xbc_p = be.causal_conv1d(xbc[ndt:], weight, self.conv1d.bias, conv_states=conv_states,
+                                     query_start_loc=meta.prefill_query_start_loc, state_indices=idx,
+                                     has_initial_state=init, activation="silu")
+            xs, B, C = self._split_xbc(xbc_p)
+            y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
+                                        query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
+                                        state_indices=idx, has_initial_state=init, **ssm_kw)
+        y = self.norm(y.reshape(x.shape[0], cfg.intermediate_size), z)
+        return self.out_proj(y)                                             # (num_tokens, hidden_size)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg, n = self.cfg, xbc.shape[0]
+        gs = cfg.n_groups * cfg.state_size
+        xs, B, C = xbc.split([cfg.intermediate_size, gs, gs], dim=-1)
+        return (xs.reshape(n, cfg.num_heads, cfg.head_dim), B.reshape(n, cfg.n_groups, cfg.state_size),
+                C.reshape(n, cfg.n_groups, cfg.state_size))

@@ -1,0 +1,48 @@
+"""RMS norms: the plain and Gemma ((1 + w) scaling) kinds, weightless RMS, and Mamba2's gated
+group norm. All compute in fp32 and return the input dtype, like the HF references."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32 (Llama-4's weightless qk-norm is exactly this)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``gemma=True`` scales by (1 + w) with w initialised at 0, and casts after scaling, as Gemma does."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = rms_normalize(x, self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """Mamba2's output norm: ``norm(y * silu(z))`` computed per group of ``dim // n_groups`` channels."""
+
+    def __init__(self, dim: int, *, n_groups: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if dim % n_groups:
+            raise ValueError(f"GatedGroupRMSNorm: n_groups={n_groups} must divide dim={dim}")
+        self.eps = eps
+        self.n_groups = n_groups
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # y, z: (num_tokens, dim)
+        gated = y.float() * nn.functional.silu(z.float())
+        grouped = gated.view(*gated.shape[:-1], self.n_groups, -1)
+        normed = rms_normalize(grouped, self.eps).view_as(gated)
+        return self.weight * normed.to(y.dtype)

@@ -1,0 +1,62 @@
+"""Sliding-window trimming: block tables that reference only blocks some query can still see.
+
+Window semantics are HF's: a query at p sees keys p - W < k <= p (W keys including itself). The earliest
+query of a row sees the earliest keys, so every block-table column wholly before ``first_query - W + 1``
+is dead for the whole row. Trimming drops those columns, shifts the row left and raises ``key_start`` by
+the dropped keys, so kernels read only live blocks and a freed (possibly reused) block id is never read.
+The window mask still applies inside the first kept block. vLLM keeps such stale ids in its tables.
+
+Example (the test ``test_trim_docstring_example``; W = 3, block_size = 2; k = key, q = query,
+x = key that no query of the row can see, [..] = one block; block ids of row r are 10 * (r + 1) + column)::
+
+    position    0 1   2 3   4 5   6 7
+    request 0  [x x] [x x] [k k] [q]      seq_len 7, q_len 1 -> drop 2 blocks: key_start 4, seq_len 3
+    request 1  [k k] [q q] [q]            seq_len 5, q_len 3 -> drop 0 blocks
+    request 2  [x x] [x k] [k q] [q q]    seq_len 8, q_len 3 -> drop 1 block:  key_start 2, seq_len 6
+
+    block_table [[10, 11, 12, 13], [20, 21, 22, 0], [30, 31, 32, 33]]
+    ->          [[12, 13, 0], [20, 21, 22], [31, 32, 33]]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.metadata import CommonAttentionMetadata
+from hybridkv.transforms.block_rows import floordiv, gather_block_rows
+
+__all__ = ["trim_sliding_window"]
+
+
+def trim_sliding_window(cam: CommonAttentionMetadata, sliding_window: int) -> CommonAttentionMetadata:
+    """Drop each row's leading blocks that lie wholly outside the window of all its queries.
+
+    Returns ``cam`` itself when nothing can be dropped. Composes with any input ``key_start`` (positions
+    are relative to it) and is idempotent. The table shrinks to the widest remaining row; columns past a
+    row's last key are null (0).
+    """
+    if not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool):
+        raise ValueError(f"sliding_window: must be an int, got {sliding_window!r}")
+    if sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
+    bs = cam.block_size
+    nc = cam.num_computed_tokens_cpu  # relative position of each row's earliest query
+    drop = floordiv(np.maximum(nc - (int(sliding_window) - 1), 0), bs)  # whole blocks before its window
+    if cam.num_reqs == 0 or not drop.any():
+        return cam
+    shift = drop * bs
+    seq = cam.seq_lens_cpu - shift
+    nblk = floordiv(seq + (bs - 1), bs)
+    width = int(nblk.max())
+    bt = gather_block_rows(cam.block_table_cpu, np.arange(cam.num_reqs), drop, nblk, width)
+    return CommonAttentionMetadata.from_host(
+        query_start_loc_cpu=cam.query_start_loc_cpu,
+        query_start_loc=cam.query_start_loc,
+        seq_lens_cpu=seq,
+        key_start_cpu=cam.key_start_cpu + shift,
+        block_table_cpu=bt,
+        slot_mapping=cam.slot_mapping,
+        block_size=bs,
+        device=cam.device,
+        causal=cam.causal,
+    )
