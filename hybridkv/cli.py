@@ -204,5 +204,87 @@ register(Command(name="plan", help="show layer -> KV-cache group and the concurr
                  add_arguments=_plan_arguments, run=run_plan))
 
 
+# -- demo ----------------------------------------------------------------------------------------------
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=_positive_int, default=12, help="requests to serve (default 12)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=24, help="tokens per request (default 24)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from hybridkv.demo import run_demo as demo
+
+    result = demo(num_requests=args.num_requests, max_tokens=args.max_tokens, seed=args.seed)
+    return 0 if result.matched == result.total else 1
+
+
+register(Command(name="demo", help="serve a built-in four-kind hybrid model and check it against the reference",
+                 add_arguments=_demo_arguments, run=run_demo))
+
+
+# -- generate ------------------------------------------------------------------------------------------
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF or hybridkv)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); token ids as '1,2,3' "
+                        "when the model has no tokenizer")
+    parser.add_argument("--prompts-file", help="one prompt per line; '-' reads standard input")
+    parser.add_argument("--max-tokens", type=_positive_int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        stream = (sys.stdin if args.prompts_file == "-"
+                  else open(args.prompts_file, encoding="utf-8"))  # noqa: SIM115
+        with stream:
+            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+    if not prompts:
+        raise UsageError("hybridkv generate: give --prompt or --prompts-file")
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_memory)
+    prompts: list[str | list[int]] = []
+    for text in _read_prompts(args):
+        if llm.tokenizer is None:
+            try:
+                prompts.append([int(t) for t in text.replace(" ", "").split(",")])
+            except ValueError:
+                raise UsageError("this model has no tokenizer: give prompts as comma-separated token ids") from None
+        else:
+            prompts.append(text)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    failed = False
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=not args.json), strict=True):
+        failed |= out.error is not None
+        if args.json:
+            record = {"prompt": prompt, "error": out.error}
+            if out.outputs:
+                c = out.outputs[0]
+                record |= {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+            print(json.dumps(record))
+        elif out.error is not None:
+            print(f"error: {out.error}", file=sys.stderr)
+        else:
+            c = out.outputs[0]
+            print(c.text if c.text is not None else ",".join(map(str, c.token_ids)))
+    return 1 if failed else 0
+
+
+register(Command(name="generate", help="generate text (or token ids) for prompts with a checkpoint",
+                 add_arguments=_generate_arguments, run=run_generate))
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -231,11 +231,20 @@ def plan_kv_cache(
             f"kv_memory={format_bytes(kv_memory)} is too small for one request of max_model_len="
             f"{max_model_len}: it needs {format_bytes(per_request + fixed_bytes)} ({format_bytes(per_request)}"
             f" per request + {format_bytes(fixed_bytes)} for null entries, checkpoints and the step reserve)")
-    fits_full = max(0, (kv_memory - fixed_bytes) // per_request_full)
+    # The all-full yardstick keeps no step reserve: full attention has no transient blocks.
+    fixed_full = page_bytes + (1 + num_checkpoint_slots) * slot_bytes
+    fits_full = max(0, (kv_memory - fixed_full) // per_request_full)
     concurrent = min(fits, max_num_seqs) if max_num_seqs else fits
 
-    num_state_slots = (1 + num_checkpoint_slots + concurrent) if slot_bytes else 0
+    # Working state slots: enough for every max-length request that fits, and more (up to max_num_seqs,
+    # within half the budget) so that shorter requests are not capped by slots while blocks sit idle.
+    working = concurrent
+    if slot_bytes and max_num_seqs and max_num_seqs > concurrent:
+        working = max(concurrent, min(max_num_seqs, (kv_memory // 2) // slot_bytes - 1 - num_checkpoint_slots))
+    num_state_slots = (1 + num_checkpoint_slots + working) if slot_bytes else 0
     num_blocks = (kv_memory - num_state_slots * slot_bytes) // page_bytes if page_bytes else 0
+    if blocks_per_request:      # extra working slots took memory from the pool: recount max-length requests
+        concurrent = min(concurrent, (num_blocks - 1 - reserved) // blocks_per_request)
     # Padding: pages sized for the widest attention spec but used by a narrower one.
     widest = page_bytes // per_group if per_group else 0
     padding = concurrent * sum(gp.blocks_per_request * per_group * (widest - gp.group.spec.bytes_per_block)

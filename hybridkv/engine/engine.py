@@ -1,0 +1,261 @@
+"""The engine loop: ``add_request`` / ``step`` / ``abort`` over a scheduler, the KV-cache coordinator
+and a model runner. ``LLM`` is the friendly facade; streaming users drive this directly."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.engine.model_runner import ModelRunner, StepBatch
+from hybridkv.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenLogprob,
+)
+from hybridkv.engine.sampler import SamplingTensors, logprobs_of, sample
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridkv.kv_groups.coordinator import KVCacheCoordinator
+from hybridkv.kv_groups.plan import KVCachePlan
+from hybridkv.models.hybrid import HybridModel
+
+logger = logging.getLogger("hybridkv.engine")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (empty, too long, bad token ids); other requests are unaffected."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(model.config.eos_token_ids)
+        has_mamba = bool(plan.mamba_groups)
+        self.coordinator = KVCacheCoordinator(plan, enable_prefix_caching=enable_prefix_caching,
+                                              max_num_reqs=max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
+            self.coordinator)
+        self.runner = ModelRunner(model, plan, backend=backend)
+        self._seeds = np.random.default_rng(seed)
+        self._arrivals = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._steps = self._prompt_tokens = self._generated = 0
+        # Largest request the pool can ever hold next to the per-step reserve.
+        self._capacity_blocks = plan.num_blocks - 1 - plan.reserved_step_blocks
+
+    # -- requests ------------------------------------------------------------------------------------
+    def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` with the reason a prompt cannot be served."""
+        n = len(token_ids)
+        if n == 0:
+            raise RequestError("empty prompt")
+        if n > self.plan.max_model_len:
+            raise RequestError(f"prompt has {n} tokens, more than max_model_len={self.plan.max_model_len}")
+        arr = np.asarray(token_ids)
+        if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got "
+                               f"min {arr.min()} max {arr.max()}")
+        final = min(n + params.max_tokens, self.plan.max_model_len)
+        if self.coordinator.blocks_to_admit(final) > self._capacity_blocks:
+            raise RequestError(f"a {final}-token request needs {self.coordinator.blocks_to_admit(final)} "
+                               f"blocks; the KV cache holds {self._capacity_blocks}: raise kv_cache_memory")
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                    *, prompt: str | None = None) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(token_ids, params)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**62))
+        req = Request(request_id=request_id, token_ids=[int(t) for t in token_ids],
+                      num_prompt_tokens=len(token_ids), params=params, seed=seed,
+                      arrival=next(self._arrivals), prompt=prompt)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._requests.pop(request_id, None)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; returns an output for every request that advanced."""
+        batch = self.scheduler.schedule()
+        if batch.num_reqs == 0:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("the scheduler made no progress: no request fits the KV cache")
+            return []
+        self._steps += 1
+        src, dst = self.coordinator.take_state_copies()
+        self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
+        step = self._step_batch(batch)
+        logits = self.runner.execute(step)
+        return self._process(batch, step, logits)
+
+    def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
+        coord, reqs = self.coordinator, batch.requests
+        new, computed = batch.num_new_tokens, batch.num_computed
+        ids = np.concatenate([np.asarray(r.token_ids[c:c + n], np.int64)
+                              for r, c, n in zip(reqs, computed.tolist(), new.tolist(), strict=True)])
+        seq_lens = computed + new
+        width = int(-(-seq_lens.max() // self.plan.block_size)) if self.plan.attention_groups else 1
+        tables = []
+        for group in self.plan.groups:
+            if group.spec.is_attention:
+                tables.append(coord.block_tables.np[coord.table_index[group.group_id]][batch.rows, :width])
+            else:
+                tables.append(coord.state_slots(batch.rows).astype(np.int32)[:, None])
+        # Logits: the last token of requests that reach their end this step; every token of prompt
+        # chunks whose request asked for prompt logprobs.
+        ends = np.cumsum(new)
+        samples = seq_lens == np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))
+        wants_prompt = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, len(reqs))
+        index = [np.arange(e - n, e) if w else np.array([e - 1]) if s else np.zeros(0, np.int64)
+                 for e, n, s, w in zip(ends.tolist(), new.tolist(), samples, wants_prompt, strict=True)]
+        return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
+                         logits_indices=np.concatenate(index).astype(np.int64))
+
+    def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        reqs = batch.requests
+        new, computed = batch.num_new_tokens, batch.num_computed
+        # Map logits rows back to requests.
+        offset = 0
+        sample_rows, samplers, prompt_lp = [], [], []
+        for r, c, n in zip(reqs, computed.tolist(), new.tolist(), strict=True):
+            reaches_end = c + n == r.num_tokens
+            if r.params.prompt_logprobs is not None:
+                prompt_lp.append((r, c, n, offset))
+                if reaches_end:
+                    sample_rows.append(offset + n - 1)
+                    samplers.append(r)
+                offset += n
+            elif reaches_end:
+                sample_rows.append(offset)
+                samplers.append(r)
+                offset += 1
+        for r, c, n, off in prompt_lp:
+            self._record_prompt_logprobs(r, c, n, logits[off:off + n])
+
+        for r, n in zip(reqs, new.tolist(), strict=True):
+            r.num_computed_tokens += n
+            if r.num_computed_tokens <= r.num_prompt_tokens:
+                self._prompt_tokens += n
+        if samplers:
+            self._sample(samplers, logits[torch.as_tensor(sample_rows, device=logits.device)])
+        self.coordinator.commit_batch(batch.rows, computed + new)
+
+        outputs = []
+        sampled = {id(r) for r in samplers}
+        for r in reqs:
+            if id(r) in sampled:
+                self._check_stop(r)
+            if r.finished:
+                self.scheduler.finish(r)
+                self._requests.pop(r.request_id, None)
+            outputs.append(self.make_output(r))
+        return outputs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        device = logits.device
+        params = [r.params for r in reqs]
+        st = SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long, device=device),
+            counters=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.long, device=device),
+            needs_filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+        )
+        tokens = sample(logits, st)
+        top = max((p.logprobs or 0) for p in params)
+        want = any(p.logprobs is not None for p in params)
+        if want:
+            chosen, values, ids = (t.tolist() for t in logprobs_of(logits, tokens, top))
+        for i, (r, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
+            r.token_ids.append(tok)
+            self._generated += 1
+            if want and r.params.logprobs is not None:
+                k = r.params.logprobs
+                r.logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
+                                               top=tuple(zip(ids[i][:k], values[i][:k], strict=True))))
+
+    def _record_prompt_logprobs(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
+        """Logits at prompt position p predict token p + 1."""
+        if start == 0:
+            r.prompt_logprobs = [None]
+        end = min(start + n, r.num_prompt_tokens - 1)       # positions whose next token is a prompt token
+        if end <= start:
+            return
+        targets = torch.as_tensor(r.token_ids[start + 1:end + 1], device=logits.device)
+        k = r.params.prompt_logprobs or 0
+        chosen, values, ids = (t.tolist() for t in logprobs_of(logits[: end - start], targets, k))
+        for i, tok in enumerate(targets.tolist()):
+            r.prompt_logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
+                                                  top=tuple(zip(ids[i], values[i], strict=True))))
+
+    def _check_stop(self, r: Request) -> None:
+        p, tok = r.params, r.token_ids[-1]
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            r.finish_reason = "stop"
+        elif p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_token_ids)
+            if any(s in text for s in p.stop):
+                r.finish_reason = "stop"
+        if r.finish_reason is None and (r.num_output_tokens >= p.max_tokens
+                                        or r.num_tokens >= self.plan.max_model_len):
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            r.status = RequestStatus.FINISHED
+
+    def make_output(self, r: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_token_ids)
+            for s in r.params.stop:
+                cut = text.find(s)
+                if cut >= 0:
+                    text = text[:cut]
+        completion = CompletionOutput(index=0, token_ids=tuple(r.output_token_ids), text=text,
+                                      finish_reason=r.finish_reason,
+                                      logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=tuple(r.prompt_token_ids),
+                             outputs=(completion,), finished=r.finished,
+                             prompt_logprobs=(tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None
+                                              else None))
+
+    def stats(self) -> EngineStats:
+        s = self.coordinator.stats
+        return EngineStats(steps=self._steps, prompt_tokens=self._prompt_tokens,
+                           generated_tokens=self._generated, preemptions=self.scheduler.num_preemptions,
+                           prefix_hit_tokens=s.hit_tokens, prefix_query_tokens=s.query_tokens)

@@ -1,0 +1,130 @@
+"""One model step: host batch -> per-group metadata -> builders -> forward context -> logits.
+
+The runner owns the cache tensors (bound once to the layers) and nothing about scheduling: the
+scheduler decides which tokens run and which blocks / state slots they use; the runner turns that
+into one ``CommonAttentionMetadata`` per group, lets each group's builder transform it, and runs the
+model under a forward context. Host work is vectorised numpy; the only device transfers are the
+step's small index arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.backends.builders import build_group_inputs
+from hybridkv.backends.registry import KernelBackend, get_backend
+from hybridkv.forward_context import ForwardContext, forward_context
+from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
+from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.metadata import CommonAttentionMetadata, host_to_device
+from hybridkv.models.config import Attention
+from hybridkv.models.hybrid import HybridModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    """What the scheduler decided for one step, host side, requests in batch order (decodes first).
+
+    ``block_tables[g]`` is group g's (num_reqs, width) table: block ids for attention groups (null 0),
+    the working state slot in column 0 for Mamba groups."""
+
+    input_ids: np.ndarray                  # (num_tokens,) int64
+    query_lens: np.ndarray                 # (num_reqs,) tokens computed this step
+    seq_lens: np.ndarray                   # (num_reqs,) tokens known after this step (computed + new)
+    block_tables: Sequence[np.ndarray]     # per group, (num_reqs, width) int32
+    logits_indices: np.ndarray             # (num_outputs,) token indices whose logits are returned
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    def positions(self) -> np.ndarray:
+        """(num_tokens,) absolute positions: num_computed + 0, 1, ... for each request."""
+        q = self.query_lens.astype(np.int64)
+        starts = np.cumsum(q) - q
+        return np.arange(int(q.sum()), dtype=np.int64) + np.repeat(self.seq_lens - q - starts, q)
+
+
+class ModelRunner:
+    def __init__(self, model: HybridModel, plan: KVCachePlan, *, backend: str | KernelBackend = "auto") -> None:
+        self.model = model
+        self.plan = plan
+        self.device = next(model.parameters()).device
+        self.backend = backend if isinstance(backend, KernelBackend) else get_backend(backend, self.device)
+        self.caches = allocate_kv_cache(plan, device=self.device)
+        layers = model.cache_layers()
+        if set(layers) != set(self.caches):
+            raise ValueError(f"plan and model disagree on cache layers: plan-only "
+                             f"{sorted(set(self.caches) - set(layers))[:4]}, model-only "
+                             f"{sorted(set(layers) - set(self.caches))[:4]}")
+        for name, module in layers.items():
+            tensors = self.caches[name]
+            if len(tensors) == 1:                     # attention: (num_blocks, 2, block_size, kv_heads, dim)
+                module.bind_cache(tensors[0][:, 0], tensors[0][:, 1])
+            else:                                     # Mamba: one tensor per state
+                module.bind_cache(*tensors)
+
+    def build_context(self, batch: StepBatch) -> ForwardContext:
+        """One CAM per group from the batch, then each group's builder; all layers of a group share it."""
+        q = batch.query_lens.astype(np.int32)
+        s = batch.seq_lens.astype(np.int32)
+        inputs = {}
+        for group, table in zip(self.plan.groups, batch.block_tables, strict=True):
+            # A Mamba group's one "block" is its state slot, covering the whole sequence.
+            block_size = group.spec.block_size if group.spec.is_attention else int(max(1, s.max(initial=1)))
+            cam = CommonAttentionMetadata.build(query_lens=q, seq_lens=s, block_table=table,
+                                                block_size=block_size, device=self.device)
+            built = build_group_inputs(group.spec, cam)
+            inputs.update(dict.fromkeys(group.layer_names, built))
+        return ForwardContext(inputs=inputs, backend=self.backend)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices``."""
+        ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
+        positions = host_to_device(batch.positions(), self.device)
+        with forward_context(self.build_context(batch)):
+            hidden = self.model(ids, positions)
+        index = host_to_device(np.ascontiguousarray(batch.logits_indices, dtype=np.int64), self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    @torch.inference_mode()
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy Mamba states slot src -> dst in every Mamba layer (prefix-cache checkpoints)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for group in self.plan.mamba_groups:
+            for name in group.layer_names:
+                for state in self.caches[name]:
+                    state[dst] = state[src]
+
+
+def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: str = "torch") -> torch.Tensor:
+    """Logits at every position of one sequence from a single no-cache-reuse forward: a fresh private
+    cache, the whole sequence as one prefill. The oracle the engine's incremental results must match."""
+    n = len(token_ids)
+    chunks = [m.attention_chunk_size for m in (layer.mixer for layer in model.config.layers)
+              if isinstance(m, Attention) and m.attention_chunk_size]
+    block_size = math.gcd(16, *chunks)          # a block size every chunk is a multiple of
+    blocks = -(-n // block_size)
+    specs = model.config.kv_specs(block_size=block_size)
+    page_sum = sum(s.bytes_per_block for s in specs.values() if s.is_attention)
+    state_sum = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
+    budget = 2 * (page_sum * (blocks + 4) + state_sum * 4)
+    plan = plan_kv_cache(specs, max_model_len=max(n, 1), kv_memory=budget, max_num_seqs=1, step_tokens=n)
+    runner = ModelRunner(model, plan, backend=backend)
+    # Attention groups share the pool (a block id names a page in every group's tensors): disjoint ids.
+    tables = []
+    for g, group in enumerate(plan.groups):
+        ids = np.arange(1 + g * blocks, 1 + (g + 1) * blocks, dtype=np.int32)[None, :]
+        tables.append(ids if group.spec.is_attention else np.ones((1, 1), np.int32))
+    batch = StepBatch(input_ids=np.asarray(token_ids, np.int64), query_lens=np.array([n]),
+                      seq_lens=np.array([n]), block_tables=tables, logits_indices=np.arange(n))
+    return runner.execute(batch)

@@ -1,0 +1,168 @@
+"""Continuous batching over the hybrid KV cache.
+
+Each step, under a token budget:
+
+1. running requests first — 1-token continuations (decodes) ahead of prefill continuations — in one
+   all-or-nothing ``allocate_batch``; when any group runs short, the latest arrival is preempted
+   (its cache freed, its computed tokens forgotten: it is recomputed later) and the rest retried;
+2. then waiting requests (preempted ones first, then by arrival): prefix-cache hit, admission check
+   (the steady need of the request at its current length; the transient prefill extra is reserved
+   once per step by the coordinator), allocation of a prefill chunk.
+
+The batch comes out decodes first, which the Mamba builder relies on. With Mamba groups and prefix
+caching, an unfinished prefill chunk ends on a block boundary so the state there can be checkpointed.
+No request is ever lost or duplicated: every request is in exactly one of waiting / running / finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.kv_groups.coordinator import KVCacheCoordinator
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    align_prefill_chunks: bool = False     # end unfinished prefill chunks on block boundaries
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduledBatch:
+    """One step's work, in batch order (decodes first)."""
+
+    requests: list[Request]
+    rows: np.ndarray              # (num_reqs,) coordinator rows
+    num_new_tokens: np.ndarray    # (num_reqs,) tokens computed this step
+    num_computed: np.ndarray      # (num_reqs,) tokens computed before this step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_new_tokens.sum())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, coordinator: KVCacheCoordinator) -> None:
+        self.config = config
+        self.coord = coordinator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free its cache; returns it (None if unknown)."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.coord.free(request_id)
+                    req.status = RequestStatus.FINISHED
+                    req.finish_reason = "abort"
+                    return req
+        return None
+
+    def finish(self, request: Request) -> None:
+        """Called by the engine once a running request has finished: frees its cache."""
+        self.running.remove(request)
+        self.coord.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def _chunk(self, num_computed: int, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.align_prefill_chunks and n < remaining:
+            bs = self.coord.block_size
+            aligned = (num_computed + n) // bs * bs - num_computed
+            n = aligned if aligned > 0 else n
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.coord.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        preempted: list[Request] = []
+        # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
+        while True:
+            order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival))
+            chosen, counts, left = [], [], budget
+            for req in order:
+                if left == 0:
+                    break
+                n = self._chunk(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens, left)
+                chosen.append(req)
+                counts.append(n)
+                left -= n
+            if not chosen:
+                break
+            rows = np.fromiter((self.coord.row_of(r.request_id) for r in chosen), np.int64, len(chosen))
+            computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
+            new = np.asarray(counts, np.int64)
+            if self.coord.allocate_batch(rows, computed, new):
+                break
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim)
+            preempted.append(victim)
+        budget = left if chosen else budget
+
+        # 2. waiting requests (a just-preempted request waits for a later step).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req in preempted:
+                break
+            rid = req.request_id
+            if not self.coord.can_admit(req.num_tokens, num_cached_tokens=req.num_tokens - 1):
+                break           # would not fit even if all but its last token were cached: skip the lookup
+            hit = self.coord.find_prefix_hit(rid, req.token_ids) if req.params.prompt_logprobs is None else 0
+            # Admit on the current need (what the prompt holds after its prefill); growth while
+            # decoding is met by preempting the latest arrival, as in vLLM: it keeps batches full.
+            if not self.coord.can_admit(req.num_tokens, num_cached_tokens=hit):
+                self.coord.free(rid)
+                break
+            n = self._chunk(hit, req.num_tokens - hit, budget)
+            if not self.coord.allocate(rid, num_computed_tokens=hit, num_new_tokens=n, token_ids=req.token_ids):
+                self.coord.free(rid)
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append(req)
+            counts.append(n)
+            budget -= n
+
+        rows = np.fromiter((self.coord.row_of(r.request_id) for r in chosen), np.int64, len(chosen))
+        computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
+        return ScheduledBatch(requests=chosen, rows=rows, num_new_tokens=np.asarray(counts, np.int64),
+                              num_computed=computed, preempted=preempted)
