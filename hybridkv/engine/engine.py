@@ -80,7 +80,7 @@ class LLMEngine:
             raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got "
                                f"min {arr.min()} max {arr.max()}")
         final = min(n + params.max_tokens, self.plan.max_model_len)
-        if self.coordinator.blocks_to_admit(final) > self._capacity_blocks:
+        if self.plan.attention_groups and self.coordinator.blocks_to_admit(final) > self._capacity_blocks:
             raise RequestError(f"a {final}-token request needs {self.coordinator.blocks_to_admit(final)} "
                                f"blocks; the KV cache holds {self._capacity_blocks}: raise kv_cache_memory")
 
@@ -125,8 +125,13 @@ class LLMEngine:
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
         coord, reqs = self.coordinator, batch.requests
         new, computed = batch.num_new_tokens, batch.num_computed
-        ids = np.concatenate([np.asarray(r.token_ids[c:c + n], np.int64)
-                              for r, c, n in zip(reqs, computed.tolist(), new.tolist(), strict=True)])
+        n = len(reqs)
+        if int(new.sum()) == n:                                      # all decodes: one token each
+            ids = np.fromiter((r.token_ids[c] for r, c in zip(reqs, computed.tolist(), strict=True)), np.int64, n)
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(
+                r.token_ids[c:c + k] for r, c, k in zip(reqs, computed.tolist(), new.tolist(), strict=True)),
+                np.int64, int(new.sum()))
         seq_lens = computed + new
         width = int(-(-seq_lens.max() // self.plan.block_size)) if self.plan.attention_groups else 1
         tables = []
@@ -138,12 +143,13 @@ class LLMEngine:
         # Logits: the last token of requests that reach their end this step; every token of prompt
         # chunks whose request asked for prompt logprobs.
         ends = np.cumsum(new)
-        samples = seq_lens == np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))
-        wants_prompt = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, len(reqs))
-        index = [np.arange(e - n, e) if w else np.array([e - 1]) if s else np.zeros(0, np.int64)
-                 for e, n, s, w in zip(ends.tolist(), new.tolist(), samples, wants_prompt, strict=True)]
+        samples = seq_lens == np.fromiter((r.num_tokens for r in reqs), np.int64, n)
+        wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
+        lengths = np.where(wants, new, samples)
+        starts = np.where(wants, ends - new, ends - 1)
+        index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                         logits_indices=np.concatenate(index).astype(np.int64))
+                         logits_indices=index.astype(np.int64))
 
     def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
         reqs = batch.requests

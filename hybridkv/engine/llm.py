@@ -22,7 +22,7 @@ from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.models.config import HybridConfig
 from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model
-from hybridkv.planning import load_model_config
+from hybridkv.loaders.hf_config import load_config
 from hybridkv.utils import format_bytes, parse_bytes
 
 logger = logging.getLogger("hybridkv")
@@ -76,7 +76,7 @@ def _load(model: str | Path | HybridConfig | HybridModel, device: torch.device, 
     else:   # an HF checkpoint: hub weight names, converted by the loaders package
         from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
-        config = load_model_config(path)
+        config = load_config(path)
         loaded = load_hf_checkpoint(path, dtype=_resolve_dtype(dtype, config, device), device=device)
     from hybridkv.loaders.tokenizer import load_tokenizer
 

@@ -21,7 +21,7 @@ from hybridkv.backends.registry import KernelBackend, get_backend
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
-from hybridkv.metadata import CommonAttentionMetadata, host_to_device
+from hybridkv.metadata import CommonAttentionMetadata, debug_enabled, host_to_device
 from hybridkv.models.config import Attention
 from hybridkv.models.hybrid import HybridModel
 
@@ -70,15 +70,36 @@ class ModelRunner:
                 module.bind_cache(*tensors)
 
     def build_context(self, batch: StepBatch) -> ForwardContext:
-        """One CAM per group from the batch, then each group's builder; all layers of a group share it."""
+        """One CAM per group from the batch, then each group's builder; all layers of a group share it.
+
+        The batch-wide arrays (offsets, lengths, token -> request, positions) and their device twins are
+        made once; each group adds only its block table and slot mapping. The scheduler's output is
+        trusted here (``CommonAttentionMetadata.build`` is the checked path; HYBRIDKV_DEBUG validates)."""
         q = batch.query_lens.astype(np.int32)
         s = batch.seq_lens.astype(np.int32)
+        n, num_tokens = int(q.shape[0]), int(q.sum())
+        qsl = np.zeros(n + 1, np.int32)
+        np.cumsum(q, out=qsl[1:])
+        token_req = np.repeat(np.arange(n, dtype=np.int64), q)
+        positions = batch.positions()                                        # (num_tokens,) int64
+        zeros = np.zeros(n, np.int32)
+        shared = dict(query_start_loc=host_to_device(qsl, self.device), query_start_loc_cpu=qsl,
+                      seq_lens=host_to_device(s, self.device), seq_lens_cpu=s, num_computed_tokens_cpu=s - q,
+                      key_start=host_to_device(zeros, self.device), key_start_cpu=zeros, num_reqs=n,
+                      num_actual_tokens=num_tokens, max_query_len=int(q.max(initial=0)),
+                      max_seq_len=int(s.max(initial=0)))
         inputs = {}
         for group, table in zip(self.plan.groups, batch.block_tables, strict=True):
+            table = np.ascontiguousarray(table, dtype=np.int32)
             # A Mamba group's one "block" is its state slot, covering the whole sequence.
-            block_size = group.spec.block_size if group.spec.is_attention else int(max(1, s.max(initial=1)))
-            cam = CommonAttentionMetadata.build(query_lens=q, seq_lens=s, block_table=table,
-                                                block_size=block_size, device=self.device)
+            bs = group.spec.block_size if group.spec.is_attention else max(1, shared["max_seq_len"])
+            cols = positions // bs
+            slots = table.ravel().take(token_req * table.shape[1] + cols).astype(np.int64) * bs + positions % bs
+            cam = CommonAttentionMetadata(block_table_tensor=host_to_device(table, self.device),
+                                          block_table_cpu=table, slot_mapping=host_to_device(slots, self.device),
+                                          block_size=bs, **shared)
+            if debug_enabled():
+                cam.validate()
             built = build_group_inputs(group.spec, cam)
             inputs.update(dict.fromkeys(group.layer_names, built))
         return ForwardContext(inputs=inputs, backend=self.backend)
@@ -114,7 +135,7 @@ def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: s
               if isinstance(m, Attention) and m.attention_chunk_size]
     block_size = math.gcd(16, *chunks)          # a block size every chunk is a multiple of
     blocks = -(-n // block_size)
-    specs = model.config.kv_specs(block_size=block_size)
+    specs = model.config.kv_specs(block_size=block_size, kv_dtype=next(model.parameters()).dtype)
     page_sum = sum(s.bytes_per_block for s in specs.values() if s.is_attention)
     state_sum = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
     budget = 2 * (page_sum * (blocks + 4) + state_sum * 4)

@@ -54,6 +54,7 @@ class Request:
     arrival: int                                # monotonically increasing: preemption takes the latest
     prompt: str | None = None
     num_computed_tokens: int = 0
+    kv_row: int = -1                            # the coordinator row while running (stable until freed)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

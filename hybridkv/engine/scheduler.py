@@ -16,6 +16,7 @@ No request is ever lost or duplicated: every request is in exactly one of waitin
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -103,6 +104,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.kv_row = -1
         self.coord.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -110,31 +112,42 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray]:
+        """Token counts for running requests, decodes first then by arrival, within ``budget``.
+
+        Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
+        the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
+        running = self.running
+        rem = np.fromiter((r.num_tokens - r.num_computed_tokens for r in running), np.int64, len(running))
+        order = np.argsort(rem > 1, kind="stable")          # running is kept in arrival order
+        rem = rem[order]
+        take = np.clip(budget - (np.cumsum(rem) - rem), 0, rem)
+        partial = np.flatnonzero((take > 0) & (take < rem))
+        if partial.size and self.config.align_prefill_chunks:
+            i = int(partial[0])
+            computed = running[int(order[i])].num_computed_tokens
+            take[i] = self._chunk(computed, int(rem[i]), int(take[i]))
+        keep = take > 0
+        return [running[i] for i in order[keep].tolist()], take[keep]
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
+        chosen: list[Request] = []
+        counts = np.zeros(0, np.int64)
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
-        while True:
-            order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival))
-            chosen, counts, left = [], [], budget
-            for req in order:
-                if left == 0:
-                    break
-                n = self._chunk(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens, left)
-                chosen.append(req)
-                counts.append(n)
-                left -= n
-            if not chosen:
-                break
-            rows = np.fromiter((self.coord.row_of(r.request_id) for r in chosen), np.int64, len(chosen))
+        while self.running:
+            chosen, counts = self._running_step(budget)
+            rows = np.fromiter((r.kv_row for r in chosen), np.int64, len(chosen))
             computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
-            new = np.asarray(counts, np.int64)
-            if self.coord.allocate_batch(rows, computed, new):
+            if self.coord.allocate_batch(rows, computed, counts):
                 break
-            victim = max(self.running, key=lambda r: r.arrival)
+            victim = self.running[-1]                       # the latest arrival
             self._preempt(victim)
             preempted.append(victim)
-        budget = left if chosen else budget
+            chosen, counts = [], np.zeros(0, np.int64)
+        budget -= int(counts.sum())
+        new_counts: list[int] = []
 
         # 2. waiting requests (a just-preempted request waits for a later step).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -156,13 +169,15 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = hit
+            req.kv_row = self.coord.row_of(rid)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
             chosen.append(req)
-            counts.append(n)
+            new_counts.append(n)
             budget -= n
 
-        rows = np.fromiter((self.coord.row_of(r.request_id) for r in chosen), np.int64, len(chosen))
+        rows = np.fromiter((r.kv_row for r in chosen), np.int64, len(chosen))
         computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
-        return ScheduledBatch(requests=chosen, rows=rows, num_new_tokens=np.asarray(counts, np.int64),
+        return ScheduledBatch(requests=chosen, rows=rows,
+                              num_new_tokens=np.concatenate([counts, np.asarray(new_counts, np.int64)]),
                               num_computed=computed, preempted=preempted)

@@ -97,6 +97,11 @@ def hf_config_to_hybrid(config: Mapping[str, Any]) -> HybridConfig:
     return CONVERTERS[architecture_of(config)](config)
 
 
+def _decode_special_floats(obj: dict[str, Any]) -> Any:
+    """transformers 5.x writes inf/nan as ``{"__float__": "Infinity"}`` (valid JSON); decode them."""
+    return float(obj["__float__"]) if obj.keys() == {"__float__"} else obj
+
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """Read ``path`` (a config.json, or a checkpoint directory holding one) as a dict."""
     path = Path(path)
@@ -104,7 +109,7 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"no config file at {file}")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(), object_hook=_decode_special_floats)
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from None
     if not isinstance(data, dict):

@@ -1,0 +1,105 @@
+"""Host-side cost of one engine step (schedule + KV coordinator + step batch + per-group metadata and
+transforms), model excluded, for N decoding requests over 4 groups (full, sliding, chunked, Mamba).
+
+    python benchmarks/engine_cpu.py [--requests 64 256] [--context 2048] [--steps 200]
+
+Requests are placed in the decode phase directly (their prompts registered with the coordinator
+without running the model), then each timed step does exactly what ``LLMEngine.step`` does on the
+host, with a fixed token standing in for sampling. Prints a table and writes
+``benchmarks/results/engine_cpu.json``. Target (issue 6): <= 300 µs per step at 256 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine.request import RequestStatus
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
+
+RESULTS = Path(__file__).parent / "results" / "engine_cpu.json"
+
+
+def bench_config(context: int) -> HybridConfig:
+    attn = dict(num_heads=2, num_kv_heads=1, head_dim=8)
+    mixers = (Mamba2(num_heads=2, head_dim=8, state_size=8), Attention(sliding_window=1024, **attn),
+              Attention(attention_chunk_size=1024, **attn), Attention(**attn))
+    return HybridConfig(vocab_size=128, hidden_size=16, max_position_embeddings=context + 1024, dtype="float32",
+                        layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=16)) for m in mixers))
+
+
+def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
+    llm = LLM(bench_config(context), device="cpu", max_num_seqs=num_requests, kv_cache_memory=1 << 30,
+              max_num_batched_tokens=max(2048, num_requests))
+    engine, coord, sched = llm.engine, llm.engine.coordinator, llm.engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(num_requests):
+        n = int(context - rng.integers(0, 16))
+        engine.add_request(str(i), rng.integers(0, 128, n).tolist(), params)
+    # Skip the model for the prefill: register every prompt as computed, leaving one token to decode.
+    while sched.waiting:
+        req = sched.waiting.popleft()
+        n = req.num_tokens
+        assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
+        coord.commit(req.request_id, num_computed_tokens=n - 1)
+        req.num_computed_tokens = n - 1
+        req.kv_row = coord.row_of(req.request_id)
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+
+    timings = {"schedule": [], "step_batch": [], "metadata": [], "commit": [], "total": []}
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        batch = sched.schedule()
+        t1 = time.perf_counter_ns()
+        step = engine._step_batch(batch)
+        t2 = time.perf_counter_ns()
+        engine.runner.build_context(step)
+        t3 = time.perf_counter_ns()
+        for req, n in zip(batch.requests, batch.num_new_tokens.tolist(), strict=True):
+            req.num_computed_tokens += n
+            req.token_ids.append(1)
+        coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)
+        t4 = time.perf_counter_ns()
+        for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+            timings[key].append(value / 1000)
+        assert batch.num_reqs == num_requests
+    return {key: statistics.median(values) for key, values in timings.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    rows = {n: measure(n, args.context, args.steps) for n in args.requests}
+
+    table = Table(title=f"host cost per decode step (µs, median of {args.steps}; model excluded)")
+    table.add_column("requests", justify="right")
+    for key in next(iter(rows.values())):
+        table.add_column(key, justify="right")
+    table.add_column("target", justify="right")
+    for n, r in rows.items():
+        table.add_row(str(n), *(f"{v:.0f}" for v in r.values()), "<= 300" if n == 256 else "")
+    Console().print(table)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "commit": commit,
+                                   "context": args.context, "us_per_step": {str(k): v for k, v in rows.items()}},
+                                  indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Hub weight maps, one module per family; importing this package registers them all.
+
+Keep this an import list (one module a line, sorted): each module registers its maps with
+``@register_weight_map`` on import.
+"""
+
+from hybridkv.loaders.families import (  # noqa: F401
+    bamba,
+    falcon_h1,
+    gemma,
+    granite_moe_hybrid,
+    jamba,
+    llama4,
+    mamba2,
+    mistral,
+    nemotron_h,
+    zamba2,
+)

@@ -1,0 +1,192 @@
+"""Tiny random HF transformers models of the attention families and Mamba2, saved as real checkpoints.
+
+Each builder returns an HF model (eager attention, fp32, eval) whose weights are re-drawn at a larger
+scale than HF's init (std 0.02 gives near-uniform logits, where greedy decoding is decided by noise):
+matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1) (N(0, 1/hidden)
+when tied), norm weights near their identity value, Mamba's
+A_log / dt_bias / D left as HF initialises them. Windows and chunks are 4-8 tokens, so prompts of a
+few dozen tokens cross them many times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    Llama4Config,
+    Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+)
+
+VOCAB = 160
+_SMALL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter (see the module docstring for the scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in type(model).__name__.lower()
+    tied = model.get_output_embeddings() is None or (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("A_log", "dt_bias", "D"):
+            continue
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name and p.ndim == 1:
+            p.copy_(0.1 * noise + (0.0 if gemma else 1.0))
+        elif leaf == "bias":
+            p.copy_(0.1 * noise)
+        elif "embed" in name:    # tied (Gemma): also the output layer, so scaled like one
+            p.copy_(noise / p.shape[-1] ** 0.5 if tied else noise)
+        elif "experts" in name and p.ndim == 3:           # Llama-4 fused experts: (E, in, out)
+            p.copy_(noise / p.shape[1] ** 0.5)
+        else:
+            p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def _finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    randomize(model, seed)
+    return model.eval()
+
+
+def _eager(config):
+    config._attn_implementation = "eager"
+    for sub in ("text_config", "vision_config"):
+        if getattr(config, sub, None) is not None:
+            getattr(config, sub)._attn_implementation = "eager"
+    return config
+
+
+def llama4_text_config(**overrides) -> Llama4TextConfig:
+    """4 layers: chunked RoPE, chunked RoPE (MoE), chunked RoPE, global NoPE (MoE); chunk 8;
+    temperature tuning with floor_scale 4 so the NoPE layer's q scale changes every few tokens."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              no_rope_layers=[1, 1, 1, 0], moe_layers=[1, 3], num_local_experts=4, num_experts_per_tok=1,
+              attention_chunk_size=8, floor_scale=4, attn_scale=0.25, use_qk_norm=True,
+              max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    kw.update(overrides)
+    return _eager(Llama4TextConfig(**kw))
+
+
+def llama4(seed: int = 0) -> PreTrainedModel:
+    return _finish(Llama4ForCausalLM(llama4_text_config()), seed)
+
+
+def llama4_multimodal(seed: int = 0) -> PreTrainedModel:
+    from transformers import Llama4VisionConfig
+
+    vision = Llama4VisionConfig(image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=32, pixel_shuffle_ratio=0.5, **_SMALL_VISION)
+    config = Llama4Config(text_config=llama4_text_config().to_dict(), vision_config=vision.to_dict(),
+                          image_token_index=VOCAB - 1)
+    return _finish(Llama4ForConditionalGeneration(_eager(config)), seed)
+
+
+def mistral(seed: int = 0) -> PreTrainedModel:
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                           max_position_embeddings=4096, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _finish(MistralForCausalLM(_eager(config)), seed)
+
+
+def gemma2(seed: int = 0) -> PreTrainedModel:
+    """Sliding 5 / global alternating, attention softcap 20, final softcap 5 (so both bite). Untied:
+    with random tied embeddings greedy decoding collapses into repeating one token (the multimodal
+    Gemma-3 below keeps them tied)."""
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                          query_pre_attn_scalar=16, attn_logit_softcapping=20.0, final_logit_softcapping=5.0,
+                          max_position_embeddings=4096, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _finish(Gemma2ForCausalLM(_eager(config)), seed)
+
+
+def gemma3_text_config(**overrides) -> Gemma3TextConfig:
+    """Pattern sliding, sliding, global, sliding (window 4); local and global RoPE differ (linear x2)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+              query_pre_attn_scalar=16, max_position_embeddings=4096,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "linear", "rope_theta": 10000.0,
+                                                  "factor": 2.0}})
+    kw.update(overrides)
+    return _eager(Gemma3TextConfig(**kw))
+
+
+def gemma3(seed: int = 0) -> PreTrainedModel:
+    return _finish(Gemma3ForCausalLM(gemma3_text_config(tie_word_embeddings=False)), seed)
+
+
+def gemma3_multimodal(seed: int = 0) -> PreTrainedModel:
+    from transformers import SiglipVisionConfig
+
+    vision = SiglipVisionConfig(image_size=28, patch_size=14, **_SMALL_VISION)
+    config = Gemma3Config(text_config=gemma3_text_config().to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
+                          eoi_token_index=VOCAB - 3)
+    return _finish(Gemma3ForConditionalGeneration(_eager(config)), seed)
+
+
+def mamba2(seed: int = 0) -> PreTrainedModel:
+    """3 layers, 4 heads x 16, 2 groups, state 8, SSD chunk 8 (so the scan crosses chunks)."""
+    config = Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8,
+                          n_groups=2, conv_kernel=4, chunk_size=8, num_hidden_layers=3,
+                          tie_word_embeddings=False, use_cache=False)
+    return _finish(Mamba2ForCausalLM(config), seed)
+
+
+FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
+    "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
+    "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2,
+}
+
+
+def save(model: PreTrainedModel, directory: Path, **kwargs) -> Path:
+    """``save_pretrained``, with config.json's special floats spelled as released hub checkpoints spell
+    them (bare ``Infinity``): transformers 5.x writes ``{"__float__": "Infinity"}`` instead, which
+    hybridkv's config reader does not decode yet (reported)."""
+    model.save_pretrained(str(directory), **kwargs)
+    file = directory / "config.json"
+
+    def decode(obj: dict) -> object:
+        return float(obj["__float__"]) if set(obj) == {"__float__"} else obj
+
+    file.write_text(json.dumps(json.loads(file.read_text(), object_hook=decode), indent=2))
+    return directory
+
+
+@torch.no_grad()
+def full_logits(model: PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
+    """fp32 logits (len, vocab) of one no-cache forward over ``tokens``."""
+    ids = torch.tensor([list(tokens)])
+    return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by argmax over repeated full forwards (no HF cache path involved)."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(int(full_logits(model, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
