@@ -1,0 +1,379 @@
+"""The shared attention block pool and the Mamba state-slot pool (host-side bookkeeping only).
+
+Block pool. Block 0 is the null block: never handed out, never freed; empty or skipped table entries
+point at it. A live block has ``ref_count`` = the number of request-table entries holding it (> 1 only
+when requests share it through the prefix cache). A free block is either *plain* (no registered hash;
+kept on a stack) or *cached* (its hash is still registered, so a prefix-cache lookup can revive it; kept
+in an LRU ordered by time of freeing). Allocation takes plain blocks first, then the least-recently-freed
+cached block, evicting its hash: a plain free block holds nothing anyone can look up, so reusing it
+first only ever keeps more of the cache alive. Every operation is O(1) per block; bulk operations on the
+plain stack are numpy slices.
+
+The hash -> block map is kept per group: a block id addresses a page of one group's layers, so a key
+found in group A says nothing about group B. A block belongs to at most one group at a time.
+
+State-slot pool. Slot 0 is null. Slots ``1 .. num_working`` are working slots (one per running request);
+the last ``num_checkpoint_slots`` slots hold prefix-cache checkpoints: a request's state at a
+block-aligned length, keyed by the chained block hash at that length, LRU-evicted, pinned while a request
+that hit it waits for its copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridkv.kv_groups.hashing import BlockHash
+
+NULL_BLOCK = 0
+NULL_SLOT = 0
+
+
+class BlockPool:
+    """Reference-counted pool of ``num_blocks`` blocks (null block 0 included) shared by ``num_groups``.
+
+    Prefix-cache index: one dict maps a key to an *entry*; ``entry_blocks[entry, g]`` is the block
+    caching that key in group ``g`` (0 = none). Column ``g`` is group g's own hash -> block map, but
+    registering a block position for all G groups costs one dict operation and one numpy write, not G
+    dict operations (Gemma-3 has 31 groups)."""
+
+    def __init__(self, num_blocks: int, num_groups: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"BlockPool.num_blocks must be >= 2 (block 0 is null), got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"BlockPool.num_groups must be >= 1, got {num_groups}")
+        self.num_blocks = num_blocks
+        self.num_groups = num_groups
+        self.ref_count = np.zeros(num_blocks, np.int32)                   # (num_blocks,)
+        self._owner = np.zeros(num_blocks, np.int32)                      # group of a live/cached block
+        self._block_entry = np.full(num_blocks, -1, np.int64)             # block -> entry, -1 = no key
+        # Plain free blocks; the top is the end, so block 1 is handed out first.
+        self._stack = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)   # (num_blocks - 1,)
+        self._top = num_blocks - 1
+        self._lru: OrderedDict[int, None] = OrderedDict()                # cached free, oldest first
+        # Entries: each holds >= 1 keyed block, so num_blocks entries always suffice.
+        self._key_index: dict[BlockHash, int] = {}
+        self._entry_key: list[BlockHash | None] = [None] * num_blocks       # (E,)
+        self._entry_blocks = np.zeros((num_blocks, num_groups), np.int32) # (E, G)
+        self._entry_count = np.zeros(num_blocks, np.int32)               # (E,) groups holding the key
+        self._free_entries = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
+        self._entries_top = num_blocks
+        self._gids_cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (plain free + cached free)."""
+        return self._top + len(self._lru)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._lru)
+
+    def live_blocks_per_group(self) -> np.ndarray:
+        """(num_groups,) distinct blocks with ref_count > 0, per owning group. O(num_blocks): for stats,
+        not for the per-step path."""
+        return np.bincount(self._owner[self.ref_count > 0], minlength=self.num_groups)
+
+    def lookup(self, group_id: int, block_hash: BlockHash) -> int:
+        """The block caching ``block_hash`` in ``group_id`` (live or free), or the null block."""
+        e = self._key_index.get(block_hash)
+        return NULL_BLOCK if e is None else int(self._entry_blocks[e, group_id])
+
+    def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:
+        return self.lookup(group_id, block_hash) != NULL_BLOCK
+
+    def cached_mask(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int]) -> np.ndarray:
+        """(n,) bool: key j is cached in every one of ``group_ids`` (one dict lookup per key)."""
+        get = self._key_index.get
+        entries = np.fromiter((get(h, -1) for h in block_hashes), np.int64, len(block_hashes))
+        known = entries >= 0
+        out = np.zeros(len(block_hashes), np.bool_)
+        if known.any():
+            out[known] = (self._entry_blocks[entries[known]][:, list(group_ids)] != NULL_BLOCK).all(axis=1)
+        return out
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        e = self._block_entry[block_id]
+        return None if e < 0 else self._entry_key[e]
+
+    def cached_hashes(self, group_id: int) -> dict[BlockHash, int]:
+        """One group's hash -> block map, as a dict (for tests and debugging)."""
+        col = self._entry_blocks[:, group_id]
+        return {h: int(col[e]) for h, e in self._key_index.items() if col[e] != NULL_BLOCK}
+
+    def num_freed_by(self, block_ids: np.ndarray) -> int:
+        """How many blocks ``free(block_ids)`` would return to the free queue (no state change)."""
+        if block_ids.size == 0:
+            return 0
+        rc = self.ref_count[block_ids]
+        if np.count_nonzero(rc == 1) == rc.size:      # each id held once, so the ids are distinct
+            return int(block_ids.size)
+        ids, counts = np.unique(block_ids[block_ids != NULL_BLOCK], return_counts=True)
+        return int((self.ref_count[ids] == counts).sum())
+
+    # -- mutations -------------------------------------------------------------------------------
+    def allocate(self, num_per_group: int, group_ids: Sequence[int]) -> np.ndarray:
+        """Take ``num_per_group`` blocks for each of ``group_ids``: (len(group_ids), num_per_group) int32.
+
+        The caller checks ``num_free_blocks`` first; running short here is a programming error."""
+        g = len(group_ids)
+        n = num_per_group * g
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"BlockPool.allocate({n}) with only {self.num_free_blocks} free blocks")
+        take = min(n, self._top)
+        ids = self._stack[self._top - take:self._top][::-1].copy()           # (take,)
+        self._top -= take
+        if take < n:
+            lru = self._lru
+            evicted = np.fromiter((lru.popitem(last=False)[0] for _ in range(n - take)), np.int32, n - take)
+            self._evict_keys(evicted)
+            ids = np.concatenate([ids, evicted])
+        self.ref_count[ids] = 1
+        out = ids.reshape(g, num_per_group)
+        self._owner[out] = self._group_column(group_ids)
+        return out
+
+    def _group_column(self, group_ids: Sequence[int]) -> np.ndarray:
+        """(G, 1) int64 array of ``group_ids`` (cached: the step path passes the same tuple)."""
+        col = self._gids_cache.get(tuple(group_ids))
+        if col is None:
+            col = self._gids_cache[tuple(group_ids)] = np.asarray(group_ids, np.int64)[:, None]
+        return col
+
+    def free(self, block_ids: np.ndarray) -> None:
+        """Drop one reference per entry of ``block_ids`` (1-D; null entries ignored). Blocks reaching
+        zero go to the free queue in the given order, so pass a request's blocks last-first to evict
+        its tail before its (more shareable) head."""
+        if block_ids.size == 0:
+            return
+        rc = self.ref_count
+        held = rc[block_ids]
+        if np.count_nonzero(held == 1) == held.size:    # common: each id held once here, so distinct
+            rc[block_ids] = 0
+            zero = block_ids
+        else:
+            ids = block_ids[block_ids != NULL_BLOCK]
+            if ids.size == 0:
+                return
+            held = rc[ids]
+            if (held <= 0).any():
+                raise RuntimeError(f"BlockPool.free of a free block: {ids[held <= 0].tolist()}")
+            np.subtract.at(rc, ids, 1)
+            zero = ids[rc[ids] == 0]
+            if zero.size > 1:
+                _, first = np.unique(zero, return_index=True)
+                zero = zero[np.sort(first)]
+            if zero.size == 0:
+                return
+        cached = self._block_entry[zero] >= 0
+        n_cached = np.count_nonzero(cached)
+        if n_cached == zero.size:
+            plain = zero[:0]
+        else:
+            plain = zero[~cached] if n_cached else zero
+            self._stack[self._top:self._top + plain.size] = plain[::-1]
+            self._top += plain.size
+        if n_cached:
+            lru = self._lru
+            for b in (zero if not plain.size else zero[cached]).tolist():
+                lru[b] = None
+
+    def touch(self, group_id: int, block_ids: Sequence[int]) -> None:
+        """Take one more reference to cached blocks (a prefix hit), reviving free ones."""
+        for b in block_ids:
+            if self.ref_count[b] == 0:
+                del self._lru[b]
+                self._owner[b] = group_id
+            self.ref_count[b] += 1
+
+    def cache_blocks(self, group_ids: Sequence[int], hashes: Sequence[BlockHash],
+                     block_ids: np.ndarray) -> None:
+        """Register full blocks: ``block_ids`` (len(group_ids), k) holds, per group, the blocks whose
+        keys are ``hashes`` (k,). A block that already has a key keeps it; a key that another block
+        already caches in that group keeps that block (first wins; the duplicate stays plain). Null
+        entries are skipped."""
+        k = len(hashes)
+        if k == 0:
+            return
+        gids = self._group_column(group_ids)                                      # (G, 1)
+        get = self._key_index.get
+        ent_list = [get(h, -1) for h in hashes]
+        n_new = ent_list.count(-1)
+        if n_new == k and len(set(hashes)) == k:
+            known = self._block_entry[block_ids]                             # (G, k)
+            if np.maximum.reduce(known, axis=None) < 0 and np.minimum.reduce(block_ids, axis=None) > NULL_BLOCK:
+                # Fast path (every decode step): new keys, fresh non-null blocks, few numpy calls.
+                top = self._entries_top - k
+                fresh = self._free_entries[top:top + k].copy()                 # (k,)
+                self._entries_top = top
+                fl = fresh.tolist()
+                self._key_index.update(zip(hashes, fl, strict=True))
+                ek = self._entry_key
+                for e, h in zip(fl, hashes, strict=True):
+                    ek[e] = h
+                self._entry_blocks[fresh[None, :], gids] = block_ids
+                self._block_entry[block_ids] = fresh[None, :]
+                self._entry_count[fresh] = len(group_ids)
+                return
+        if len(set(hashes)) != k:            # the same key twice in one batch: one at a time
+            for j in range(k):
+                self.cache_blocks(group_ids, hashes[j:j + 1], block_ids[:, j:j + 1])
+            return
+        entries = np.array(ent_list, np.int64)                                # (k,)
+        new = entries < 0
+        if n_new:
+            top = self._entries_top - n_new
+            fresh = self._free_entries[top:top + n_new].copy()
+            self._entries_top = top
+            entries[new] = fresh
+            new_keys = [h for h, e in zip(hashes, ent_list, strict=True) if e < 0]
+            self._key_index.update(zip(new_keys, fresh.tolist(), strict=True))
+            for e, h in zip(fresh.tolist(), new_keys, strict=True):
+                self._entry_key[e] = h
+        write = (block_ids != NULL_BLOCK) & (self._block_entry[block_ids] < 0)
+        if n_new != k:                       # first wins where the key already has a block
+            write &= self._entry_blocks[entries[None, :], gids] == NULL_BLOCK
+        ents = np.broadcast_to(entries[None, :], block_ids.shape)
+        e, b = ents[write], block_ids[write]
+        self._entry_blocks[e, np.broadcast_to(gids, block_ids.shape)[write]] = b
+        self._block_entry[b] = e
+        np.add.at(self._entry_count, e, 1)
+        if n_new:                            # entries nobody took: release them
+            for ent in entries[new][self._entry_count[entries[new]] == 0].tolist():
+                self._release_entry(ent)
+
+    def _release_entry(self, e: int) -> None:
+        del self._key_index[self._entry_key[e]]
+        self._entry_key[e] = None
+        self._free_entries[self._entries_top] = e
+        self._entries_top += 1
+
+    def _evict_keys(self, blocks: np.ndarray) -> None:
+        """Forget the keys of cached blocks about to be reused."""
+        ents = self._block_entry[blocks]
+        keyed = ents >= 0
+        if not keyed.any():
+            return
+        blocks, ents = blocks[keyed], ents[keyed]
+        self._entry_blocks[ents, self._owner[blocks]] = NULL_BLOCK
+        self._block_entry[blocks] = -1
+        np.subtract.at(self._entry_count, ents, 1)
+        for e in np.unique(ents[self._entry_count[ents] == 0]).tolist():
+            self._release_entry(e)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the internal structures disagree (tests, debug mode)."""
+        rc = self.ref_count
+        assert rc[NULL_BLOCK] == 0 and (rc >= 0).all(), "negative or null ref count"
+        plain = self._stack[:self._top]
+        lru = np.fromiter(self._lru, np.int64, len(self._lru))
+        free = np.concatenate([plain, lru]).astype(np.int64)
+        assert np.unique(free).size == free.size, "a block is free twice"
+        assert NULL_BLOCK not in free, "the null block is free"
+        assert (rc[free] == 0).all(), "a free block is referenced"
+        assert free.size + int((rc > 0).sum()) == self.num_blocks - 1, "a block is neither free nor live"
+        keyed = self._block_entry >= 0
+        assert not keyed[plain].any() and keyed[lru].all(), "free queues mixed up"
+        used = set(self._key_index.values())
+        assert len(used) == len(self._key_index) == self.num_blocks - self._entries_top, "entry leak"
+        assert not used & set(self._free_entries[:self._entries_top].tolist()), "a used entry is free"
+        for h, e in self._key_index.items():
+            assert self._entry_key[e] == h, "entry key is stale"
+            row = self._entry_blocks[e]
+            held = np.flatnonzero(row)
+            assert held.size == self._entry_count[e] > 0, "entry count drifted"
+            assert (self._block_entry[row[held]] == e).all(), "block -> entry is stale"
+            assert (self._owner[row[held]] == held).all(), "a cached block is in another group's column"
+        assert int(keyed.sum()) == int(self._entry_count.sum()), "keyed blocks missing from the index"
+
+
+class StateSlotPool:
+    """Working slots for running requests plus LRU checkpoint slots for the prefix cache."""
+
+    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
+        if num_checkpoint_slots < 0 or num_slots < 2 + num_checkpoint_slots:
+            raise ValueError(f"StateSlotPool needs num_slots >= 2 + num_checkpoint_slots (slot 0 is null), "
+                             f"got num_slots={num_slots}, num_checkpoint_slots={num_checkpoint_slots}")
+        self.num_slots = num_slots
+        self.num_checkpoint_slots = num_checkpoint_slots
+        self.num_working_slots = num_slots - 1 - num_checkpoint_slots
+        self._free = list(range(self.num_working_slots, 0, -1))          # top = end, slot 1 first
+        self._in_use = np.zeros(num_slots, np.bool_)
+        self._ckpt: OrderedDict[BlockHash, int] = OrderedDict()          # key -> slot, LRU first
+        self._ckpt_key: dict[int, BlockHash] = {}
+        self._free_ckpt = list(range(num_slots - 1, self.num_working_slots, -1))
+        self._pins = np.zeros(num_slots, np.int32)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free working slots."""
+        return len(self._free)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._ckpt)
+
+    def checkpoints(self) -> dict[BlockHash, int]:
+        return dict(self._ckpt)
+
+    def allocate(self, n: int) -> np.ndarray:
+        """(n,) int32 working slots; the caller checks ``num_free_slots`` first."""
+        if n > len(self._free):
+            raise RuntimeError(f"StateSlotPool.allocate({n}) with only {len(self._free)} free slots")
+        out = np.array(self._free[len(self._free) - n:][::-1], np.int32)
+        del self._free[len(self._free) - n:]
+        self._in_use[out] = True
+        return out
+
+    def free(self, slots: np.ndarray) -> None:
+        for s in slots.tolist():
+            if s == NULL_SLOT:
+                continue
+            if not self._in_use[s] or s > self.num_working_slots:
+                raise RuntimeError(f"StateSlotPool.free of slot {s}, which is not a working slot in use")
+            self._in_use[s] = False
+            self._free.append(s)
+
+    def lookup_checkpoint(self, key: BlockHash) -> int:
+        return self._ckpt.get(key, NULL_SLOT)
+
+    def pin(self, slot: int) -> None:
+        """Keep a checkpoint from eviction until ``unpin`` (its copy has not been queued yet)."""
+        self._pins[slot] += 1
+        self._ckpt.move_to_end(self._ckpt_key[slot])
+
+    def unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+
+    def store_checkpoint(self, key: BlockHash) -> tuple[int, bool]:
+        """A checkpoint slot for ``key``: (slot, True) when the caller must copy the state into it,
+        (slot, False) when ``key`` is already stored, (0, False) when every checkpoint slot is pinned."""
+        slot = self._ckpt.get(key, NULL_SLOT)
+        if slot != NULL_SLOT:
+            self._ckpt.move_to_end(key)
+            return slot, False
+        if self._free_ckpt:
+            slot = self._free_ckpt.pop()
+        else:
+            for old_key, old in self._ckpt.items():
+                if self._pins[old] == 0:
+                    del self._ckpt[old_key]
+                    slot = old
+                    break
+            else:
+                return NULL_SLOT, False
+        self._ckpt[key] = slot
+        self._ckpt_key[slot] = key
+        return slot, True
+
+    def check_invariants(self) -> None:
+        free = self._free
+        assert len(set(free)) == len(free) and NULL_SLOT not in free, "slot free twice or null free"
+        assert not self._in_use[free].any(), "a free slot is in use"
+        assert len(free) + int(self._in_use.sum()) == self.num_working_slots, "a working slot leaked"
+        assert len(self._ckpt) + len(self._free_ckpt) == self.num_checkpoint_slots, "checkpoint slot leaked"
+        assert all(self._ckpt_key[s] == k for k, s in self._ckpt.items()), "checkpoint map is stale"
+        assert (self._pins >= 0).all(), "negative pin count"

@@ -1,0 +1,332 @@
+"""Per-kind managers: what each layer kind frees early and which prefix-cache hits it accepts.
+
+One manager per distinct spec. The plan may split one spec's layers into several pool groups (each
+group fills whole pool pages); those groups share every decision (same block size, same skip rule, same
+token counts), so a manager drives all of them at once over a (G_spec, rows, cols) slice of the block
+tables. Kind semantics (DESIGN.md §3), for ``n`` computed tokens and block size ``bs``:
+
+================  ============================  =================================================
+kind              leading blocks freed          a prefix hit at length L (multiple of bs) needs
+================  ============================  =================================================
+full              0                             blocks 0 .. L/bs - 1 cached
+sliding window W  max(0, n - W + 1) // bs       the cdiv(W - 1, bs) blocks before L cached
+chunked local C   (n // C) * C // bs            the blocks from the chunk start (L // C) * C to L
+mamba             (state overwritten in place)  a checkpoint stored exactly at L
+================  ============================  =================================================
+
+Managers hold only what differs by kind: which leading blocks to free (``skipped_blocks``,
+``remove_skipped_blocks``) and which prefix-cache hits to accept (``find_longest_cache_hit``,
+``take_cache_hit``). What every kind does alike -- a new block for every ``block_size`` new tokens,
+registering full blocks under their keys -- the coordinator does once over the stacked (G, R, C)
+block tables of all groups. The hooks are vectorised over request rows so a batch step costs a few
+numpy ops per spec, not a Python call per request; ``skipped_blocks_to_free`` is the dry run the
+coordinator uses to check memory for all groups before changing anything.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from hybridkv.kv_groups.block_pool import NULL_BLOCK, NULL_SLOT, BlockPool, StateSlotPool
+from hybridkv.kv_groups.block_table import token_ranges
+from hybridkv.kv_groups.hashing import BlockHash
+from hybridkv.kv_groups.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from hybridkv.utils import cdiv
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedBlocks:
+    """Blocks a batch may free now: rows that change, their new skip count, and the (G, k) block ids at
+    entries (rows_rep[k], cols[k]) in each of the manager's groups."""
+
+    rows: np.ndarray          # (r,) rows whose skip count grows
+    new_skip: np.ndarray      # (r,)
+    rows_rep: np.ndarray      # (k,) row of each freed entry
+    cols: np.ndarray          # (k,) column of each freed entry
+    block_ids: np.ndarray     # (G, k)
+
+
+class AttentionManager(ABC):
+    """Blocks of one attention spec across its pool groups. ``tables`` is the (G, R, C) slice of the
+    block tables that holds those groups; ``num_skipped[row]`` counts leading entries already freed and
+    ``next_free[row]`` is the num_computed at which the next one becomes free (so a batch step finds
+    the few rows with something to free in one comparison)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, spec: AttentionSpec, *, group_ids: Sequence[int], pool: BlockPool,
+                 tables: np.ndarray) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.group_ids = tuple(group_ids)
+        self.pool = pool
+        self.tables = tables                                           # (G, R, C) view
+        self.num_skipped = np.zeros(tables.shape[1], np.int32)         # (R,)
+        self.next_free = np.zeros(tables.shape[1], np.int64)           # (R,)
+
+    @property
+    def frees_early(self) -> bool:
+        return True
+
+    @abstractmethod
+    def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
+        """(r,) leading blocks whose tokens are all skipped once ``num_computed`` (r,) are done."""
+
+    @abstractmethod
+    def next_free_at(self, num_skipped: np.ndarray) -> np.ndarray:
+        """(r,) smallest num_computed whose ``skipped_blocks`` exceeds ``num_skipped`` (r,)."""
+
+    @abstractmethod
+    def hit_start_block(self, length: int) -> int:
+        """First block a prefix hit at ``length`` must hold (blocks before it are skipped)."""
+
+    def reset_rows(self, rows: np.ndarray | int, num_skipped: int = 0) -> None:
+        self.num_skipped[rows] = num_skipped
+        self.next_free[rows] = self.next_free_at(np.atleast_1d(np.int64(num_skipped)))[0]
+
+    # -- freeing ---------------------------------------------------------------------------------
+    def _skipped(self, rows: np.ndarray, num_computed: np.ndarray, assume_due: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(rows that move, their new skip count, rows_rep, cols) or None. Only rows with
+        ``num_computed >= next_free`` can free anything, so most rows cost one comparison
+        (``assume_due``: the caller already kept only those rows)."""
+        if not assume_due:
+            due = num_computed >= self.next_free[rows]
+            n_due = np.count_nonzero(due)
+            if n_due == 0:
+                return None
+            if n_due != due.size:
+                rows, num_computed = rows[due], num_computed[due]
+        # next_free is exact, so every due row frees >= 1 block; and num_computed <= the allocated
+        # tokens, so skipped blocks never reach past the row's entries.
+        target = self.skipped_blocks(num_computed)
+        cur = self.num_skipped[rows]
+        grow = target - cur
+        if np.add.reduce(grow) == grow.size:          # one block per row (decode)
+            return rows, target, rows, cur
+        owner, cols = token_ranges(cur.astype(np.int64), grow)
+        return rows, target, rows[owner], cols
+
+    def skipped_blocks_to_free(self, rows: np.ndarray, num_computed: np.ndarray, *,
+                               assume_due: bool = False) -> SkippedBlocks | None:
+        """What ``remove_skipped_blocks`` would free (no state change); None when nothing."""
+        found = self._skipped(rows, num_computed, assume_due)
+        if found is None:
+            return None
+        rows, target, rows_rep, cols = found
+        return SkippedBlocks(rows=rows, new_skip=target, rows_rep=rows_rep, cols=cols,
+                             block_ids=self.tables[:, rows_rep, cols])
+
+    def apply_free(self, skipped: SkippedBlocks) -> None:
+        self._free(skipped.rows, skipped.new_skip, skipped.rows_rep, skipped.cols, skipped.block_ids)
+
+    def _free(self, rows: np.ndarray, new_skip: np.ndarray, rows_rep: np.ndarray, cols: np.ndarray,
+              block_ids: np.ndarray) -> None:
+        self.tables[:, rows_rep, cols] = NULL_BLOCK
+        self.num_skipped[rows] = new_skip
+        self.next_free[rows] = self.next_free_at(new_skip)
+        self.pool.free(block_ids.reshape(-1))
+
+    def remove_skipped_blocks(self, rows: np.ndarray, num_computed: np.ndarray, *,
+                              assume_due: bool = False) -> None:
+        """Free blocks whose tokens are all skipped; their entries become the null block."""
+        found = self._skipped(rows, num_computed, assume_due)
+        if found is not None:
+            rows, target, rows_rep, cols = found
+            self._free(rows, target, rows_rep, cols, self.tables[:, rows_rep, cols])
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def cached_mask(self, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+        """(n,) bool: block j of the chain is cached in every group of this spec."""
+        return self.pool.cached_mask(block_hashes, self.group_ids)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
+                               cached: np.ndarray | None = None) -> int:
+        """Largest L <= ``max_length`` (a multiple of bs) whose needed blocks are all cached; 0 if none.
+        ``cached`` is ``cached_mask(block_hashes)`` when the caller already has it."""
+        end = min(max_length // self.block_size, len(block_hashes))
+        if cached is None:
+            cached = self.cached_mask(block_hashes[:end])
+        return self._longest_hit(cached[:end].tolist(), end) * self.block_size
+
+    @abstractmethod
+    def _longest_hit(self, cached: list[bool], end: int) -> int:
+        """Largest accepted hit in blocks, <= ``end``, given which of blocks 0 .. end-1 are cached."""
+
+    def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> None:
+        """Reference the blocks a hit at ``length`` needs and write them into ``row``."""
+        start, end = self.hit_start_block(length), length // self.block_size
+        for gi, g in enumerate(self.group_ids):
+            ids = [self.pool.lookup(g, block_hashes[j]) for j in range(start, end)]
+            assert NULL_BLOCK not in ids, "a hit block was evicted between search and take"
+            self.pool.touch(g, ids)
+            self.tables[gi, row, start:end] = ids
+        self.reset_rows(row, start)
+
+    # -- request end -----------------------------------------------------------------------------
+    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
+        """Release every block of ``rows`` (last block first, per row and group) and clear them."""
+        owner, cols = token_ranges(self.num_skipped[rows].astype(np.int64),
+                                   (num_cols - self.num_skipped[rows]).clip(min=0))
+        rows_rep = rows[owner]
+        ids = self.tables[:, rows_rep, cols]                           # (G, k)
+        self.tables[:, rows_rep, cols] = NULL_BLOCK
+        self.reset_rows(rows)
+        self.pool.free(ids[:, ::-1].T.reshape(-1))     # tails of every group first
+
+    def held_blocks(self, row: int, num_cols: int) -> np.ndarray:
+        """(G, n) non-null block ids of ``row``, per group."""
+        return self.tables[:, row, self.num_skipped[row]:num_cols]
+
+
+class FullAttentionManager(AttentionManager):
+    kind = "full"
+
+    @property
+    def frees_early(self) -> bool:
+        return False
+
+    def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
+        return np.zeros_like(num_computed)
+
+    def next_free_at(self, num_skipped: np.ndarray) -> np.ndarray:
+        return np.full_like(num_skipped, np.iinfo(np.int64).max, dtype=np.int64)
+
+    def hit_start_block(self, length: int) -> int:
+        return 0
+
+    def _longest_hit(self, cached: list[bool], end: int) -> int:
+        return cached.index(False) if False in cached else end
+
+
+class SlidingWindowManager(AttentionManager):
+    kind = "sliding_window"
+
+    def __init__(self, spec: SlidingWindowSpec, **kw: object) -> None:
+        super().__init__(spec, **kw)  # type: ignore[arg-type]
+        self.window = spec.sliding_window
+        self.blocks_needed = cdiv(self.window - 1, self.block_size)
+        self.next_free[:] = self.next_free_at(self.num_skipped)
+
+    def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
+        return np.maximum(num_computed - (self.window - 1), 0) // self.block_size
+
+    def next_free_at(self, num_skipped: np.ndarray) -> np.ndarray:
+        # max(0, n - W + 1) // bs > s  <=>  n >= (s + 1) * bs + W - 1
+        return num_skipped.astype(np.int64, copy=False) * self.block_size + (self.block_size + self.window - 1)
+
+    def hit_start_block(self, length: int) -> int:
+        return max(0, length // self.block_size - self.blocks_needed)
+
+    def _longest_hit(self, cached: list[bool], end: int) -> int:
+        # Right to left: at block j, ``run`` counts cached blocks j, j+1, ...; the first j where it
+        # reaches ``need`` gives the largest hit j + need. Without any full window, only a hit covered
+        # from block 0 works: the run left over at j = 0.
+        need = self.blocks_needed
+        if need == 0:                       # window 1: a query sees only itself
+            return end
+        run = 0
+        for j in range(end - 1, -1, -1):
+            if cached[j]:
+                run += 1
+                if run >= need:
+                    return j + need
+            else:
+                run = 0
+        return run
+
+
+class ChunkedLocalManager(AttentionManager):
+    kind = "chunked_local"
+
+    def __init__(self, spec: ChunkedLocalAttentionSpec, **kw: object) -> None:
+        super().__init__(spec, **kw)  # type: ignore[arg-type]
+        self.chunk = spec.attention_chunk_size
+        self.blocks_per_chunk = self.chunk // self.block_size
+        self.next_free[:] = self.next_free_at(self.num_skipped)
+
+    def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
+        return (num_computed // self.chunk) * self.blocks_per_chunk
+
+    def next_free_at(self, num_skipped: np.ndarray) -> np.ndarray:
+        # (n // C) * bpc > s  <=>  n >= (s // bpc + 1) * C
+        return (num_skipped.astype(np.int64) // self.blocks_per_chunk + 1) * self.chunk
+
+    def hit_start_block(self, length: int) -> int:
+        return (length // self.chunk) * self.blocks_per_chunk
+
+    def _longest_hit(self, cached: list[bool], end: int) -> int:
+        # A chunk boundary needs nothing (the next query starts a fresh chunk), so the last boundary
+        # <= end is always a hit; beyond it, the run of cached blocks from that boundary.
+        n = (end // self.blocks_per_chunk) * self.blocks_per_chunk
+        while n < end and cached[n]:
+            n += 1
+        return n
+
+
+class MambaManager:
+    """Working state slots and prefix-cache checkpoints for every Mamba group (one slot holds the
+    states of all Mamba layers). ``block_size`` is the checkpoint granularity."""
+
+    kind: ClassVar[str] = "mamba"
+
+    def __init__(self, spec: MambaSpec, *, group_ids: Sequence[int], slots: StateSlotPool,
+                 max_num_reqs: int, hash_block_size: int) -> None:
+        if spec.block_size % hash_block_size:
+            raise ValueError(f"MambaSpec.block_size={spec.block_size} must be a multiple of the attention "
+                             f"block_size={hash_block_size} so hybrid prefix hits line up")
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.hash_block_size = hash_block_size
+        self.group_ids = tuple(group_ids)
+        self.slots = slots
+        self.slot = np.zeros(max_num_reqs, np.int32)            # (R,) working slot per row, 0 = none
+        self.pending = np.zeros(max_num_reqs, np.int32)         # (R,) pinned checkpoint awaiting its copy
+
+    def key_at(self, block_hashes: Sequence[BlockHash], length: int) -> BlockHash:
+        return block_hashes[length // self.hash_block_size - 1]
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
+        """Largest L <= ``max_length`` with a checkpoint stored exactly at L (0 = start from zero)."""
+        length = (max_length // self.block_size) * self.block_size
+        while length > 0 and self.slots.lookup_checkpoint(self.key_at(block_hashes, length)) == NULL_SLOT:
+            length -= self.block_size
+        return length
+
+    def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> int:
+        """Pin the checkpoint at ``length`` for ``row``; its copy is queued once the row has a slot."""
+        ckpt = self.slots.lookup_checkpoint(self.key_at(block_hashes, length))
+        assert ckpt != NULL_SLOT
+        self.slots.pin(ckpt)
+        self.pending[row] = ckpt
+        return ckpt
+
+    def free_rows(self, rows: np.ndarray) -> None:
+        self.slots.free(self.slot[rows])
+        for ckpt in self.pending[rows].tolist():
+            if ckpt != NULL_SLOT:
+                self.slots.unpin(ckpt)
+        self.slot[rows] = NULL_SLOT
+        self.pending[rows] = NULL_SLOT
+
+
+def make_attention_manager(spec: AttentionSpec, **kw: object) -> AttentionManager:
+    """The manager class for ``spec``'s kind."""
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager(spec, **kw)  # type: ignore[arg-type]
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(spec, **kw)  # type: ignore[arg-type]
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalManager(spec, **kw)  # type: ignore[arg-type]
+    raise TypeError(f"no manager for attention spec {type(spec).__name__}")
