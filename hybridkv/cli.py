@@ -234,7 +234,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
+    parser.add_argument("--kv-memory", default=None,
+                        help="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
 
 

@@ -20,9 +20,9 @@ from hybridkv.engine.engine import EngineStats, LLMEngine, RequestError
 from hybridkv.engine.request import CompletionOutput, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.loaders.hf_config import load_config
 from hybridkv.models.config import HybridConfig
 from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model
-from hybridkv.loaders.hf_config import load_config
 from hybridkv.utils import format_bytes, parse_bytes
 
 logger = logging.getLogger("hybridkv")

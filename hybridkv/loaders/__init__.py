@@ -1,5 +1,6 @@
 """Loaders: HF config -> layer mix (``HybridConfig``); safetensors -> parameters (hub weight names)."""
 
+from hybridkv.loaders.checkpoint import load_hf_checkpoint
 from hybridkv.loaders.hf_config import (
     CONVERTERS,
     architecture_of,
@@ -8,8 +9,6 @@ from hybridkv.loaders.hf_config import (
     read_config_json,
     supported_architectures,
 )
-
-from hybridkv.loaders.checkpoint import load_hf_checkpoint
 from hybridkv.loaders.tokenizer import load_tokenizer
 
 __all__ = [

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.loaders.hf_config import load_config
 from hybridkv.loaders.weights import get_weight_map, load_weights
 from hybridkv.models.hybrid import HybridModel
-from hybridkv.loaders.hf_config import load_config
 
 # Initialisers module constructors call; patched to no-ops while building (as HF's no_init_weights).
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_uniform_", "xavier_normal_",
