@@ -287,5 +287,7 @@ register(Command(name="generate", help="generate text (or token ids) for prompts
                  add_arguments=_generate_arguments, run=run_generate))
 
 
+import hybridkv.eval.cli  # noqa: E402,F401  (registers "hybridkv eval")
+
 if __name__ == "__main__":
     raise SystemExit(main())
