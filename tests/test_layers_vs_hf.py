@@ -19,6 +19,7 @@ from _layer_harness import LayerHarness, schedule
 from torch import nn
 from transformers import (
     BambaConfig,
+    FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
     GraniteMoeHybridConfig,
@@ -30,11 +31,13 @@ from transformers import (
     MixtralConfig,
     NemotronHConfig,
     PretrainedConfig,
+    Zamba2Config,
 )
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.bamba import modeling_bamba as hf_bamba
+from transformers.models.falcon_h1 import modeling_falcon_h1 as hf_falcon_h1
 from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf_granite
@@ -45,6 +48,7 @@ from transformers.models.mamba2 import modeling_mamba2 as hf_mamba2
 from transformers.models.mistral import modeling_mistral as hf_mistral
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron_h
+from transformers.models.zamba2 import modeling_zamba2 as hf_zamba2
 
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.attention import AttentionLayer
@@ -54,7 +58,8 @@ from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import GatedGroupRMSNorm, RMSNorm, rms_normalize
 from hybridkv.layers.rotary import RotaryEmbedding, rope_inv_freq
-from hybridkv.models.config import Attention, Mamba1, Mamba2, MoE, Rope
+from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, Rope, SharedBlock
+from hybridkv.models.hybrid import SharedBlockUse, SharedTransformerBlock
 
 ATOL = 1e-5
 SEQ = 26                      # crosses windows 5-6 and chunks of 8 several times
@@ -589,3 +594,145 @@ def test_rope_interleaved_matches_hf_llama4() -> None:
     oq, ok = RotaryEmbedding(16, dataclasses.replace(OUR_LLAMA3, interleaved=True))(pos, q, k)
     assert_close(oq, hq[0], atol=2e-6)
     assert_close(ok, hk[0], atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- Falcon-H1 µP, Zamba2 sharing
+
+
+FALCON_MULTIPLIERS = dict(attention_in_multiplier=0.8, key_multiplier=1.3, attention_out_multiplier=0.7,
+                          ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+                          ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], mlp_multipliers=[1.1, 0.8])
+
+
+def _falcon_config(**kw) -> FalconH1Config:
+    return eager(FalconH1Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, projectors_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}, **FALCON_MULTIPLIERS, **kw))
+
+
+FALCON_NORMS = {"no_norm": dict(mamba_rms_norm=False), "norm_then_gate": dict(mamba_rms_norm=True),
+                "gate_then_norm": dict(mamba_rms_norm=True, mamba_norm_before_gate=False)}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULES))
+@pytest.mark.parametrize("norm", list(FALCON_NORMS))
+def test_falcon_h1_mamba_matches_hf(norm: str, sched: str) -> None:
+    """µP input / per-section (z, x, B, C, dt) / output multipliers, out_proj bias without in_proj bias,
+    and the three output-gate variants, through prefill, chunked prefill and decode steps."""
+    cfg = _falcon_config(**FALCON_NORMS[norm])
+    hf = hf_falcon_h1.FalconH1Mixer(cfg, 0)
+    hf.register_buffer("mup_vector", hf_falcon_h1.compute_mup_vector(cfg), persistent=False)
+    randomize(hf, 0, scale=0.2)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        hf.A_log.copy_(torch.log(0.5 + 3.5 * torch.rand(4, generator=gen)))
+        hf.D.copy_(1.0 + 0.5 * torch.randn(4, generator=gen))
+        hf.dt_bias.copy_(torch.randn(4, generator=gen))
+    spec = Mamba2(num_heads=4, head_dim=16, state_size=8, n_groups=2, chunk_size=8, norm_eps=cfg.rms_norm_eps,
+                  out_proj_bias=True, gated_norm=cfg.mamba_rms_norm,
+                  norm_before_gate=cfg.mamba_norm_before_gate, input_multiplier=1.2,
+                  zxbcdt_multipliers=(1.1, 0.9, 1.2, 0.8, 1.05), output_multiplier=0.9)
+    ours = Mamba2Layer(32, spec, cache_name="m2")
+    names = ["in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "out_proj.weight",
+             "out_proj.bias"] + (["norm.weight"] if cfg.mamba_rms_norm else [])
+    load_exact(ours, same_names(hf, names))
+    x = hidden(SEQ, 32, seed=2)
+    out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=4).run(x, SCHEDULES[sched])
+    with torch.no_grad():
+        assert_close(out, hf(x[None])[0] * 0.9)
+
+
+def test_falcon_h1_attention_multipliers_match_hf() -> None:
+    cfg = _falcon_config()
+    hf = hf_falcon_h1.FalconH1Attention(cfg, 0)
+    randomize(hf, 0)
+    ours = AttentionLayer(32, Attention(num_heads=4, num_kv_heads=2, head_dim=8, rope=Rope(theta=100.0),
+                                       input_multiplier=0.8, key_multiplier=1.3, output_multiplier=0.7),
+                          cache_name="attn", norm_eps=1e-5)
+    load_exact(ours, same_names(hf, ATTN_NAMES))
+    x = hidden(SEQ, 32, seed=1)
+    out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=3).run(x, SCHEDULES["chunks+decodes"])
+    with torch.no_grad():   # HF's decoder layer applies the in / out multipliers around the module
+        pe = hf_falcon_h1.FalconH1RotaryEmbedding(cfg)(x[None], torch.arange(SEQ)[None])
+        ref = hf(hidden_states=x[None] * 0.8, position_embeddings=pe, attention_mask=additive_mask(SEQ))[0][0]
+    assert_close(out, ref * 0.7)
+
+
+def test_falcon_h1_mlp_multipliers_match_hf() -> None:
+    hf = hf_falcon_h1.FalconH1MLP(_falcon_config())
+    randomize(hf, 0, scale=0.3)
+    ours = DenseMLP(32, 48, gate_multiplier=1.1, down_multiplier=0.8)
+    load_exact(ours, same_names(hf, [f"{n}_proj.weight" for n in ("gate", "up", "down")]))
+    x = hidden(20, 32, seed=1)
+    with torch.no_grad():
+        assert_close(ours(x), hf(x))
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_falcon_h1_gated_norm_matches_hf(before: bool) -> None:
+    hf = hf_falcon_h1.FalconH1RMSNormGated(64, eps=1e-5, n_groups=4, norm_before_gate=before)
+    randomize(hf, 0)
+    ours = GatedGroupRMSNorm(64, n_groups=4, eps=1e-5, norm_before_gate=before)
+    load_exact(ours, same_names(hf, ["weight"]))
+    y, z = hidden(10, 64, seed=1), hidden(10, 64, seed=2)
+    with torch.no_grad():
+        assert_close(ours(y, z), hf(y, gate=z), atol=1e-6)
+
+
+ZAMBA_TYPES = ["hybrid", "mamba", "hybrid", "hybrid"]       # uses 0 and 2 share block 0
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULES))
+def test_zamba2_shared_block_use_matches_hf(sched: str) -> None:
+    """One use of a shared block: concat(x, embeddings) -> norm -> attention (+ q/k/v adapters, RoPE,
+    scale (head_dim / 2) ** -0.5) -> norm -> MLP (+ gate|up adapter) -> the layer's linear. Use 2 of
+    block 0 (layer 3) picks adapter 2 out of the block's list."""
+    cfg = eager(Zamba2Config(
+        hidden_size=32, num_hidden_layers=4, layers_block_type=ZAMBA_TYPES, num_mem_blocks=2,
+        num_attention_heads=4, num_key_value_heads=4, adapter_rank=4, intermediate_size=48,
+        use_shared_attention_adapter=True, use_mem_rope=True, n_mamba_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}))
+    block = hf_zamba2.Zamba2AttentionDecoderLayer(cfg, block_id=0)
+    linear = nn.Linear(32, 32, bias=False)
+    randomize(block, 0, scale=0.2)
+    randomize(linear, 1, scale=0.2)
+    attention = Attention(num_heads=4, num_kv_heads=4, head_dim=16, rope=Rope(theta=100.0), scale=8 ** -0.5,
+                          shared_id=0)
+    spec = SharedBlock(block_id=0, use_index=2, attention=attention, adapter_rank=4, attention_adapters=True,
+                       mlp=MLP(intermediate_size=48, activation="gelu"))
+    mamba = Mamba2(num_heads=4, head_dim=16, state_size=8)
+    config = HybridConfig(vocab_size=8, hidden_size=32, layers=(Layer(mixer=mamba, shared_block=spec),))
+    weights = SharedTransformerBlock(config, spec)
+    ours = SharedBlockUse(config, spec, weights, cache_name="shared")
+    hp = {k: v.detach() for k, v in block.named_parameters()}
+    gate_up = hp["feed_forward.gate_up_proj.weight"]
+    load_exact(weights, {
+        "input_norm.weight": hp["input_layernorm.weight"], "ffn_norm.weight": hp["pre_ff_layernorm.weight"],
+        **{f"attention.{p}_proj.weight": hp[f"self_attn.{p}_proj.weight"] for p in "qkvo"},
+        "mlp.gate_proj.weight": gate_up[:48], "mlp.up_proj.weight": gate_up[48:],
+        "mlp.down_proj.weight": hp["feed_forward.down_proj.weight"]})
+    parts = {"0": "down", "1": "up"}
+    load_exact(ours, {
+        "linear.weight": linear.weight.detach(),
+        **{f"attention.{p}_adapter.{ours_part}.weight": hp[f"self_attn.linear_{p}_adapter_list.2.{i}.weight"]
+           for p in "qkv" for i, ours_part in parts.items()},
+        **{f"mlp_adapter.{part}.weight": hp[f"feed_forward.gate_up_proj_adapter_list.2.{i}.weight"]
+           for i, part in parts.items()}})
+
+    class Packed(nn.Module):          # the harness feeds one tensor: (x | embeddings)
+        def __init__(self) -> None:
+            super().__init__()
+            self.use = ours
+
+        def forward(self, xe: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.use(xe[:, :32], xe[:, 32:], positions)
+
+    x, e = hidden(SEQ, 32, seed=1), hidden(SEQ, 32, seed=2)
+    out = LayerHarness(Packed(), max_len=SEQ, max_reqs=1, seed=3).run(torch.cat([x, e], -1), SCHEDULES[sched])
+    with torch.no_grad():
+        pe = hf_zamba2.Zamba2RotaryEmbedding(cfg)(x[None], torch.arange(SEQ)[None])
+        t = block(x[None], original_hidden_states=e[None], layer_idx=3, attention_mask=additive_mask(SEQ),
+                  position_embeddings=pe)
+        assert_close(out, linear(t)[0], atol=3e-5)   # three sublayers deep, outputs ~3: a few ulps each

@@ -148,6 +148,11 @@ class Scheduler:
             chosen, counts = [], np.zeros(0, np.int64)
         budget -= int(counts.sum())
         new_counts: list[int] = []
+        # First blocks of prompts admitted this step: a waiting request that starts the same way waits a
+        # step, so it reuses that prefix from the cache instead of computing it again in parallel.
+        bs = self.coord.block_size
+        sharing = self.coord.enable_prefix_caching
+        prefilling: set[tuple[int, ...]] = set()
 
         # 2. waiting requests (a just-preempted request waits for a later step).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -155,6 +160,9 @@ class Scheduler:
             if req in preempted:
                 break
             rid = req.request_id
+            first_block = tuple(req.token_ids[:bs]) if sharing and req.num_tokens > bs else None
+            if first_block in prefilling:
+                break
             if not self.coord.can_admit(req.num_tokens, num_cached_tokens=req.num_tokens - 1):
                 break           # would not fit even if all but its last token were cached: skip the lookup
             hit = self.coord.find_prefix_hit(rid, req.token_ids) if req.params.prompt_logprobs is None else 0
@@ -175,6 +183,8 @@ class Scheduler:
             chosen.append(req)
             new_counts.append(n)
             budget -= n
+            if first_block is not None:
+                prefilling.add(first_block)
 
         rows = np.fromiter((r.kv_row for r in chosen), np.int64, len(chosen))
         computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))

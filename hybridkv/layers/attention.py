@@ -3,6 +3,10 @@
 The layer does not know its kind's cache policy: its group's builder already trimmed the block table
 (sliding) or cut the batch into virtual requests (chunked), so it only applies the window mask when
 told to. RoPE variants, q/k norms and Llama-4's NoPE temperature tuning happen before the KV write.
+
+Zamba2 runs one set of attention weights at several depths, each with its own KV cache: every use is an
+``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
+``AttentionLayer``'s weights without registering them, so the weights keep exactly one owner.
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ import torch
 from torch import nn
 
 from hybridkv.forward_context import get_forward_context
-from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm, rms_normalize
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.config import Attention
 
 
 class AttentionLayer(nn.Module):
+    """``hidden_size`` is the input width; ``out_size`` (default: the same) the output width (Zamba2's
+    shared attention reads concat(hidden, embeddings), 2 * hidden wide, and writes hidden)."""
+
     def __init__(self, hidden_size: int, cfg: Attention, *, cache_name: str, norm_eps: float,
-                 gemma_norm: bool = False, tp_size: int = 1) -> None:
+                 gemma_norm: bool = False, tp_size: int = 1, out_size: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.cache_name = cache_name
@@ -32,7 +39,8 @@ class AttentionLayer(nn.Module):
         self.q_proj = ColumnParallelLinear(hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias, tp_size=tp_size)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden_size, bias=cfg.o_bias, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias,
+                                        tp_size=tp_size)
         self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
@@ -42,12 +50,22 @@ class AttentionLayer(nn.Module):
         """k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) views of the block pool."""
         self.kv_cache = (k_cache, v_cache)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (num_tokens, hidden_size); positions: (num_tokens,) absolute token positions
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, *, use: AttentionUse | None = None
+                ) -> torch.Tensor:
+        """x: (num_tokens, hidden_size); positions: (num_tokens,) absolute token positions. ``use``: the
+        shared-weight use running this step (its cache and adapters), else this layer's own cache."""
         cfg, n = self.cfg, x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, cfg.head_dim)
+        owner = use if use is not None else self
+        if cfg.input_multiplier != 1.0:
+            x = x * cfg.input_multiplier
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if use is not None and use.q_adapter is not None:
+            q, k, v = q + use.q_adapter(x), k + use.k_adapter(x), v + use.v_adapter(x)
+        if cfg.key_multiplier != 1.0:       # Falcon-H1: on the projected keys, before RoPE
+            k = k * cfg.key_multiplier
+        q = q.view(n, self.num_heads, cfg.head_dim)
+        k = k.view(n, self.num_kv_heads, cfg.head_dim)
+        v = v.view(n, self.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
@@ -60,12 +78,38 @@ class AttentionLayer(nn.Module):
             scales = 1.0 + attn_scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
             q = (q * scales[:, None, None]).to(x.dtype)
 
-        if self.kv_cache is None:
-            raise RuntimeError(f"{self.cache_name}: no KV cache bound (the model runner binds it)")
+        if owner.kv_cache is None:
+            raise RuntimeError(f"{owner.cache_name}: no KV cache bound (the model runner binds it)")
         ctx = get_forward_context()
-        inputs = ctx.inputs[self.cache_name]
-        k_cache, v_cache = self.kv_cache
+        inputs = ctx.inputs[owner.cache_name]
+        k_cache, v_cache = owner.kv_cache
         ctx.backend.write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
         out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, scale=cfg.softmax_scale,
                                           sliding_window=inputs.sliding_window, softcap=cfg.softcap)
-        return self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))   # (num_tokens, hidden_size)
+        out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)
+        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
+
+
+class AttentionUse(nn.Module):
+    """One use of a shared ``AttentionLayer``: owns a KV cache (``cache_name``) and, with
+    ``adapter_rank`` > 0, low-rank adapters added to q, k and v. The shared layer is held in a tuple so
+    it is not registered here: its weights are saved, loaded and moved once, through their owner."""
+
+    def __init__(self, shared: AttentionLayer, *, cache_name: str, adapter_rank: int = 0) -> None:
+        super().__init__()
+        self._shared = (shared,)
+        self.cfg = shared.cfg
+        self.cache_name = cache_name
+        self.num_kv_heads = shared.num_kv_heads
+        width = shared.q_proj.in_features
+        make = lambda out: LowRankAdapter(width, adapter_rank, out) if adapter_rank else None  # noqa: E731
+        self.q_adapter = make(shared.q_proj.out_features)
+        self.k_adapter = make(shared.k_proj.out_features)
+        self.v_adapter = make(shared.v_proj.out_features)
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.kv_cache = (k_cache, v_cache)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._shared[0](x, positions, use=self)

@@ -23,7 +23,8 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, tp_size: int = 1) -> None:
         if in_features % tp_size:
-            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp_size={tp_size}")
+            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by "
+                             f"tp_size={tp_size}")
         super().__init__(in_features // tp_size, out_features, bias=bias)
         self.tp_size = tp_size
 
@@ -32,3 +33,17 @@ class RowParallelLinear(nn.Linear):
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+class LowRankAdapter(nn.Module):
+    """``up(down(x))``: a LoRA-style delta added to a projection's output (Zamba2's per-use adapters on
+    a shared block). ``down``/``up`` are HF's ``Sequential`` entries ``0``/``1``."""
+
+    def __init__(self, in_features: int, rank: int, out_features: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(in_features, rank, bias=False)
+        self.up = nn.Linear(rank, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, in_features) -> (num_tokens, out_features)
+        return self.up(self.down(x))

@@ -1,9 +1,12 @@
 """Mamba2 mixer over per-request state slots (HF ``Mamba2Mixer`` semantics, DESIGN.md §3).
 
 in_proj -> [z | xBC | dt]; causal depthwise conv over xBC (conv state = last kernel-1 inputs);
-SSD scan over x with B, C, dt (SSM state fp32); y = gated group RMSNorm(y, z); out_proj.
-Decodes (1-token continuations, batched first) take the one-step update ops; everything else the
-packed chunked scan with per-request initial states.
+SSD scan over x with B, C, dt (SSM state fp32); y = gated group RMSNorm(y, z) (or, without the norm,
+y * silu(z)); out_proj. Decodes (1-token continuations, batched first) take the one-step update ops;
+everything else the packed chunked scan with per-request initial states.
+
+Falcon-H1's µP factors are config data: the input, each in_proj section (z, x, B, C, dt) and the output
+are scaled by fixed multipliers (HF's non-persistent ``mup_vector``, rebuilt here from the config).
 """
 
 from __future__ import annotations
@@ -28,12 +31,22 @@ class Mamba2Layer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(cfg.num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, cfg.num_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(cfg.num_heads))
-        self.norm = GatedGroupRMSNorm(inter, n_groups=cfg.n_groups, eps=cfg.norm_eps)
-        self.out_proj = nn.Linear(inter, hidden_size, bias=cfg.proj_bias)
+        self.norm = (GatedGroupRMSNorm(inter, n_groups=cfg.n_groups, eps=cfg.norm_eps,
+                                       norm_before_gate=cfg.norm_before_gate) if cfg.gated_norm else None)
+        out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
+        self.out_proj = nn.Linear(inter, hidden_size, bias=out_bias)
+        mup = None                  # (in_proj out,) per-section multipliers, rebuilt from the config
+        if any(m != 1.0 for m in cfg.zxbcdt_multipliers):
+            gs = cfg.n_groups * cfg.state_size
+            sizes = (inter, inter, gs, gs, cfg.num_heads)
+            mup = torch.cat([torch.full((n,), float(m))
+                             for n, m in zip(sizes, cfg.zxbcdt_multipliers, strict=True)])
+        self.register_buffer("mup_vector", mup, persistent=False)
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
 
     def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
-        """conv_states: (num_slots, conv_dim, kernel - 1); ssm_states: (num_slots, heads, head_dim, state) fp32."""
+        """conv_states: (num_slots, conv_dim, kernel - 1);
+        ssm_states: (num_slots, heads, head_dim, state) fp32."""
         self.state = (conv_states, ssm_states)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -45,7 +58,12 @@ class Mamba2Layer(nn.Module):
         meta = ctx.inputs[self.cache_name]
         be = ctx.backend
         conv_states, ssm_states = self.state
-        z, xbc, dt = self.in_proj(x).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        if cfg.input_multiplier != 1.0:
+            x = x * cfg.input_multiplier
+        projected = self.in_proj(x)
+        if self.mup_vector is not None:
+            projected = projected * self.mup_vector
+        z, xbc, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
         A = -torch.exp(self.A_log.float())
         ssm_kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.time_step_limit)
@@ -67,8 +85,13 @@ class Mamba2Layer(nn.Module):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        y = self.norm(y.reshape(x.shape[0], cfg.intermediate_size), z)
-        return self.out_proj(y)                                             # (num_tokens, hidden_size)
+        y = y.reshape(x.shape[0], cfg.intermediate_size)
+        if self.norm is not None:
+            y = self.norm(y, z)
+        else:
+            y = (y.float() * nn.functional.silu(z.float())).to(x.dtype)
+        out = self.out_proj(y)                                              # (num_tokens, hidden_size)
+        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, n = self.cfg, xbc.shape[0]

@@ -30,19 +30,25 @@ class RMSNorm(nn.Module):
 
 
 class GatedGroupRMSNorm(nn.Module):
-    """Mamba2's output norm: ``norm(y * silu(z))`` computed per group of ``dim // n_groups`` channels."""
+    """Mamba2's output norm: ``norm(y * silu(z))`` computed per group of ``dim // n_groups`` channels;
+    ``norm_before_gate``: ``norm(y) * silu(z)`` (Falcon-H1's ``mamba_norm_before_gate``), where the
+    weight and the gate apply in fp32 before the cast, as HF does."""
 
-    def __init__(self, dim: int, *, n_groups: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, *, n_groups: int, eps: float = 1e-5, norm_before_gate: bool = False) -> None:
         super().__init__()
         if dim % n_groups:
             raise ValueError(f"GatedGroupRMSNorm: n_groups={n_groups} must divide dim={dim}")
         self.eps = eps
         self.n_groups = n_groups
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # y, z: (num_tokens, dim)
-        gated = y.float() * nn.functional.silu(z.float())
+        gate = nn.functional.silu(z.float())
+        gated = y.float() if self.norm_before_gate else y.float() * gate
         grouped = gated.view(*gated.shape[:-1], self.n_groups, -1)
         normed = rms_normalize(grouped, self.eps).view_as(gated)
+        if self.norm_before_gate:
+            return (self.weight.float() * normed * gate).to(y.dtype)
         return self.weight * normed.to(y.dtype)

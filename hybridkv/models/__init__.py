@@ -1,5 +1,15 @@
 """Model descriptions (HybridConfig) and the generic hybrid decoder."""
 
-from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, Rope
+from hybridkv.models.config import (
+    MLP,
+    Attention,
+    HybridConfig,
+    Layer,
+    Mamba1,
+    Mamba2,
+    MoE,
+    Rope,
+    SharedBlock,
+)
 
-__all__ = ["MLP", "Attention", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope"]
+__all__ = ["MLP", "Attention", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope", "SharedBlock"]
