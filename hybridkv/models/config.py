@@ -443,19 +443,23 @@ class HybridConfig:
         types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, MLP, MoE, SharedBlock, Layer,
                                          HybridConfig)}
 
-        def decode(obj: Any) -> Any:
+        def decode(obj: Any, where: str) -> Any:
             if isinstance(obj, dict) and "type" in obj:
                 kind = obj["type"]
                 if kind not in types:
-                    raise ValueError(f"unknown config type {kind!r} (known: {sorted(types)})")
-                return types[kind](**{k: decode(v) for k, v in obj.items() if k != "type"})
+                    raise ValueError(f"{where}: unknown config type {kind!r} (known: {sorted(types)})")
+                fields = {k: decode(v, f"{where}.{k}") for k, v in obj.items() if k != "type"}
+                try:
+                    return types[kind](**fields)
+                except (TypeError, ValueError) as err:    # nested errors were prefixed where they arose
+                    raise ValueError(f"{where}: {err}") from None
             if isinstance(obj, list):
-                return tuple(decode(x) for x in obj)
+                return tuple(decode(x, f"{where}[{i}]") for i, x in enumerate(obj))
             return math.inf if obj == "inf" else obj
 
         if "hybridkv_config" not in data:
             raise ValueError("not a hybridkv config: missing the 'hybridkv_config' key")
-        return decode(data["hybridkv_config"])
+        return decode(data["hybridkv_config"], "config")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
