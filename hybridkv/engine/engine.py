@@ -63,6 +63,7 @@ class LLMEngine:
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._num_prompt_logprob_requests = 0      # unfinished requests that want prompt logprobs
         self._steps = self._prompt_tokens = self._generated = 0
         # Largest request the pool can ever hold next to the per-step reserve.
         self._capacity_blocks = plan.num_blocks - 1 - plan.reserved_step_blocks
@@ -94,14 +95,19 @@ class LLMEngine:
                       num_prompt_tokens=len(token_ids), params=params, seed=seed,
                       arrival=next(self._arrivals), prompt=prompt)
         self._requests[request_id] = req
+        self._num_prompt_logprob_requests += params.prompt_logprobs is not None
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
-        self._requests.pop(request_id, None)
+        self._forget(req)
         return True
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._num_prompt_logprob_requests -= req.params.prompt_logprobs is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -141,8 +147,11 @@ class LLMEngine:
             else:
                 tables.append(coord.state_slots(batch.rows).astype(np.int32)[:, None])
         # Logits: the last token of requests that reach their end this step; every token of prompt
-        # chunks whose request asked for prompt logprobs.
+        # chunks whose request asked for prompt logprobs. (Decodes always reach their end.)
         ends = np.cumsum(new)
+        if int(new.sum()) == n and not self._num_prompt_logprob_requests:
+            return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
+                             logits_indices=ends - 1)
         samples = seq_lens == np.fromiter((r.num_tokens for r in reqs), np.int64, n)
         wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
         lengths = np.where(wants, new, samples)
@@ -187,7 +196,7 @@ class LLMEngine:
                 self._check_stop(r)
             if r.finished:
                 self.scheduler.finish(r)
-                self._requests.pop(r.request_id, None)
+                self._forget(r)
             outputs.append(self.make_output(r))
         return outputs
 

@@ -134,7 +134,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
         chosen: list[Request] = []
-        counts = np.zeros(0, np.int64)
+        empty = np.zeros(0, np.int64)
+        counts, rows, computed = empty, empty, empty
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
         while self.running:
             chosen, counts = self._running_step(budget)
@@ -145,8 +146,9 @@ class Scheduler:
             victim = self.running[-1]                       # the latest arrival
             self._preempt(victim)
             preempted.append(victim)
-            chosen, counts = [], np.zeros(0, np.int64)
+            chosen, counts, rows, computed = [], empty, empty, empty
         budget -= int(counts.sum())
+        num_running = len(chosen)
         new_counts: list[int] = []
         # First blocks of prompts admitted this step: a waiting request that starts the same way waits a
         # step, so it reuses that prefix from the cache instead of computing it again in parallel.
@@ -186,8 +188,11 @@ class Scheduler:
             if first_block is not None:
                 prefilling.add(first_block)
 
-        rows = np.fromiter((r.kv_row for r in chosen), np.int64, len(chosen))
-        computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
-        return ScheduledBatch(requests=chosen, rows=rows,
-                              num_new_tokens=np.concatenate([counts, np.asarray(new_counts, np.int64)]),
-                              num_computed=computed, preempted=preempted)
+        if new_counts:
+            admitted = chosen[num_running:]
+            rows = np.concatenate([rows, np.fromiter((r.kv_row for r in admitted), np.int64, len(admitted))])
+            computed = np.concatenate([computed, np.fromiter((r.num_computed_tokens for r in admitted), np.int64,
+                                                             len(admitted))])
+            counts = np.concatenate([counts, np.asarray(new_counts, np.int64)])
+        return ScheduledBatch(requests=chosen, rows=rows, num_new_tokens=counts, num_computed=computed,
+                              preempted=preempted)
