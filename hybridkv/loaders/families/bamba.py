@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES, LLAMA_ATTENTION
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from hybridkv.loaders.families.mistral import LLAMA_ATTENTION, decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
 
 MAMBA2_MODULES = ("in_proj", "conv1d", "norm", "out_proj")
@@ -51,20 +51,9 @@ _LAYER_MODULES = {
 _TOP = {"embed_tokens.weight": "embed_tokens.weight", "final_layernorm.weight": "norm.weight"}
 
 
-@register_weight_map("BambaForCausalLM")
-def bamba(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith(IGNORED_SUFFIXES):
-        return []
-    if name in _TOP:
-        return [Target(name=_TOP[name])]
-    layer = split_layer(name)
-    if layer is None:
-        return None
-    i, rest = layer
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     return (mamba2_param(rest, "mamba", f"layers.{i}.mixer")
             or rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}."))
+
+
+bamba = register_weight_map("BambaForCausalLM")(decoder_map(layer=_layer, top=_TOP))

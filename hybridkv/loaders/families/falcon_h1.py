@@ -8,8 +8,8 @@ from the config)."""
 from __future__ import annotations
 
 from hybridkv.loaders.families.bamba import GATED_MLP, mamba2_modules, mamba2_param
-from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES, LLAMA_ATTENTION
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES, LLAMA_ATTENTION, decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
 
 _LAYER_MODULES = {
@@ -20,20 +20,10 @@ _LAYER_MODULES = {
 _TOP = {"embed_tokens.weight": "embed_tokens.weight", "final_layernorm.weight": "norm.weight"}
 
 
-@register_weight_map("FalconH1ForCausalLM")
-def falcon_h1(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith((*IGNORED_SUFFIXES, "mamba.mup_vector")):
-        return []
-    if name in _TOP:
-        return [Target(name=_TOP[name])]
-    layer = split_layer(name)
-    if layer is None:
-        return None
-    i, rest = layer
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     return (mamba2_param(rest, "mamba", f"layers.{i}.parallel_mixer")
             or rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}."))
+
+
+falcon_h1 = register_weight_map("FalconH1ForCausalLM")(
+    decoder_map(layer=_layer, top=_TOP, ignored=(*IGNORED_SUFFIXES, "mamba.mup_vector")))

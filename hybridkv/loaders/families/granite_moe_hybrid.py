@@ -10,8 +10,8 @@ The hub keeps the GraniteMoE names, which ``save_pretrained`` in transformers 5.
 from __future__ import annotations
 
 from hybridkv.loaders.families.bamba import fused_gate_up, mamba2_modules, mamba2_param
-from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES, LLAMA_ATTENTION
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from hybridkv.loaders.families.mistral import LLAMA_ATTENTION, decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig, MoE
 
 _LAYER_MODULES = {**mamba2_modules("mamba", "mixer"), **LLAMA_ATTENTION,
@@ -38,20 +38,9 @@ def _ffn(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     return [Target(name=f"{ours}.{kind}")] if kind else None
 
 
-@register_weight_map("GraniteMoeHybridForCausalLM")
-def granite_moe_hybrid(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith(IGNORED_SUFFIXES):
-        return []
-    if name in _TOP:
-        return [Target(name=_TOP[name])]
-    layer = split_layer(name)
-    if layer is None:
-        return None
-    i, rest = layer
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     return (mamba2_param(rest, "mamba", f"layers.{i}.mixer") or _ffn(i, rest, config)
             or rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}."))
+
+
+granite_moe_hybrid = register_weight_map("GraniteMoeHybridForCausalLM")(decoder_map(layer=_layer, top=_TOP))

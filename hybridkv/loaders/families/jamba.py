@@ -8,8 +8,8 @@ fused form (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)
 from __future__ import annotations
 
 from hybridkv.loaders.families.bamba import GATED_MLP, fused_gate_up
-from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES, LLAMA_ATTENTION
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from hybridkv.loaders.families.mistral import LLAMA_ATTENTION, decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
 
 _MAMBA1_MODULES = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "dt_layernorm", "b_layernorm",
@@ -36,23 +36,12 @@ def routed_experts(rest: str, ours: str, projections: tuple[str, ...] = GATED_ML
     return None
 
 
-@register_weight_map("JambaForCausalLM")
-def jamba(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith(IGNORED_SUFFIXES):
-        return []
-    if name in _TOP:
-        return [Target(name=_TOP[name])]
-    layer = split_layer(name)
-    if layer is None:
-        return None
-    i, rest = layer
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     if rest in ("mamba.A_log", "mamba.D"):
         return [Target(name=f"layers.{i}.mixer.{rest.removeprefix('mamba.')}")]
     if rest.startswith("feed_forward.experts."):
         return routed_experts(rest.removeprefix("feed_forward.experts."), f"layers.{i}.ffn")
     return rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}.")
+
+
+jamba = register_weight_map("JambaForCausalLM")(decoder_map(layer=_layer, top=_TOP))

@@ -4,7 +4,9 @@ The Llama-style tables here are shared by the other attention families (Llama-4,
 
 from __future__ import annotations
 
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from collections.abc import Callable, Mapping
+
+from hybridkv.loaders.weights import Target, WeightMap, register_weight_map, rename_module, split_layer
 from hybridkv.models.config import HybridConfig
 
 # HF module path inside a decoder layer -> ours.
@@ -25,17 +27,32 @@ def model_level(name: str) -> list[Target] | None:
     return None
 
 
-@register_weight_map("MistralForCausalLM")
-def mistral(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith(IGNORED_SUFFIXES):
-        return []
-    layer = split_layer(name)
-    if layer is None:
-        return model_level(name)
-    i, rest = layer
-    return rename_module(rest, {**LLAMA_ATTENTION, **LLAMA_MLP, **LLAMA_NORMS}, prefix=f"layers.{i}.")
+LayerMap = Callable[[int, str, HybridConfig], "list[Target] | None"]
+LLAMA_TOP = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
+
+
+def decoder_map(*, layer: LayerMap, top: Mapping[str, str] = LLAMA_TOP, prefix: str = "model.",
+                ignored: tuple[str, ...] = IGNORED_SUFFIXES) -> WeightMap:
+    """The hub layout most families share: ``lm_head.weight``; under ``prefix`` the model-level tensors
+    (``top``: hub name -> ours) and ``layers.<i>.<rest>``, which ``layer(i, rest, config)`` maps;
+    buffers ending in ``ignored`` are read past. Anything else is unexpected (None)."""
+
+    def weight_map(name: str, config: HybridConfig) -> list[Target] | None:
+        if name == "lm_head.weight":
+            return [Target(name="lm_head.weight")]
+        if not name.startswith(prefix):
+            return None
+        name = name.removeprefix(prefix)
+        if name.endswith(ignored):
+            return []
+        if name in top:
+            return [Target(name=top[name])]
+        parsed = split_layer(name)
+        return None if parsed is None else layer(*parsed, config)
+
+    return weight_map
+
+
+_MISTRAL_LAYER = {**LLAMA_ATTENTION, **LLAMA_MLP, **LLAMA_NORMS}
+mistral = register_weight_map("MistralForCausalLM")(decoder_map(
+    layer=lambda i, rest, config: rename_module(rest, _MISTRAL_LAYER, prefix=f"layers.{i}.")))

@@ -13,8 +13,8 @@ layers in order), which go to the layer of use ``j``. ``feed_forward.gate_up_pro
 from __future__ import annotations
 
 from hybridkv.loaders.families.bamba import fused_gate_up, mamba2_modules, mamba2_param
-from hybridkv.loaders.families.mistral import IGNORED_SUFFIXES
-from hybridkv.loaders.weights import Target, register_weight_map, rename_module, split_layer
+from hybridkv.loaders.families.mistral import decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
 
 _TOP = {"embed_tokens.weight": "embed_tokens.weight", "final_layernorm.weight": "norm.weight"}
@@ -56,24 +56,13 @@ def _shared_block(i: int, rest: str, config: HybridConfig) -> list[Target] | Non
     return rename_module(rest, _BLOCK, prefix=f"shared_blocks.{here}.")
 
 
-@register_weight_map("Zamba2ForCausalLM")
-def zamba2(name: str, config: HybridConfig) -> list[Target] | None:
-    if name == "lm_head.weight":
-        return [Target(name="lm_head.weight")]
-    if not name.startswith("model."):
-        return None
-    name = name.removeprefix("model.")
-    if name.endswith(IGNORED_SUFFIXES):
-        return []
-    if name in _TOP:
-        return [Target(name=_TOP[name])]
-    layer = split_layer(name)
-    if layer is None:
-        return None
-    i, rest = layer
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     if rest.startswith("shared_transformer."):
         return _shared_block(i, rest.removeprefix("shared_transformer."), config)
     for hf in ("mamba", "mamba_decoder.mamba"):
         if found := mamba2_param(rest, hf, f"layers.{i}.mixer"):
             return found
     return rename_module(rest, _MAMBA_LAYER, prefix=f"layers.{i}.")
+
+
+zamba2 = register_weight_map("Zamba2ForCausalLM")(decoder_map(layer=_layer, top=_TOP))
