@@ -3,8 +3,6 @@ equivalences, and HF's Mamba2 conv (whose cache keeps `width` columns where ours
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,29 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref
-
-
-@dataclass
-class Batch:
-    lens: list[int]
-    slots: list[int]
-    has_init: list[bool]
-    num_slots: int
-    seed: int
-
-    @property
-    def qsl(self) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(self.lens).cumsum(0).tolist()], dtype=torch.int32)
-
-
-@st.composite
-def packed_batches(draw: st.DrawFn, max_reqs: int = 5, max_len: int = 11) -> Batch:
-    """New requests, continuations, 1-token, empty and short requests; shuffled slots, spare slots."""
-    lens = draw(st.lists(st.integers(0, max_len), min_size=1, max_size=max_reqs))
-    num_slots = len(lens) + draw(st.integers(0, 3))
-    slots = draw(st.permutations(range(num_slots)))[: len(lens)]
-    has_init = draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
-    return Batch(lens, slots, has_init, num_slots, draw(st.integers(0, 2**31 - 1)))
+from tests._ssm_helpers import Batch, packed_batches
 
 
 def naive_conv(x, weight, bias, pool, batch: Batch, activation):
@@ -75,7 +51,7 @@ def make_inputs(batch: Batch, dim: int, width: int, use_bias: bool, dtype=torch.
 
 @settings(max_examples=60, deadline=None)
 @given(
-    batch=packed_batches(),
+    batch=packed_batches(max_reqs=5, max_len=11),
     dim=st.integers(1, 6),
     width=st.integers(1, 5),
     use_bias=st.booleans(),

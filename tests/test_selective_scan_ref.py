@@ -13,29 +13,7 @@ from hypothesis import strategies as st
 
 from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridkv.layers.ops.selective_scan_ref import selective_scan_ref, selective_state_update_mamba1_ref
-
-
-@dataclass
-class Batch:
-    lens: list[int]
-    slots: list[int]
-    has_init: list[bool]
-    num_slots: int
-    seed: int
-
-    @property
-    def qsl(self) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(self.lens).cumsum(0).tolist()], dtype=torch.int32)
-
-
-@st.composite
-def packed_batches(draw: st.DrawFn, max_reqs: int = 4, max_len: int = 15) -> Batch:
-    """New requests, continuations, 1-token and empty requests; shuffled slots with spare slots."""
-    lens = draw(st.lists(st.integers(0, max_len), min_size=1, max_size=max_reqs))
-    num_slots = len(lens) + draw(st.integers(0, 3))
-    slots = draw(st.permutations(range(num_slots)))[: len(lens)]
-    has_init = draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
-    return Batch(lens, slots, has_init, num_slots, draw(st.integers(0, 2**31 - 1)))
+from tests._ssm_helpers import Batch, packed_batches
 
 
 @dataclass
@@ -107,7 +85,7 @@ def run_scan(p: Params, pool, batch: Batch):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    batch=packed_batches(),
+    batch=packed_batches(max_reqs=4, max_len=15),
     dim=st.integers(1, 6),
     dstate=st.integers(1, 5),
     use_d=st.booleans(),
