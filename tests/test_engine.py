@@ -215,3 +215,27 @@ def test_deterministic_without_torch_threads_effects(model, baseline):
         assert tokens(make_llm(model).generate(prompts(3), GREEDY, use_tqdm=False)) == baseline[:3]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_max_num_seqs_requests_run_together(model):
+    """All max_num_seqs requests are admitted in the first step (regression: the prefix lookup took the
+    last free row and admission then refused the request that held it)."""
+    llm = make_llm(model, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = llm.engine
+    for i, p in enumerate(prompts(4, seed=5, shared=0)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 4
+
+
+def test_identical_prompts_share_the_prefill(model):
+    """n samples of one prompt: the later samples wait one step and hit the prefix cache (Mamba layers
+    included: the first prefill stops at its last block boundary, where the state is checkpointed)."""
+    sp = SamplingParams(temperature=1.0, n=4, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = prompts()[3]
+    on = make_llm(model, max_num_batched_tokens=256)
+    off = make_llm(model, max_num_batched_tokens=256, enable_prefix_caching=False)
+    samples_on = [c.token_ids for c in on.generate([prompt], sp, use_tqdm=False)[0].outputs]
+    samples_off = [c.token_ids for c in off.generate([prompt], sp, use_tqdm=False)[0].outputs]
+    assert samples_on == samples_off
+    assert on.stats().prefix_hit_tokens == 3 * ((len(prompt) - 1) // 4 * 4)

@@ -57,7 +57,8 @@ class _Entry:
 
 _REGISTRY: dict[str, _Entry] = {
     "torch": _Entry(factory=_torch_backend),
-    "triton": _Entry(factory=None, requires=("triton",), cuda_only=True),
+    "triton": _Entry(factory=lambda: importlib.import_module("hybridkv.backends.triton_backend").triton_backend(),
+                     requires=("triton",), cuda_only=True),
     "flash_attn": _Entry(factory=None, requires=("flash_attn",), cuda_only=True),
     "mamba_ssm": _Entry(factory=None, requires=("mamba_ssm", "causal_conv1d"), cuda_only=True),
 }

@@ -95,10 +95,15 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------------
     def _chunk(self, num_computed: int, remaining: int, budget: int) -> int:
+        """Tokens to compute for a request this step. With ``align_prefill_chunks`` (Mamba groups and
+        prefix caching) a chunk ends on a block boundary, where the state is checkpointed: an unfinished
+        chunk is rounded down, and the chunk that would finish a prompt stops at its last boundary so an
+        identical prompt later hits the cache there (the remaining < block_size tokens run next step)."""
         n = min(remaining, budget)
-        if self.config.align_prefill_chunks and n < remaining:
+        if self.config.align_prefill_chunks and n > 1:
             bs = self.coord.block_size
-            aligned = (num_computed + n) // bs * bs - num_computed
+            end = num_computed + n if n < remaining else num_computed + remaining - 1
+            aligned = end // bs * bs - num_computed
             n = aligned if aligned > 0 else n
         return n
 
@@ -170,7 +175,7 @@ class Scheduler:
             hit = self.coord.find_prefix_hit(rid, req.token_ids) if req.params.prompt_logprobs is None else 0
             # Admit on the current need (what the prompt holds after its prefill); growth while
             # decoding is met by preempting the latest arrival, as in vLLM: it keeps batches full.
-            if not self.coord.can_admit(req.num_tokens, num_cached_tokens=hit):
+            if not self.coord.can_admit(req.num_tokens, num_cached_tokens=hit, request_id=rid):
                 self.coord.free(rid)
                 break
             n = self._chunk(hit, req.num_tokens - hit, budget)

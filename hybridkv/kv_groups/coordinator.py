@@ -205,13 +205,15 @@ class KVCacheCoordinator:
         """Pool blocks one running request of ``num_tokens`` holds while decoding (its steady need)."""
         return sum(len(m.group_ids) * m.spec.steady_blocks_per_request(num_tokens) for m in self.managers)
 
-    def can_admit(self, num_tokens: int, *, num_cached_tokens: int = 0) -> bool:
+    def can_admit(self, num_tokens: int, *, num_cached_tokens: int = 0, request_id: str | None = None) -> bool:
         """Whether a new request of ``num_tokens`` (``num_cached_tokens`` of them prefix hits whose blocks
         are already live) fits next to the per-step transient reserve.
 
         The reserve (``plan.reserved_step_blocks``: prefill-chunk blocks that fall out of a window or a
-        chunk when the step ends) is kept once for the step, not once per request (DESIGN.md §4)."""
-        if not self._free_rows or (self.slots is not None and self.slots.num_free_slots < 1):
+        chunk when the step ends) is kept once for the step, not once per request (DESIGN.md §4).
+        ``request_id``: a request that already holds its row (after ``find_prefix_hit``) needs no new one."""
+        needs_row = request_id is None or request_id not in self._rows
+        if (needs_row and not self._free_rows) or (self.slots is not None and self.slots.num_free_slots < 1):
             return False
         need = self.blocks_to_admit(num_tokens) - self.blocks_to_admit(num_cached_tokens)
         return self.num_free_blocks - self.plan.reserved_step_blocks >= need

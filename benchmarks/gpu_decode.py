@@ -1,0 +1,335 @@
+# ruff: noqa: B023  (closures are called inside the loop iteration that made them)
+"""End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
+
+    python benchmarks/gpu_decode.py [--families llama4,gemma3] [--batches 1,8,32] [--tiny]
+    # writes benchmarks/results/gpu_decode.json
+
+Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer,
+shared expert) and Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head).
+The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM``) is built from its config, saved with
+``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME weights, dtype (bf16) and batch.
+
+Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
+the decode steps (prefill excluded: hybridkv steps are timed one by one, HF as generate(1 + N) - generate(1)).
+Batch-1 step time is compared with the HBM floor = (weight bytes read per step + KV bytes read) / copy
+bandwidth (measured here). A short torch.profiler trace of batch-1 decode steps gives GPU busy time vs
+wall time and the top kernels, which explains the gap (launch-bound vs kernel-bound).
+``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_attention import git_commit, print_table  # noqa: E402
+
+
+def hf_config(family: str, tiny: bool):
+    import transformers
+
+    if family == "llama4":
+        kw = dict(hidden_size=2048, intermediate_size=2048, intermediate_size_mlp=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32768,
+                  num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                  attention_chunk_size=1024, max_position_embeddings=16384)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                      attention_chunk_size=16)
+        n = kw["num_hidden_layers"]
+        kw["no_rope_layers"] = [0 if (i + 1) % 4 == 0 else 1 for i in range(n)]
+        kw["moe_layers"] = list(range(kw["interleave_moe_layer_step"] - 1, n, kw["interleave_moe_layer_step"]))
+        cfg = transformers.Llama4TextConfig(**kw)
+        cfg.architectures = ["Llama4ForCausalLM"]
+        return cfg, transformers.Llama4ForCausalLM
+    if family == "gemma3":
+        kw = dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                  query_pre_attn_scalar=256, max_position_embeddings=16384)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=16, vocab_size=256, sliding_window=12,
+                      query_pre_attn_scalar=16)
+        cfg = transformers.Gemma3TextConfig(**kw)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        return cfg, transformers.Gemma3ForCausalLM
+    raise ValueError(family)
+
+
+def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
+    """Weight bytes a decode step must read: everything except the embedding table (one row per token) and
+    the routed experts nobody picked (top-1 of E: at most min(B, E) experts per MoE layer)."""
+    total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            if getattr(config, "tie_word_embeddings", False):
+                total += nbytes  # read as the lm_head
+            continue
+        if ".experts." in name and p.dim() == 3:
+            e = p.shape[0]
+            total += nbytes * min(batch, e) // e
+            continue
+        total += nbytes
+    return total
+
+
+def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) -> int:
+    kv, d = config.num_key_value_heads, config.head_dim
+    per_tok = 2 * kv * d * elem
+    total = 0
+    for i in range(config.num_hidden_layers):
+        if family == "llama4":
+            local = config.no_rope_layers[i] == 1
+            keys = min(ctx, config.attention_chunk_size) if local else ctx
+        else:
+            local = config.layer_types[i] == "sliding_attention"
+            keys = min(ctx, config.sliding_window) if local else ctx
+        total += batch * keys * per_tok
+    return total
+
+
+def copy_bandwidth(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    import triton
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=100, return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
+    """Add the prompts, step the engine; time every step; decode steps = those where every request gets
+    one more token after its first."""
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    eng = llm.engine
+    base = f"b{time.monotonic_ns()}"
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{base}-{i}.0", p, params)
+    times, tokens = [], {}
+    while eng.has_unfinished:
+        sync(device)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        sync(device)
+        dt = time.perf_counter() - t0
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        if len(outs) == len(prompts) and min(lens) >= 2:
+            times.append(dt)
+        for o in outs:
+            tokens[o.request_id] = o.outputs[0].token_ids
+    ordered = [tokens[f"{base}-{i}.0"] for i in range(len(prompts))]
+    return {"step_times": times, "tokens": ordered}
+
+
+def run_hf(model, prompts: list[list[int]], steps: int, device) -> dict:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def gen(n):
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync(device)
+        return time.perf_counter() - t0, out
+
+    gen(2)  # warm-up
+    t1, _ = gen(1)
+    tn, out = gen(1 + steps)
+    return {"decode_time": max(tn - t1, 1e-9), "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+def profile_steps(llm, prompt: list[int], device, nsteps: int = 8) -> dict:
+    """GPU kernel time vs wall time over ``nsteps`` batch-1 decode steps, and the top kernels."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    eng.add_request("prof.0", prompt, SamplingParams(temperature=0.0, max_tokens=nsteps + 4, ignore_eos=True))
+    eng.step()  # prefill
+    eng.step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(nsteps):
+            eng.step()
+        sync(device)
+        wall = time.perf_counter() - t0
+    while eng.has_unfinished:
+        eng.step()
+    kern = []
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:      # kernels only (CPU ops would double count)
+            continue
+        dev_t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        kern.append((e.key, dev_t, e.count))
+    kern.sort(key=lambda x: -x[1])
+    gpu_us = sum(k[1] for k in kern)
+    launches = sum(k[2] for k in kern)
+    return {"wall_ms_per_step": wall / nsteps * 1e3, "gpu_busy_ms_per_step": gpu_us / nsteps / 1e3,
+            "kernels_per_step": launches / nsteps,
+            "top_kernels": [{"name": k[0][:80], "us_per_step": k[1] / nsteps, "calls_per_step": k[2] / nsteps}
+                            for k in kern[:8]]}
+
+
+_HF32: dict = {}
+
+
+@torch.inference_mode()
+def logits_check(family, backend, model, hf, cls, config, device, n: int) -> dict:
+    """All-position logits of one n-token prompt: hybridkv (one prefill through ``reference_logits``) and HF
+    in bf16, each against HF run in fp32 on the same (upcast) weights."""
+    from hybridkv.engine.model_runner import reference_logits
+
+    ids = np.random.default_rng(123).integers(10, config.vocab_size, n).tolist()
+    if family not in _HF32:
+        _HF32.clear()
+        with torch.device(device):
+            hf32 = cls(config).float().eval()
+        hf32.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
+        ref = hf32(torch.tensor([ids], device=device)).logits[0].float()
+        hf16 = hf(torch.tensor([ids], device=device)).logits[0].float()
+        _HF32[family] = (ref, hf16)
+        del hf32
+    ref, hf16 = _HF32[family]
+    ours = reference_logits(model, ids, backend=backend).float()
+
+    def err(x):
+        return float((x - ref).norm() / ref.norm())
+
+    def agree(x):
+        return float((x.argmax(-1) == ref.argmax(-1)).float().mean())
+
+    return {"family": family, "engine": f"hybridkv ({backend})", "len": n, "rel_err": err(ours),
+            "argmax_agree": agree(ours), "hf_bf16_rel_err": err(hf16), "hf_bf16_argmax_agree": agree(hf16)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--families", default="llama4,gemma3")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
+    ap.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        args.prompt, args.steps, args.check_len = min(args.prompt, 20), min(args.steps, 4), 40
+        args.backends = "torch"
+    from hybridkv.engine.llm import LLM
+
+    bw = copy_bandwidth(device)
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": git_commit(),
+            "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "prompt_len": args.prompt,
+            "decode_steps": args.steps, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    rows, profiles, tokens, logit_rows = [], {}, {}, []
+    batches = [int(b) for b in args.batches.split(",")]
+    for family in args.families.split(","):
+        config, cls = hf_config(family, args.tiny)
+        torch.manual_seed(0)
+        with torch.device(device):
+            hf = cls(config).to(dtype).eval()
+        n_params = sum(p.numel() for p in hf.parameters())
+        tmp = tempfile.mkdtemp(prefix=f"hkv-{family}-")
+        hf.save_pretrained(tmp)
+        ctx_end = args.prompt + args.steps
+        for backend in args.backends.split(","):
+            llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend, max_model_len=ctx_end + 64,
+                      max_num_seqs=max(batches) + 1, enable_prefix_caching=False,
+                      max_num_batched_tokens=max(4096, args.prompt), kv_cache_memory="4GiB")
+            for B in batches:
+                rng = np.random.default_rng(B)   # the same prompts for every backend
+                prompts = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(B)]
+                run_hybridkv(llm, prompts[:1], 2, device)  # warm-up (compiles kernels)
+                r = run_hybridkv(llm, prompts, args.steps, device)
+                step = statistics.median(r["step_times"]) if r["step_times"] else float("nan")
+                mid_ctx = args.prompt + args.steps // 2
+                floor = (active_weight_bytes(hf, config, B) + kv_bytes_per_step(config, family, B, mid_ctx)) / bw
+                row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend})", "batch": B,
+                       "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
+                       "x_floor": step / floor if floor == floor else float("nan")}
+                if not args.no_hf and backend == args.backends.split(",")[0]:
+                    h = run_hf(hf, prompts, args.steps, device)
+                    hstep = h["decode_time"] / args.steps
+                    match = np.mean([list(a[:8]) == list(b[:8]) for a, b in zip(r["tokens"], h["tokens"], strict=True)])
+                    rows.append({"family": family, "params": n_params, "engine": "HF generate", "batch": B,
+                                 "step_ms": hstep * 1e3, "tok_s": B / hstep, "floor_ms": floor * 1e3,
+                                 "x_floor": hstep / floor if floor == floor else float("nan")})
+                    row["speedup_vs_hf"] = hstep / step
+                    row["greedy_first8_match_hf"] = float(match)
+                tokens[(family, B, backend)] = r["tokens"]
+                first = tokens.get((family, B, args.backends.split(",")[0]))
+                if first is not None and first is not r["tokens"]:
+                    row["greedy_first8_match_first_backend"] = float(np.mean(
+                        [list(a[:8]) == list(b[:8]) for a, b in zip(r["tokens"], first, strict=True)]))
+                rows.append(row)
+                print(rows[-1], flush=True)
+            if backend == "triton" or args.tiny:
+                profiles[f"{family}/{backend}"] = profile_steps(llm, prompts[0], device)
+            logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
+                                           args.check_len))
+            del llm
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del hf
+    result = {"meta": meta, "rows": rows, "profiles": profiles, "logits": logit_rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if not args.tiny:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table("logits of one prompt, all positions (rel. error vs HF in fp32; argmax agreement)",
+                ["family", "engine", "len", "rel err", "argmax = fp32", "HF bf16 rel err", "HF bf16 argmax = fp32"],
+                [[r["family"], r["engine"], r["len"], f"{r['rel_err']:.2e}", f"{r['argmax_agree']:.3f}",
+                  f"{r['hf_bf16_rel_err']:.2e}", f"{r['hf_bf16_argmax_agree']:.3f}"] for r in logit_rows])
+    for key, p in profiles.items():
+        if p:
+            print_table(f"batch-1 decode profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU busy "
+                        f"{p['gpu_busy_ms_per_step']:.2f} ms/step, {p['kernels_per_step']:.0f} kernels/step",
+                        ["kernel", "µs/step", "calls/step"],
+                        [[k["name"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:.1f}"]
+                         for k in p["top_kernels"]])
+    print_table(f"decode on {meta['device']} (prompt {args.prompt}, {args.steps} steps; copy bw {bw / 1e9:.0f} GB/s)",
+                ["family", "params", "engine", "B", "step ms", "tok/s", "floor ms", "x floor", "vs HF",
+                 "greedy = HF", "greedy = 1st backend"],
+                [[r["family"], f"{r['params'] / 1e9:.2f}B", r["engine"], r["batch"], f"{r['step_ms']:.2f}",
+                  f"{r['tok_s']:.0f}", f"{r['floor_ms']:.3f}", f"{r['x_floor']:.1f}",
+                  f"{r.get('speedup_vs_hf', float('nan')):.2f}x", r.get("greedy_first8_match_hf", ""),
+                  r.get("greedy_first8_match_first_backend", "")]
+                 for r in rows])
+
+
+if __name__ == "__main__":
+    main()

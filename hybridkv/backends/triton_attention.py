@@ -1,0 +1,433 @@
+"""Triton paged attention (one kernel for prefill, decode and mixed batches) and the KV write by slot.
+
+Signatures are those of the references ``paged_attention_ref`` / ``write_kv_ref`` (plus optional
+keyword arguments), so the ``triton`` backend is a drop-in replacement checked against them.
+
+Kernel design (``_paged_attention_kernel``):
+
+- grid = (q-blocks, num_kv_heads, num_segments). A q-block is ``BLOCK_Q`` consecutive query tokens of one
+  request; with ``G = num_heads // num_kv_heads`` query heads per KV head, its ``BLOCK_M = BLOCK_Q * G``
+  (padded to a power of two) rows are (token, head-in-group) pairs, so one K/V tile read from memory serves
+  every query head of the group (GQA packing) and a decode token still fills a tensor-core tile.
+  Request r owns q-blocks ``qsl[r] // BLOCK_Q + r ..`` (a monotone index, found by binary search over
+  ``query_start_loc`` inside the kernel), so the grid size depends on (num_tokens, num_reqs) only: no host
+  work per request, no device->host sync, and a fixed grid under CUDA graphs.
+- keys are visited in tiles of ``TILE`` consecutive positions; each key's physical slot is looked up through
+  the block table (``block_table[r, k // block_size]``, ``k % block_size``), so ANY block size works (1, 3,
+  16, 256, ...) and the caches may be strided views (the pool keeps K and V of a block side by side).
+- only the tiles a q-block can see are visited: ``[first_q - W + 1, last_q]`` (causal + window), and loads
+  are masked to that range, so a block the metadata does not reference (NaN-poisoned in the tests, or
+  freed and reused) is never read. Positions are relative to ``key_start``: trimmed sliding-window tables
+  and local-attention virtual batches need nothing special.
+- fp32 scores and accumulator, online softmax in base 2; softcap ``c * tanh(s / c)`` on the scaled logits.
+- split-KV ("flash decoding"): when (q-blocks x kv heads) cannot fill the GPU (small-batch decode), the
+  visible key tiles are split over ``num_segments`` programs that write unnormalised partials (acc, max,
+  sum); ``_reduce_segments_kernel`` combines them. With one segment the kernel writes the output directly.
+
+``write_kv`` is one launch: one program per token writes its K and V rows (all KV heads) at the slot;
+a negative slot (padding) is skipped.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.metadata import CommonAttentionMetadata
+
+__all__ = ["paged_attention_triton", "write_kv_triton", "launch_config"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SEGMENTS = 128
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest r with qsl[r] // BLOCK_Q + r <= pid (binary search; the key is strictly increasing)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if val <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_base, v_base, bt_row, t_start, t_end, key_lo, key_hi, q_pos, row_ok,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online-softmax update over key tiles [t_start, t_end). MASKED=False: every key of these tiles is
+    visible to every row (the caller proved it), so loads and scores skip the masks."""
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    qk_scale = scale * 1.4426950408889634                  # base-2 softmax
+    for t in range(t_start, t_end):
+        k_pos = t * TILE + offs_t
+        if MASKED:
+            k_ok = (k_pos >= key_lo) & (k_pos < key_hi)
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        off = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + (blk * stride_kb + off * stride_ks)[None, :] + offs_d[:, None]
+        v_ptrs = v_base + (blk * stride_vb + off * stride_vs)[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)       # (HEAD_DIM_P, TILE)
+        elif HEAD_DIM_P != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k, input_precision=PRECISION)                                   # (BLOCK_M, TILE) fp32
+        if USE_SOFTCAP:
+            x = s * (scale / softcap)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at +-inf, no libdevice needed
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+        else:
+            s = s * qk_scale
+        if MASKED:
+            visible = k_ok[None, :] & row_ok[:, None]
+            if IS_CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)       # (TILE, HEAD_DIM_P)
+        elif HEAD_DIM_P != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
+    num_reqs, scale, softcap, window,
+    stride_ot, stride_oh,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SEG: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+    q0 = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q0
+    q_blk = pid - (q0 // BLOCK_Q + req)
+    if q_blk * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len                                   # relative position of the request's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_req = q_blk * BLOCK_Q + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok_in_req < q_len)
+    q_pos = ctx + tok_in_req
+    tok = (q0 + tok_in_req).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    # keys some row of this q-block sees: [key_lo, key_hi); keys every row sees: tiles [t_a, t_b)
+    first_q = ctx + q_blk * BLOCK_Q
+    last_q = tl.minimum(first_q + BLOCK_Q, seq_len) - 1
+    if IS_CAUSAL:
+        key_hi = last_q + 1
+        t_b = (first_q + 1) // TILE
+    else:
+        key_hi = seq_len
+        t_b = seq_len // TILE
+    if USE_WINDOW:
+        key_lo = tl.maximum(first_q - window + 1, 0)
+        t_a = (tl.maximum(last_q - window + 1, 0) + TILE - 1) // TILE
+    else:
+        key_lo = 0
+        t_a = 0
+    t_lo = key_lo // TILE
+    t_hi = (key_hi + TILE - 1) // TILE
+    if NUM_SEG > 1:
+        per_seg = (t_hi - t_lo + NUM_SEG - 1) // NUM_SEG
+        t_lo = t_lo + seg * per_seg
+        t_hi = tl.minimum(t_hi, t_lo + per_seg)
+    t_a = tl.minimum(tl.maximum(t_a, t_lo), t_hi)
+    t_b = tl.minimum(tl.maximum(t_b, t_a), t_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    # window front (masked), fully visible middle (no masks), causal diagonal (masked)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_a, key_lo, key_hi, q_pos,
+                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                  PRECISION, True)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_a, t_b, key_lo, key_hi, q_pos,
+                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                  PRECISION, False)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_b, t_hi, key_lo, key_hi, q_pos,
+                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                  PRECISION, True)
+
+    if NUM_SEG == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # partials laid out (token, head, segment, ...) contiguous; ml holds (max, sum) pairs
+        row = (tok * (GROUP * tl.num_programs(1)) + head) * NUM_SEG + seg
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SEG: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = (tok * num_heads + h) * NUM_SEG + tl.arange(0, NUM_SEG)
+    m = tl.load(part_ml_ptr + row * 2)
+    lsum = tl.load(part_ml_ptr + row * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)                                 # empty segment: m = -inf -> weight 0
+    denom = tl.sum(lsum * w, 0)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    hh = tl.arange(0, HEADS_P)
+    dd = tl.arange(0, HEAD_DIM_P)
+    mask = (hh[:, None] < num_kv_heads) & (dd[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + hh[:, None] * stride_kh + dd[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + hh[:, None] * stride_vh + dd[None, :], mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + hh[:, None] * stride_kch + dd[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + hh[:, None] * stride_vch + dd[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- host side
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
+    """Tile shapes, from sweeps on an H100 (benchmarks/gpu_attention.py --sweep): decode-only batches get
+    the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores) and 64-key tiles
+    (``paged_attention_triton`` widens them to 128 when d <= 128 and no split is needed); batches with
+    prefills get 64 rows x 64 keys with 4 warps (8 warps ran 1.9x slower at d = 128), fewer for d = 256 so
+    the fp32 accumulator stays in registers."""
+    hd_p = max(16, _next_pow2(head_dim))
+    g_p = _next_pow2(group)
+    if max_query_len <= 1:
+        block_m = max(16, g_p)
+        tile = 64
+        warps = 4
+    else:
+        block_m = max(64, g_p) if hd_p <= 128 else max(32, g_p)
+        tile = 64 if hd_p <= 128 else 32
+        warps = 4 if hd_p <= 128 else 8
+    return {"BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group), "TILE": tile, "num_warps": warps,
+            "num_stages": 2}
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata,
+           sliding_window: int | None) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens != cam.num_actual_tokens:
+        raise ValueError(f"q: has {num_tokens} tokens, metadata has {cam.num_actual_tokens}")
+    if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache: shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} vs q {tuple(q.shape)}"
+        )
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"q: num_heads {num_heads} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    if k_cache.shape[1] != cam.block_size:
+        raise ValueError(f"k_cache: block size {k_cache.shape[1]} != metadata block_size {cam.block_size}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head_dim axis must be contiguous (stride 1), got {t.stride()}")
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), any strides, last one 1
+    v_cache: torch.Tensor,
+    cam: CommonAttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    num_segments: int | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention_ref``. ``out``: optional (num_tokens, num_heads, head_dim)
+    destination; ``num_segments``: split-KV factor (default: chosen from the grid size; under CUDA-graph
+    capture only from shapes, so a replay with longer sequences stays correct); ``config``: overrides of
+    ``launch_config`` entries (benchmark sweeps)."""
+    _check(q, k_cache, v_cache, cam, sliding_window)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out: shape {tuple(out.shape)} / strides {out.stride()} do not fit q {tuple(q.shape)}")
+    if num_tokens == 0 or cam.num_reqs == 0:
+        return out
+    cfg = launch_config(head_dim=head_dim, group=group, max_query_len=cam.max_query_len)
+    if config:
+        cfg.update(config)
+        cfg["BLOCK_Q"] = max(1, cfg["BLOCK_M"] // group)
+        if cfg["BLOCK_M"] < group:
+            raise ValueError(f"config: BLOCK_M {cfg['BLOCK_M']} < query heads per KV head {group}")
+    hd_p = max(16, _next_pow2(head_dim))
+    n_qblocks = num_tokens // cfg["BLOCK_Q"] + cam.num_reqs
+    if num_segments is None:
+        num_segments = 1
+        if q.is_cuda:
+            progs = n_qblocks * num_kv_heads
+            target = 2 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            if progs < target:
+                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-target // progs)))
+                if not torch.cuda.is_current_stream_capturing():   # host max: fine outside graphs
+                    tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
+                    num_segments = max(1, min(num_segments, _next_pow2(-(-tiles // 2))))
+    num_segments = _next_pow2(max(1, int(num_segments)))
+    if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
+        cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
+    if num_segments > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_segments, hd_p, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_segments, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out   # unused
+    bt = cam.block_table_tensor
+    if bt.device != q.device:
+        bt = bt.to(q.device)
+    qsl = cam.query_start_loc if cam.query_start_loc.device == q.device else cam.query_start_loc.to(q.device)
+    seq = cam.seq_lens if cam.seq_lens.device == q.device else cam.seq_lens.to(q.device)
+    grid = (n_qblocks, num_kv_heads, num_segments)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml,
+        q, k_cache, v_cache, bt, qsl, seq,
+        cam.num_reqs, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        bt.stride(0) if bt.dim() == 2 and bt.shape[1] > 0 else 0,
+        HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, GROUP=group,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
+        IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_SEG=num_segments, num_warps=4,
+        )
+    return out
+
+
+def write_kv_triton(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) slot = block_id * block_size + offset; < 0 = skip
+) -> None:
+    """Same contract as ``write_kv_ref`` (plus: negative slots are skipped, for padded batches)."""
+    if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"k/v/slot_mapping: shapes {tuple(k.shape)}, {tuple(v.shape)}, {tuple(slot_mapping.shape)}"
+        )
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit k {tuple(k.shape)}")
+    n, heads, d = k.shape
+    if n == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k/v/caches: the head_dim axis must be contiguous (stride 1)")
+    slots = slot_mapping if slot_mapping.device == k.device else slot_mapping.to(k.device)
+    _write_kv_kernel[(n,)](
+        k, v, k_cache, v_cache, slots, heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=d, HEADS_P=_next_pow2(heads), HEAD_DIM_P=_next_pow2(d), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=1 if heads * d <= 1024 else 4,
+    )
+
+
+def dense_bytes(head_dim: int, num_kv_heads: int, seq_lens: list[int], elem: int = 2) -> int:
+    """K+V bytes a decode step must read (each key once): the attention roofline's numerator."""
+    return 2 * sum(seq_lens) * num_kv_heads * head_dim * elem
+

@@ -1,0 +1,256 @@
+"""Triton paged attention and KV write against the torch reference and the dense oracle.
+
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before the kernel module is imported; the interpreter decides at decoration time) at tiny sizes.
+With CUDA, the same checks run compiled, plus bf16 checks marked ``gpu``.
+Skipped with a reason when triton is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from _cam_helpers import dense_attention, make_batch, poison_unreferenced  # noqa: E402
+
+from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
+from hybridkv.metadata import CommonAttentionMetadata  # noqa: E402
+from hybridkv.transforms import (  # noqa: E402
+    make_local_attention_virtual_batches,
+    make_local_attention_virtual_batches_device,
+    trim_sliding_window,
+)
+
+_MOD = "hybridkv.backends.triton_attention"
+if not _HAS_CUDA and _MOD in sys.modules:   # imported compiled earlier in this process: re-decorate
+    importlib.reload(sys.modules[_MOD])
+ta = importlib.import_module(_MOD)
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device")
+
+
+def _random_spec(rng: np.random.Generator, max_reqs: int, max_len: int) -> tuple[list[int], list[int]]:
+    """A mix of decodes, prefills and chunked prefills."""
+    q_lens, s_lens = [], []
+    for _ in range(int(rng.integers(1, max_reqs + 1))):
+        kind = rng.choice(["decode", "prefill", "chunked"])
+        s = int(rng.integers(2, max_len + 1))
+        q = 1 if kind == "decode" else s if kind == "prefill" else int(rng.integers(1, s))
+        q_lens.append(q)
+        s_lens.append(s)
+    return q_lens, s_lens
+
+
+def _to(batch_tensor: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return batch_tensor.to(device=DEVICE, dtype=dtype)
+
+
+def _cam_to(cam: CommonAttentionMetadata) -> CommonAttentionMetadata:
+    if DEVICE == "cpu":
+        return cam
+    return cam.replace(query_start_loc=cam.query_start_loc.to(DEVICE), seq_lens=cam.seq_lens.to(DEVICE),
+                       key_start=cam.key_start.to(DEVICE), block_table_tensor=cam.block_table_tensor.to(DEVICE),
+                       slot_mapping=cam.slot_mapping.to(DEVICE))
+
+
+def _run(q, k, v, cam, **kw):
+    """Kernel output with the output buffer poisoned first (every element must be written)."""
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    ta.paged_attention_triton(q, k, v, _cam_to(cam), out=out, **kw)
+    return out
+
+
+def _strided_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy into a (num_blocks, 2, bs, kv_heads, d) pool and return the strided K/V views, like the engine."""
+    pool = torch.stack([k_cache, v_cache], dim=1).to(DEVICE).contiguous()
+    return pool[:, 0], pool[:, 1]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-4) -> None:
+    assert not torch.isnan(actual).any(), "NaN in output: unwritten output or a poisoned block was read"
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tol, rtol=tol)
+
+
+# (seed, block_size, num_heads, num_kv_heads, head_dim, window, softcap, num_segments)
+CASES = [
+    (0, 1, 4, 2, 16, None, None, 1),
+    (1, 2, 4, 4, 16, None, 30.0, 1),
+    (2, 3, 6, 2, 16, 5, None, 1),       # non-power-of-two block size and GQA group (3)
+    (3, 4, 4, 1, 32, None, None, 2),    # split-KV
+    (4, 8, 5, 1, 16, 7, 0.5, 1),        # group 5 (Llama-4-like), window + softcap
+    (5, 16, 4, 2, 24, None, None, 4),   # head_dim padded 24 -> 32, split-KV
+    (6, 16, 8, 2, 16, 3, None, 2),      # window + split
+]
+
+
+@pytest.mark.parametrize(("seed", "bs", "heads", "kv_heads", "d", "window", "softcap", "segs"), CASES)
+def test_matches_reference_and_oracle(seed, bs, heads, kv_heads, d, window, softcap, segs):
+    rng = np.random.default_rng(seed)
+    q_lens, s_lens = _random_spec(rng, max_reqs=4, max_len=40)
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                   extra_cols=seed % 3)
+    kc, vc = poison_unreferenced(b, b.cam)                  # unreferenced blocks (null block 0 too) are NaN
+    ref = paged_attention_ref(b.q, kc, vc, b.cam, scale=b.scale, sliding_window=window, softcap=softcap)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, b.cam, scale=b.scale, sliding_window=window, softcap=softcap,
+               num_segments=segs)
+    _assert_close(out, ref)
+    _assert_close(out, dense_attention(b, window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("seed", range(20, 36))
+def test_random_batches(seed):
+    """Fresh random shapes per seed: block size 1-16, GQA group 1-4, window / softcap / split-KV."""
+    rng = np.random.default_rng(seed)
+    bs = int(rng.integers(1, 17))
+    kv_heads = int(rng.choice([1, 2]))
+    heads = kv_heads * int(rng.integers(1, 5))
+    d = int(rng.choice([16, 32]))
+    window = None if rng.random() < 0.5 else int(rng.integers(1, 24))
+    softcap = None if rng.random() < 0.6 else float(rng.choice([0.5, 20.0]))
+    segs = int(rng.choice([1, 1, 2, 4]))
+    q_lens, s_lens = _random_spec(rng, max_reqs=5, max_len=48)
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                   extra_cols=seed % 2)
+    cam = trim_sliding_window(b.cam, window) if window is not None and seed % 2 else b.cam
+    kc, vc = poison_unreferenced(b, cam)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale, sliding_window=window, softcap=softcap, num_segments=segs)
+    _assert_close(out, dense_attention(b, window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_trimmed_sliding_window(seed):
+    """After trimming, blocks wholly outside every window are NaN; the kernel must not read them."""
+    rng = np.random.default_rng(seed)
+    window, bs = 4, 2
+    q_lens, s_lens = _random_spec(rng, max_reqs=4, max_len=30)
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=4, num_kv_heads=2, head_dim=16)
+    cam = trim_sliding_window(b.cam, window)
+    kc, vc = poison_unreferenced(b, cam)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale, sliding_window=window)
+    _assert_close(out, dense_attention(b, window=window))
+
+
+@pytest.mark.parametrize("device_variant", [False, True])
+def test_local_attention_virtual_batches(device_variant):
+    """Chunked-local attention = the causal kernel on virtual batches (host and padded device variants)."""
+    chunk, bs = 8, 4
+    q_lens, s_lens = [1, 13, 5, 20], [19, 21, 9, 20]
+    b = make_batch(q_lens, s_lens, bs, 7, num_heads=4, num_kv_heads=2, head_dim=16)
+    if device_variant:
+        cam = make_local_attention_virtual_batches_device(b.cam, chunk, 12)   # padded with empty requests
+    else:
+        cam = make_local_attention_virtual_batches(b.cam, chunk)
+    kc, vc = poison_unreferenced(b, cam)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale)
+    _assert_close(out, dense_attention(b, chunk=chunk))
+
+
+def test_non_causal_and_empty_requests():
+    b = make_batch([4, 3], [4, 3], 2, 3, num_heads=2, num_kv_heads=1, head_dim=16)
+    cam = CommonAttentionMetadata.build(query_lens=[4, 0, 3], seq_lens=[4, 0, 3],
+                                        block_table=np.insert(b.cam.block_table_cpu, 1, 0, axis=0),
+                                        block_size=2, causal=False)
+    kc, vc = _strided_pool(b.k_cache, b.v_cache)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, cam, scale=b.scale)
+    _assert_close(_run(_to(b.q), kc, vc, cam, scale=b.scale), ref)
+
+
+def test_write_kv_matches_reference_and_skips_negative_slots():
+    g = torch.Generator().manual_seed(0)
+    nb, bs, h, d = 6, 3, 2, 16
+    pool = torch.randn(nb, 2, bs, h, d, generator=g)
+    ref_pool = pool.clone()
+    slots = torch.tensor([7, 0, 17, -1, 4])
+    k = torch.randn(5, h, d, generator=g)
+    v = torch.randn(5, h, d, generator=g)
+    keep = slots >= 0
+    write_kv_ref(k[keep], v[keep], ref_pool[:, 0], ref_pool[:, 1], slots[keep])
+    dev_pool = pool.to(DEVICE)
+    ta.write_kv_triton(_to(k), _to(v), dev_pool[:, 0], dev_pool[:, 1], slots.to(DEVICE))
+    assert torch.equal(dev_pool.cpu(), ref_pool)
+
+
+def test_bad_inputs():
+    b = make_batch([3, 1], [5, 9], 2, seed=2, head_dim=16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ta.paged_attention_triton(b.q, b.k_cache, b.v_cache, b.cam, scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="tokens"):
+        ta.paged_attention_triton(b.q[:2], b.k_cache, b.v_cache, b.cam, scale=1.0)
+
+
+def test_backend_registry_entry():
+    from hybridkv.backends.registry import _REGISTRY, get_backend
+
+    assert _REGISTRY["triton"].factory is not None
+    if not _HAS_CUDA:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            get_backend("triton", "cpu")
+    else:
+        be = get_backend("triton", "cuda")
+        assert be.name == "triton" and be.paged_attention is ta.paged_attention_triton
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+
+def _eager_bf16(b, window, softcap) -> torch.Tensor:
+    """Dense attention in eager torch with bf16 tensors: the low-precision torch baseline."""
+    outs = []
+    qsl, seq = b.cam.query_start_loc_cpu, b.cam.seq_lens_cpu
+    for r in range(b.cam.num_reqs):
+        t0, t1, s = int(qsl[r]), int(qsl[r + 1]), int(seq[r])
+        group = b.q.shape[1] // b.k_dense[r].shape[1]
+        q = b.q[t0:t1].to(DEVICE, torch.bfloat16).transpose(0, 1)
+        k = b.k_dense[r].to(DEVICE, torch.bfloat16).repeat_interleave(group, 1).transpose(0, 1)
+        v = b.v_dense[r].to(DEVICE, torch.bfloat16).repeat_interleave(group, 1).transpose(0, 1)
+        logits = (q @ k.transpose(1, 2)) * b.scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        p = torch.arange(s - (t1 - t0), s, device=DEVICE)[:, None]
+        kk = torch.arange(s, device=DEVICE)[None, :]
+        mask = kk <= p
+        if window is not None:
+            mask &= p - kk < window
+        outs.append((torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1))
+    return torch.cat(outs).float()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_bf16_error_within_2x_of_bf16_torch(seed):
+    """bf16 inputs: our error vs an fp32 reference is at most ~2x that of the same math in bf16 torch."""
+    rng = np.random.default_rng(100 + seed)
+    q_lens, s_lens = _random_spec(rng, max_reqs=8, max_len=700)
+    bs = int(rng.choice([1, 5, 16, 32]))
+    window = None if seed % 2 else int(rng.integers(16, 300))
+    softcap = 50.0 if seed % 3 == 0 else None
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=8, num_kv_heads=2, head_dim=128)
+    # round the inputs to bf16 once: the fp32 reference and the baseline then see the same numbers
+    b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
+                v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
+                v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+    cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
+    kc, vc = poison_unreferenced(b, cam)
+    k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
+    ref32 = dense_attention(b, window=window, softcap=softcap).to(DEVICE)
+    ours = _run(_to(b.q, torch.bfloat16), k16, v16, cam, scale=b.scale, sliding_window=window, softcap=softcap)
+    assert not torch.isnan(ours).any()
+    err = (ours.float() - ref32).norm() / ref32.norm()
+    err_base = (_eager_bf16(b, window, softcap) - ref32).norm() / ref32.norm()
+    assert err <= 2 * err_base, (float(err), float(err_base))
