@@ -106,6 +106,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                         help="tokens per scheduler step (default: 2048)")
     parser.add_argument("--kv-dtype", default=None, help="KV dtype (default: the checkpoint dtype)")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                        help="GPUs the model is sharded over; --kv-memory and every byte figure are then "
+                             "per GPU (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -136,9 +139,13 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan]:
     config = load_model_config(args.config)
     result = plan(config, max_model_len=args.max_model_len, kv_memory=args.kv_memory,
                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
+                  max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size)
     report = {"model": str(args.config), "architecture": config.architecture,
               "num_layers": len(config.layers), **result.to_dict()}
+    if args.tensor_parallel_size > 1:      # byte figures above are one GPU's (its shard of every request)
+        report["tensor_parallel_size"] = args.tensor_parallel_size
+        report["bytes_per_request_max_all_gpus"] = args.tensor_parallel_size * result.bytes_per_request_max
     for group in report["groups"]:
         group["layer_ranges"] = layer_ranges(group["layers"])
     return report, result
@@ -150,8 +157,10 @@ def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
 
     width = shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
     console = Console(file=sys.stdout, width=max(width, 100), highlight=False)
+    tp = report.get("tensor_parallel_size", 1)
+    per_gpu = f" per GPU, tensor parallel x{tp} (bytes are per GPU)" if tp > 1 else ""
     title = (f"{report['architecture']} ({report['model']}): {report['num_layers']} layers, "
-             f"max_model_len {report['max_model_len']}, budget {format_bytes(report['budget_bytes'])}")
+             f"max_model_len {report['max_model_len']}, budget {format_bytes(report['budget_bytes'])}{per_gpu}")
     groups = Table(title=title, title_justify="left")
     for name, justify in (("group", "right"), ("kind", "left"), ("spec", "left"), ("layers", "left"),
                           ("block size", "right"), ("bytes/token", "right"), ("per request", "right"),

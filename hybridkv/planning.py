@@ -68,15 +68,20 @@ def plan(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     kv_dtype: str | torch.dtype | None = None,
+    tensor_parallel_size: int = 1,
 ) -> KVCachePlan:
     """Split ``kv_memory`` (bytes, or a size such as "40GiB") into the block and state-slot pools and
     report how many ``max_model_len``-token requests fit (default: the model's max positions).
 
     KV and conv states use ``kv_dtype`` (default: the checkpoint dtype); SSM states are fp32. Raises
-    ``ValueError`` when the budget cannot hold one request (the message says how many bytes it needs)."""
+    ``ValueError`` when the budget cannot hold one request (the message says how many bytes it needs).
+    With ``tensor_parallel_size`` > 1, ``kv_memory`` is one GPU's budget and the plan is one rank's: every
+    byte figure is per GPU (its shard of each request), and the concurrency is the whole group's (every
+    rank holds a shard of every running request, so all ranks admit the same requests)."""
     config = load_model_config(model)
     length = config.max_position_embeddings if max_model_len is None else max_model_len
-    specs = config.kv_specs(block_size=block_size, kv_dtype=_torch_dtype(kv_dtype))
+    specs = config.kv_specs(block_size=block_size, kv_dtype=_torch_dtype(kv_dtype),
+                            tensor_parallel_size=tensor_parallel_size)
     if not specs:
         raise ValueError(f"{config.architecture} keeps no per-request state: nothing to plan")
     return plan_kv_cache(specs, max_model_len=length, kv_memory=parse_bytes(kv_memory),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.engine.model_runner import ModelRunner, StepBatch
+from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepRunner
 from hybridkv.engine.request import (
     CompletionOutput,
     Request,
@@ -46,7 +46,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, runner: StepRunner | None = None) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -59,7 +59,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
             self.coordinator)
-        self.runner = ModelRunner(model, plan, backend=backend)
+        self.runner = runner if runner is not None else ModelRunner(model, plan, backend=backend)
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}

@@ -7,22 +7,29 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from hybridkv.engine.distributed import join_group, spawn_group, torchrun_world
 from hybridkv.engine.engine import EngineStats, LLMEngine, RequestError
+from hybridkv.engine.executor import TensorParallelExecutor, serve
+from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.request import CompletionOutput, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.layers.parallel import SINGLE, TensorParallel
 from hybridkv.loaders.hf_config import load_config
 from hybridkv.models.config import HybridConfig
-from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model
+from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model, shard_model
 from hybridkv.utils import format_bytes, parse_bytes
 
 logger = logging.getLogger("hybridkv")
@@ -57,56 +64,160 @@ def _default_kv_memory(device: torch.device) -> int:
     return min(int(available * 0.1), 4 << 30)
 
 
-def _load(model: str | Path | HybridConfig | HybridModel, device: torch.device, dtype: str | torch.dtype,
-          seed: int) -> tuple[HybridModel, object | None]:
-    if isinstance(model, HybridModel):
-        return model.to(device).eval(), None
-    if isinstance(model, HybridConfig):
-        return build_model(model, dtype=_resolve_dtype(dtype, model, device), device=device, seed=seed), None
-    path = Path(model)
+@dataclass(frozen=True)
+class _FullWeights:
+    """An in-memory model handed to spawned ranks: its config and full tensors (shared memory, not copies)."""
+
+    config: HybridConfig
+    state: dict[str, torch.Tensor]
+    dtype: torch.dtype
+
+
+ModelArg = str | Path | HybridConfig | HybridModel
+
+
+def _checkpoint_config(path: Path) -> tuple[HybridConfig, bool]:
+    """(config, is hybridkv-native) of a checkpoint directory."""
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: not a checkpoint directory (no {CONFIG_NAME})")
-    import json
-
     raw = json.loads(config_file.read_text())
     if "hybridkv_config" in raw:
-        config = HybridConfig.from_dict(raw)
-        loaded = load_model(path, dtype=_resolve_dtype(dtype, config, device), device=device)
+        return HybridConfig.from_dict(raw), True
+    return load_config(path), False
+
+
+def _model_config(model: ModelArg | _FullWeights) -> HybridConfig:
+    if isinstance(model, HybridModel | _FullWeights):
+        return model.config
+    return model if isinstance(model, HybridConfig) else _checkpoint_config(Path(model))[0]
+
+
+def _full_weights(model: HybridModel) -> _FullWeights:
+    if model.tp.size > 1:
+        raise ValueError("LLM: pass the unsharded model (or its config / checkpoint), not a tensor-parallel shard")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return _FullWeights(config=model.config, state=state, dtype=next(model.parameters()).dtype)
+
+
+def _load(model: ModelArg | _FullWeights, device: torch.device, dtype: str | torch.dtype, seed: int,
+          tp: TensorParallel = SINGLE, *, with_tokenizer: bool = True) -> tuple[HybridModel, object | None]:
+    """This rank's model (the whole model at tensor_parallel_size 1) and the checkpoint's tokenizer."""
+    if isinstance(model, HybridModel) and tp.size == 1:
+        return model.to(device).eval(), None
+    if isinstance(model, HybridModel | _FullWeights):
+        full = model if isinstance(model, _FullWeights) else _full_weights(model)
+        return shard_model(full.config, full.state, tp=tp, dtype=full.dtype, device=device), None
+    if isinstance(model, HybridConfig):
+        return build_model(model, dtype=_resolve_dtype(dtype, model, device), device=device, seed=seed, tp=tp), None
+    path = Path(model)
+    config, native = _checkpoint_config(path)
+    if native:
+        loaded = load_model(path, dtype=_resolve_dtype(dtype, config, device), device=device, tp=tp)
     else:   # an HF checkpoint: hub weight names, converted by the loaders package
         from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
-        config = load_config(path)
-        loaded = load_hf_checkpoint(path, dtype=_resolve_dtype(dtype, config, device), device=device)
+        loaded = load_hf_checkpoint(path, dtype=_resolve_dtype(dtype, config, device), device=device, tp=tp)
+    if not with_tokenizer:
+        return loaded, None
     from hybridkv.loaders.tokenizer import load_tokenizer
 
     return loaded, load_tokenizer(path)
 
 
+def _spawned_rank(model: ModelArg | _FullWeights, kwargs: dict[str, object]) -> None:
+    """Entry point of a rank spawned by rank 0: the same ``LLM`` construction, which joins the group from
+    the environment, serves steps, and exits when rank 0 shuts down."""
+    LLM(model, **kwargs)  # type: ignore[arg-type]
+
+
 class LLM:
-    def __init__(self, model: str | Path | HybridConfig | HybridModel, *, dtype: str | torch.dtype = "auto",
-                 device: str = "auto", block_size: int = 16, max_model_len: int | None = None,
+    """``tensor_parallel_size`` > 1 shards the model over that many ranks (docs/parallelism.md): rank 0 is
+    this process and spawns the others, or, under ``torchrun``, every process constructs the same ``LLM``
+    and the constructor does not return on ranks > 0 (they serve steps and exit when rank 0 shuts down).
+    ``distributed_timeout`` (seconds) bounds every collective of a step: a dead or stuck rank is an error,
+    not a hang. With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
+    the other ranks (done at exit otherwise)."""
+
+    def __init__(self, model: ModelArg, *, dtype: str | torch.dtype = "auto",
+                 device: str = "auto", block_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
-                 backend: str = "auto", seed: int = 0, tokenizer: object | None = None) -> None:
+                 backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
+                 tensor_parallel_size: int = 1, distributed_timeout: float = 600.0) -> None:
         dev = _resolve_device(device)
-        self.model, found_tokenizer = _load(model, dev, dtype, seed)
+        self._executor: TensorParallelExecutor | None = None
+        ctx = None
+        if tensor_parallel_size != 1:
+            _model_config(model).check_tensor_parallel(tensor_parallel_size)   # before starting any process
+            if torchrun_world() is not None:
+                ctx = join_group(tensor_parallel_size, dev, distributed_timeout)
+            else:
+                kwargs = dict(dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                              backend=backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                              distributed_timeout=distributed_timeout)
+                source = _full_weights(model) if isinstance(model, HybridModel) else model
+                ctx = spawn_group(tensor_parallel_size, dev, distributed_timeout, _spawned_rank, (source, kwargs))
+            dev = ctx.device
+
+        def load() -> tuple[HybridModel, object | None]:
+            return _load(model, dev, dtype, seed, ctx.tp if ctx else SINGLE,
+                         with_tokenizer=ctx is None or ctx.is_driver)
+
+        self.model, found_tokenizer = ctx.run_everywhere("loading the model", load) if ctx else load()
         self.tokenizer = tokenizer or found_tokenizer
         config = self.model.config
+        if block_size is None:        # 16, or what every chunked layer's chunk is a multiple of (logged)
+            block_size = config.default_block_size()
+            logger.info("KV block size %d", block_size)
         max_model_len = max_model_len or config.max_position_embeddings
         step_tokens = max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         budget = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else _default_kv_memory(dev)
-        specs = config.kv_specs(block_size=block_size, kv_dtype=next(self.model.parameters()).dtype)
-        has_mamba = any(not s.is_attention for s in specs.values())
-        self.plan: KVCachePlan = plan_kv_cache(
-            specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=max_num_seqs,
-            step_tokens=step_tokens, num_checkpoint_slots=max_num_seqs if (has_mamba and enable_prefix_caching)
-            else 0)
-        logger.info("KV cache plan: %s (budget %s)", self.plan.summary(), format_bytes(budget))
+        if ctx is not None:
+            budget = ctx.min_over_ranks(budget)          # every rank plans the same pools
+
+        def make_plan() -> KVCachePlan | None:
+            if ctx is not None and not ctx.is_driver:
+                return None                               # rank 0's plan is shared below
+            specs = config.kv_specs(block_size=block_size, kv_dtype=next(self.model.parameters()).dtype,
+                                    tensor_parallel_size=tensor_parallel_size)
+            has_mamba = any(not s.is_attention for s in specs.values())
+            return plan_kv_cache(
+                specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=max_num_seqs,
+                step_tokens=step_tokens,
+                num_checkpoint_slots=max_num_seqs if (has_mamba and enable_prefix_caching) else 0)
+
+        runner = None
+        if ctx is None:
+            self.plan: KVCachePlan = make_plan()
+        else:
+            self.plan = ctx.share(ctx.run_everywhere("planning the KV cache", make_plan))
+            local = ctx.run_everywhere("allocating the KV cache",
+                                       lambda: ModelRunner(self.model, self.plan, backend=backend))
+            if not ctx.is_driver:
+                serve(local, ctx)
+                raise SystemExit(0)
+            runner = self._executor = TensorParallelExecutor(local, ctx)
+            weakref.finalize(self, runner.shutdown)
+        per_rank = f" per rank, {tensor_parallel_size} ranks" if tensor_parallel_size > 1 else ""
+        logger.info("KV cache plan: %s (budget %s%s)", self.plan.summary(), format_bytes(budget), per_rank)
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
-                                backend=backend, tokenizer=self.tokenizer, seed=seed)
+                                backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner)
         self._next_id = 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (a no-op without them)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # -- prompts ------------------------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:

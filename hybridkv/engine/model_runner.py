@@ -4,14 +4,15 @@ The runner owns the cache tensors (bound once to the layers) and nothing about s
 scheduler decides which tokens run and which blocks / state slots they use; the runner turns that
 into one ``CommonAttentionMetadata`` per group, lets each group's builder transform it, and runs the
 model under a forward context. Host work is vectorised numpy; the only device transfers are the
-step's small index arrays.
+step's small index arrays. Under tensor parallelism every rank runs one of these on its model shard and
+its own cache shard, with the same batch (``engine/executor.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -22,7 +23,6 @@ from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.metadata import CommonAttentionMetadata, debug_enabled, host_to_device
-from hybridkv.models.config import Attention
 from hybridkv.models.hybrid import HybridModel
 
 
@@ -48,6 +48,17 @@ class StepBatch:
         q = self.query_lens.astype(np.int64)
         starts = np.cumsum(q) - q
         return np.arange(int(q.sum()), dtype=np.int64) + np.repeat(self.seq_lens - q - starts, q)
+
+
+class StepRunner(Protocol):
+    """What the engine drives each step: ``ModelRunner`` in-process, or the tensor-parallel executor
+    (``engine/executor.py``) that runs a ``ModelRunner`` on every rank."""
+
+    plan: KVCachePlan
+
+    def execute(self, batch: StepBatch) -> torch.Tensor | None: ...
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None: ...
 
 
 class ModelRunner:
@@ -105,8 +116,9 @@ class ModelRunner:
         return ForwardContext(inputs=inputs, backend=self.backend)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices``."""
+    def execute(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices``. On a
+        tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         positions = host_to_device(batch.positions(), self.device)
         with forward_context(self.build_context(batch)):
@@ -130,10 +142,10 @@ class ModelRunner:
 def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: str = "torch") -> torch.Tensor:
     """Logits at every position of one sequence from a single no-cache-reuse forward: a fresh private
     cache, the whole sequence as one prefill. The oracle the engine's incremental results must match."""
+    if model.tp.size > 1:
+        raise ValueError("reference_logits needs an unsharded model (tensor_parallel_size 1)")
     n = len(token_ids)
-    chunks = [m.attention_chunk_size for m in (layer.mixer for layer in model.config.layers)
-              if isinstance(m, Attention) and m.attention_chunk_size]
-    block_size = math.gcd(16, *chunks)          # a block size every chunk is a multiple of
+    block_size = model.config.default_block_size()
     blocks = -(-n // block_size)
     specs = model.config.kv_specs(block_size=block_size, kv_dtype=next(model.parameters()).dtype)
     page_sum = sum(s.bytes_per_block for s in specs.values() if s.is_attention)
@@ -148,4 +160,6 @@ def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: s
         tables.append(ids if group.spec.is_attention else np.ones((1, 1), np.int32))
     batch = StepBatch(input_ids=np.asarray(token_ids, np.int64), query_lens=np.array([n]),
                       seq_lens=np.array([n]), block_tables=tables, logits_indices=np.arange(n))
-    return runner.execute(batch)
+    logits = runner.execute(batch)
+    assert logits is not None
+    return logits

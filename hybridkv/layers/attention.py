@@ -17,6 +17,7 @@ from torch import nn
 from hybridkv.forward_context import get_forward_context
 from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm, rms_normalize
+from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.config import Attention
 
@@ -26,21 +27,27 @@ class AttentionLayer(nn.Module):
     shared attention reads concat(hidden, embeddings), 2 * hidden wide, and writes hidden)."""
 
     def __init__(self, hidden_size: int, cfg: Attention, *, cache_name: str, norm_eps: float,
-                 gemma_norm: bool = False, tp_size: int = 1, out_size: int | None = None) -> None:
+                 gemma_norm: bool = False, tp: TensorParallel = SINGLE, out_size: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.cache_name = cache_name
         self.norm_eps = norm_eps
-        if cfg.num_heads % tp_size:
-            raise ValueError(f"{cache_name}: num_heads={cfg.num_heads} not divisible by tp_size={tp_size}")
-        self.num_heads = cfg.num_heads // tp_size
-        self.num_kv_heads = max(1, cfg.num_kv_heads // tp_size)   # replicated when fewer than ranks
         d = cfg.head_dim
-        self.q_proj = ColumnParallelLinear(hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias, tp_size=tp_size)
-        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias,
-                                        tp_size=tp_size)
+        # Tensor parallel: q heads split; kv heads split, or replicated when fewer than ranks (each rank keeps
+        # the kv head its q heads read); o_proj sums the heads' partial outputs.
+        self.q_sections = (Split(cfg.num_heads * d, cfg.num_heads, what=f"{cache_name} Attention.num_heads"),)
+        self.kv_sections = (Split(cfg.num_kv_heads * d, cfg.num_kv_heads, replicate=True,
+                                  what=f"{cache_name} Attention.num_kv_heads"),)
+        self.num_heads = self.q_sections[0].local_size(tp.size) // d
+        self.num_kv_heads = self.kv_sections[0].local_size(tp.size) // d
+        self.q_proj = ColumnParallelLinear(hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias, tp=tp,
+                                           sections=self.q_sections)
+        self.k_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
+                                           sections=self.kv_sections)
+        self.v_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
+                                           sections=self.kv_sections)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias, tp=tp,
+                                        sections=self.q_sections)
         self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
@@ -101,11 +108,16 @@ class AttentionUse(nn.Module):
         self.cfg = shared.cfg
         self.cache_name = cache_name
         self.num_kv_heads = shared.num_kv_heads
-        width = shared.q_proj.in_features
-        make = lambda out: LowRankAdapter(width, adapter_rank, out) if adapter_rank else None  # noqa: E731
-        self.q_adapter = make(shared.q_proj.out_features)
-        self.k_adapter = make(shared.k_proj.out_features)
-        self.v_adapter = make(shared.v_proj.out_features)
+        width, tp = shared.q_proj.in_features, shared.q_proj.tp
+
+        def make(sections: tuple[Split, ...]) -> LowRankAdapter | None:
+            if not adapter_rank:
+                return None
+            return LowRankAdapter(width, adapter_rank, sections[0].size, tp=tp, sections=sections)
+
+        self.q_adapter = make(shared.q_sections)
+        self.k_adapter = make(shared.kv_sections)
+        self.v_adapter = make(shared.kv_sections)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -14,24 +14,36 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridkv.forward_context import get_forward_context
+from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import Mamba1
 
 
 class Mamba1Layer(nn.Module):
-    def __init__(self, hidden_size: int, cfg: Mamba1, *, cache_name: str) -> None:
+    """Tensor parallel (``tp``): the inner channels split (x/z halves of in_proj, conv, dt_proj outputs,
+    A, D); x_proj reads the split channels, so it is row-parallel and every rank gets the full dt/B/C (a
+    small all-reduce); out_proj is row-parallel."""
+
+    def __init__(self, hidden_size: int, cfg: Mamba1, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.cache_name = cache_name
-        inter, n, rank = cfg.intermediate_size, cfg.state_size, cfg.dt_rank
-        self.in_proj = nn.Linear(hidden_size, 2 * inter, bias=cfg.proj_bias)
+        n, rank = cfg.state_size, cfg.dt_rank
+        channels = Split(cfg.intermediate_size, cfg.intermediate_size,
+                         what=f"{cache_name} Mamba1.intermediate_size")
+        inter = channels.local_size(tp.size)
+        self.in_proj = ColumnParallelLinear(hidden_size, 2 * cfg.intermediate_size, bias=cfg.proj_bias, tp=tp,
+                                            sections=(channels, channels))
         # HF stores the depthwise conv as (inter, 1, kernel); we keep that layout for loading.
         self.conv1d = nn.Conv1d(inter, inter, cfg.conv_kernel, groups=inter, bias=cfg.conv_bias)
-        self.x_proj = nn.Linear(inter, rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(rank, inter, bias=True)
+        self.x_proj = RowParallelLinear(cfg.intermediate_size, rank + 2 * n, tp=tp, sections=(channels,))
+        self.dt_proj = ColumnParallelLinear(rank, cfg.intermediate_size, bias=True, tp=tp, sections=(channels,))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(inter, 1))
         self.D = nn.Parameter(torch.ones(inter))
-        self.out_proj = nn.Linear(inter, hidden_size, bias=cfg.proj_bias)
+        self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, bias=cfg.proj_bias, tp=tp,
+                                          sections=(channels,))
+        self.tp_shards = dict.fromkeys(("conv1d.weight", "conv1d.bias", "A_log", "D"), Shard(0, (channels,)))
         if cfg.dt_norm:
             self.dt_layernorm = RMSNorm(rank, eps=cfg.norm_eps)
             self.b_layernorm = RMSNorm(n, eps=cfg.norm_eps)

@@ -15,30 +15,51 @@ import torch
 from torch import nn
 
 from hybridkv.forward_context import get_forward_context
+from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import Mamba2
 
 
 class Mamba2Layer(nn.Module):
-    def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str) -> None:
+    """Tensor parallel (``tp``): heads split, with their z/x channels, dt, A, D, dt bias and gated-norm
+    channels; B/C groups split when n_groups divides by the ranks, else each rank keeps the one group its
+    heads read (replicated); the conv channels follow x, B, C. in_proj is column-parallel section by section,
+    out_proj row-parallel; the scans are local, the conv and SSM states per rank hold only its heads."""
+
+    def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.cache_name = cache_name
-        inter, conv_dim = cfg.intermediate_size, cfg.conv_dim
-        self.in_proj = nn.Linear(hidden_size, inter + conv_dim + cfg.num_heads, bias=cfg.proj_bias)
+        h, p, gs = cfg.num_heads, cfg.head_dim, cfg.n_groups * cfg.state_size
+        heads = Split(h * p, h, what=f"{cache_name} Mamba2.num_heads")
+        groups = Split(gs, cfg.n_groups, replicate=True, what=f"{cache_name} Mamba2.n_groups")
+        per_head = Split(h, h, what=f"{cache_name} Mamba2.num_heads")
+        self.num_heads = per_head.local_size(tp.size)
+        self.n_groups = groups.local_size(tp.size) // cfg.state_size
+        self.intermediate_size = self.num_heads * p
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * cfg.state_size
+        self.in_proj = ColumnParallelLinear(hidden_size, cfg.intermediate_size + cfg.conv_dim + h,
+                                            bias=cfg.proj_bias, tp=tp,
+                                            sections=(heads, heads, groups, groups, per_head))   # z x B C dt
         # HF stores the depthwise conv as (conv_dim, 1, kernel); we keep that layout for loading.
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=cfg.conv_bias)
-        self.dt_bias = nn.Parameter(torch.zeros(cfg.num_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, cfg.num_heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(cfg.num_heads))
-        self.norm = (GatedGroupRMSNorm(inter, n_groups=cfg.n_groups, eps=cfg.norm_eps,
-                                       norm_before_gate=cfg.norm_before_gate) if cfg.gated_norm else None)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = (GatedGroupRMSNorm(cfg.intermediate_size, n_groups=cfg.n_groups, eps=cfg.norm_eps,
+                                       norm_before_gate=cfg.norm_before_gate, tp=tp) if cfg.gated_norm else None)
         out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
-        self.out_proj = nn.Linear(inter, hidden_size, bias=out_bias)
+        self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, bias=out_bias, tp=tp,
+                                          sections=(heads,))
+        conv = Shard(0, (heads, groups, groups))
+        self.tp_shards = {"conv1d.weight": conv, "conv1d.bias": conv, **dict.fromkeys(
+            ("dt_bias", "A_log", "D"), Shard(0, (per_head,)))}
         mup = None                  # (in_proj out,) per-section multipliers, rebuilt from the config
         if any(m != 1.0 for m in cfg.zxbcdt_multipliers):
-            gs = cfg.n_groups * cfg.state_size
-            sizes = (inter, inter, gs, gs, cfg.num_heads)
+            local_gs = self.n_groups * cfg.state_size
+            sizes = (self.intermediate_size, self.intermediate_size, local_gs, local_gs, self.num_heads)
             mup = torch.cat([torch.full((n,), float(m))
                              for n, m in zip(sizes, cfg.zxbcdt_multipliers, strict=True)])
         self.register_buffer("mup_vector", mup, persistent=False)
@@ -63,12 +84,12 @@ class Mamba2Layer(nn.Module):
         projected = self.in_proj(x)
         if self.mup_vector is not None:
             projected = projected * self.mup_vector
-        z, xbc, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
         A = -torch.exp(self.A_log.float())
         ssm_kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.time_step_limit)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
-        y = torch.empty(x.shape[0], cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+        y = torch.empty(x.shape[0], self.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
 
         if nd:
             dec_idx = meta.state_indices[:nd]
@@ -85,17 +106,14 @@ class Mamba2Layer(nn.Module):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        y = y.reshape(x.shape[0], cfg.intermediate_size)
-        if self.norm is not None:
-            y = self.norm(y, z)
-        else:
-            y = (y.float() * nn.functional.silu(z.float())).to(x.dtype)
+        y = y.reshape(x.shape[0], self.intermediate_size)
+        y = self.norm(y, z) if self.norm is not None else (y.float() * nn.functional.silu(z.float())).to(x.dtype)
         out = self.out_proj(y)                                              # (num_tokens, hidden_size)
         return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, n = self.cfg, xbc.shape[0]
-        gs = cfg.n_groups * cfg.state_size
-        xs, B, C = xbc.split([cfg.intermediate_size, gs, gs], dim=-1)
-        return (xs.reshape(n, cfg.num_heads, cfg.head_dim), B.reshape(n, cfg.n_groups, cfg.state_size),
-                C.reshape(n, cfg.n_groups, cfg.state_size))
+        gs = self.n_groups * cfg.state_size
+        xs, B, C = xbc.split([self.intermediate_size, gs, gs], dim=-1)
+        return (xs.reshape(n, self.num_heads, cfg.head_dim), B.reshape(n, self.n_groups, cfg.state_size),
+                C.reshape(n, self.n_groups, cfg.state_size))

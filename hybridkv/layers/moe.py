@@ -18,15 +18,24 @@ from torch import nn
 
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.mlp import DenseMLP
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, hidden_size: int, cfg: MoE) -> None:
+    """Tensor parallel inside the experts: every rank holds every expert, with 1/tp of its intermediate
+    channels (gate/up rows, down columns), and the shared expert likewise. Routing is replicated (the router
+    is tiny), so each rank picks the same experts for the same tokens with no all-to-all and no load
+    imbalance between ranks; routed and shared partial sums are all-reduced once at the end."""
+
+    def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.act = get_activation(cfg.activation)
-        e, inter = cfg.num_experts, cfg.intermediate_size
+        e = cfg.num_experts
+        channels = (Split(cfg.intermediate_size, cfg.intermediate_size, what="MoE.intermediate_size"),)
+        inter = channels[0].local_size(tp.size)
         dim = cfg.latent_size or hidden_size           # routed experts run in the latent space if any
         self.router = nn.Linear(hidden_size, e, bias=False)
         self.gate_proj = nn.Parameter(torch.empty(e, inter, dim)) if cfg.gated else None
@@ -37,7 +46,9 @@ class MoEFeedForward(nn.Module):
         self.correction_bias = (nn.Parameter(torch.zeros(e), requires_grad=False)
                                 if cfg.router == "sigmoid_bias" else None)
         self.shared = (DenseMLP(hidden_size, cfg.shared_intermediate_size, activation=cfg.activation,
-                                gated=cfg.gated) if cfg.shared_intermediate_size else None)
+                                gated=cfg.gated, tp=tp, reduce=False) if cfg.shared_intermediate_size else None)
+        self.tp_shards = {"gate_proj": Shard(1, channels), "up_proj": Shard(1, channels),
+                          "down_proj": Shard(2, channels)}
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
@@ -92,5 +103,7 @@ class MoEFeedForward(nn.Module):
             out.index_add_(0, token, y)
         out = out.to(x.dtype)
         if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)
-        return out + self.shared(x) if self.shared is not None else out
+            out = self.fc2_latent_proj(out)      # linear, so it may run on this rank's partial sum
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return self.tp.all_reduce(out)

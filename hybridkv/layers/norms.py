@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in fp32 (Llama-4's weightless qk-norm is exactly this)."""
@@ -32,23 +34,50 @@ class RMSNorm(nn.Module):
 class GatedGroupRMSNorm(nn.Module):
     """Mamba2's output norm: ``norm(y * silu(z))`` computed per group of ``dim // n_groups`` channels;
     ``norm_before_gate``: ``norm(y) * silu(z)`` (Falcon-H1's ``mamba_norm_before_gate``), where the
-    weight and the gate apply in fp32 before the cast, as HF does."""
+    weight and the gate apply in fp32 before the cast, as HF does.
 
-    def __init__(self, dim: int, *, n_groups: int, eps: float = 1e-5, norm_before_gate: bool = False) -> None:
+    ``dim`` and ``n_groups`` are the full sizes; under tensor parallelism each rank holds ``dim / tp``
+    contiguous channels. When groups split evenly over the ranks every group is local; when a group spans
+    several ranks (n_groups < tp, e.g. one group), its sum of squares is all-reduced (one (tokens, n_groups)
+    fp32 all-reduce), so the norm is the same as unsharded."""
+
+    def __init__(self, dim: int, *, n_groups: int, eps: float = 1e-5, norm_before_gate: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if dim % n_groups:
             raise ValueError(f"GatedGroupRMSNorm: n_groups={n_groups} must divide dim={dim}")
         self.eps = eps
-        self.n_groups = n_groups
         self.norm_before_gate = norm_before_gate
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.tp = tp
+        split = Split(dim, dim, what="GatedGroupRMSNorm.dim")
+        local_dim = split.local_size(tp.size)
+        self.group_size = dim // n_groups
+        self.spans_ranks = local_dim < self.group_size        # a group is cut across ranks
+        if (tp.size % n_groups or self.group_size % local_dim) if self.spans_ranks else local_dim % self.group_size:
+            raise ValueError(f"GatedGroupRMSNorm: n_groups={n_groups} must divide or be divisible by "
+                             f"tensor_parallel_size={tp.size}")
+        self.n_groups = 1 if self.spans_ranks else local_dim // self.group_size    # local groups
+        self.full_groups = n_groups
+        self.weight = nn.Parameter(torch.ones(local_dim))
+        self.tp_shards = {"weight": Shard(0, (split,))}
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        # y, z: (num_tokens, dim)
+        # y, z: (num_tokens, dim on this rank)
         gate = nn.functional.silu(z.float())
         gated = y.float() if self.norm_before_gate else y.float() * gate
-        grouped = gated.view(*gated.shape[:-1], self.n_groups, -1)
-        normed = rms_normalize(grouped, self.eps).view_as(gated)
+        if self.spans_ranks:
+            normed = gated * torch.rsqrt(self._group_mean_square(gated) + self.eps)
+        else:
+            grouped = gated.view(*gated.shape[:-1], self.n_groups, -1)
+            normed = rms_normalize(grouped, self.eps).view_as(gated)
         if self.norm_before_gate:
             return (self.weight.float() * normed * gate).to(y.dtype)
         return self.weight * normed.to(y.dtype)
+
+    def _group_mean_square(self, gated: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, 1): mean square over this rank's group, summed over the ranks that share it."""
+        sums = gated.new_zeros(*gated.shape[:-1], self.full_groups)
+        group = self.tp.rank * self.full_groups // self.tp.size
+        sums[..., group] = gated.pow(2).sum(-1)
+        self.tp.all_reduce(sums)
+        return (sums[..., group] / self.group_size).unsqueeze(-1)

@@ -6,6 +6,10 @@ of a fused tensor). ``load_weights`` does the rest the same way for all: it stre
 time (``safe_open``; never a second copy of the model in memory), converts it to the parameter's dtype
 and device, checks shapes, and counts coverage so that a missing, unexpected or doubly written
 tensor is an error naming it — never a silently random parameter.
+
+Tensor parallelism is one more step here, not in the maps: a target's transform yields the *full*
+(sub-)tensor, and ``HybridModel.shard_of`` cuts this rank's part before the shape check and the copy, so
+each rank keeps only its shard (peak: one full hub tensor at a time).
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def load_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: Wei
                     continue
                 tensor = handle.get_tensor(hub_name)
                 for target in targets:
-                    _fill(params, aliases, filled, counts, hub_name, tensor, target)
+                    _fill(model, params, aliases, filled, counts, hub_name, tensor, target)
                 del tensor
     missing = [f"{name} ({counts[name]}/{p.numel()} elements)" if counts[name] else name
                for name, p in params.items() if counts[name] != p.numel()]
@@ -165,8 +169,9 @@ def load_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: Wei
         raise ValueError(f"{config.architecture} checkpoint {checkpoint_dir}: " + "; ".join(parts))
 
 
-def _fill(params: dict[str, torch.nn.Parameter], aliases: set[str], filled: dict[str, list[tuple[int, ...]]],
-          counts: dict[str, int], hub_name: str, tensor: torch.Tensor, target: Target) -> None:
+def _fill(model: HybridModel, params: dict[str, torch.nn.Parameter], aliases: set[str],
+          filled: dict[str, list[tuple[int, ...]]], counts: dict[str, int], hub_name: str, tensor: torch.Tensor,
+          target: Target) -> None:
     where = f"{target.name}{list(target.index) if target.index else ''}"
     if target.name in aliases:
         return
@@ -184,6 +189,10 @@ def _fill(params: dict[str, torch.nn.Parameter], aliases: set[str], filled: dict
         raise ValueError(f"checkpoint tensor {hub_name}: index {list(target.index)} is out of range for "
                          f"{target.name} of shape {tuple(param.shape)}") from None
     value = target.transform(tensor) if target.transform is not None else tensor
+    try:
+        value = model.shard_of(target.name, value, offset=len(target.index))    # this rank's part
+    except ValueError as err:
+        raise ValueError(f"checkpoint tensor {hub_name} -> {where}: {err}") from None
     if tuple(value.shape) != tuple(dest.shape):
         raise ValueError(f"checkpoint tensor {hub_name} has shape {tuple(tensor.shape)}"
                          f"{f' (transformed: {tuple(value.shape)})' if value is not tensor else ''}; "

@@ -31,6 +31,7 @@ from hybridkv.kv_groups.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from hybridkv.layers.parallel import local_units
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 
@@ -170,8 +171,14 @@ class Mamba2:
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, SSM state) shapes on one tensor-parallel rank: its heads, and its groups (split, or
+        the one group its heads read when n_groups < tensor_parallel_size)."""
+        tp = tensor_parallel_size
+        heads = local_units(self.num_heads, tp, "num_heads")
+        groups = local_units(self.n_groups, tp, "n_groups", replicate=True)
+        conv_dim = heads * self.head_dim + 2 * groups * self.state_size
+        return (conv_dim, self.conv_kernel - 1), (heads, self.head_dim, self.state_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,8 +202,10 @@ class Mamba1:
     def kind(self) -> str:
         return "mamba1"
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, SSM state) shapes on one tensor-parallel rank: its share of the channels."""
+        inter = local_units(self.intermediate_size, tensor_parallel_size, "intermediate_size")
+        return (inter, self.conv_kernel - 1), (inter, self.state_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,12 +403,59 @@ class HybridConfig:
                 out.append((self.layer_cache_name(i, parallel=True), layer.parallel_mixer))
         return out
 
+    def default_block_size(self, preferred: int = DEFAULT_BLOCK_SIZE) -> int:
+        """``preferred`` unless a chunked-local layer's chunk is not a multiple of it: then the largest
+        block size that divides every chunk (a chunk must start on a block boundary)."""
+        chunks = [m.attention_chunk_size for _, m in self.stateful_mixers()
+                  if isinstance(m, Attention) and m.attention_chunk_size]
+        return math.gcd(preferred, *chunks)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Raise ``ValueError`` naming the first layer and dimension that ``tensor_parallel_size`` ranks
+        cannot split (docs/parallelism.md has the rules). The vocabulary is padded, so it never fails."""
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+
+        def check(where: str, units: int, what: str, replicate: bool = False) -> None:
+            try:
+                local_units(units, tp, what, replicate=replicate)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+
+        def check_ffn(where: str, ffn: FeedForward) -> None:
+            check(where, ffn.intermediate_size, f"{type(ffn).__name__}.intermediate_size")
+            if isinstance(ffn, MoE) and ffn.shared_intermediate_size:
+                check(where, ffn.shared_intermediate_size, "MoE.shared_intermediate_size")
+
+        for name, mixer in self.stateful_mixers():
+            where = f"{name} ({type(mixer).__name__})"
+            if isinstance(mixer, Attention):
+                check(where, mixer.num_heads, "num_heads")
+                check(where, mixer.num_kv_heads, "num_kv_heads", replicate=True)
+            elif isinstance(mixer, Mamba2):
+                check(where, mixer.num_heads, "num_heads")
+                check(where, mixer.n_groups, "n_groups", replicate=True)
+            else:
+                check(where, mixer.intermediate_size, "intermediate_size")
+        for i, layer in enumerate(self.layers):
+            if layer.ffn is not None:
+                check_ffn(f"layers.{i}.ffn", layer.ffn)
+            if layer.shared_block is not None:
+                check_ffn(f"layers.{i}.shared_block.mlp", layer.shared_block.mlp)
+
     def kv_specs(self, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: torch.dtype | None = None,
-                 conv_state_dtype: torch.dtype | None = None) -> dict[str, KVCacheSpec]:
+                 conv_state_dtype: torch.dtype | None = None,
+                 tensor_parallel_size: int = 1) -> dict[str, KVCacheSpec]:
         """Layer cache name -> KV-cache spec, for every layer that keeps per-request state.
 
         KV and conv states default to the model dtype; the SSM state is always fp32. A window or chunk
-        of at least ``max_position_embeddings`` behaves as full attention and is planned as such."""
+        of at least ``max_position_embeddings`` behaves as full attention and is planned as such. With
+        ``tensor_parallel_size`` > 1 the specs are one rank's: its kv heads (replicated when fewer than the
+        ranks) and its Mamba heads / channels; block counts, tables and slots are the same on every rank."""
+        tp = tensor_parallel_size
+        if tp > 1:
+            self.check_tensor_parallel(tp)
         kv_dtype = kv_dtype or self.torch_dtype
         conv_dtype = conv_state_dtype or kv_dtype
         limit = self.max_position_embeddings
@@ -407,7 +463,8 @@ class HybridConfig:
         for name, mixer in self.stateful_mixers():
             try:
                 if isinstance(mixer, Attention):
-                    common = dict(block_size=block_size, num_kv_heads=mixer.num_kv_heads,
+                    kv_heads = local_units(mixer.num_kv_heads, tp, "num_kv_heads", replicate=True)
+                    common = dict(block_size=block_size, num_kv_heads=kv_heads,
                                   head_size=mixer.head_dim, dtype=kv_dtype)
                     if mixer.sliding_window is not None and mixer.sliding_window < limit:
                         specs[name] = SlidingWindowSpec(sliding_window=mixer.sliding_window, **common)
@@ -417,7 +474,7 @@ class HybridConfig:
                     else:
                         specs[name] = FullAttentionSpec(**common)
                 else:
-                    specs[name] = MambaSpec(block_size=block_size, shapes=mixer.state_shapes(),
+                    specs[name] = MambaSpec(block_size=block_size, shapes=mixer.state_shapes(tp),
                                             dtypes=(conv_dtype, torch.float32))
             except ValueError as err:
                 raise ValueError(f"{name} ({type(mixer).__name__}): {err}") from None

@@ -11,49 +11,52 @@ loaded and moved exactly once, the caches are planned per use like any other att
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
-from hybridkv.layers.linear import LowRankAdapter
+from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallelEmbedding
 from hybridkv.layers.mamba1 import Mamba1Layer
 from hybridkv.layers.mamba2 import Mamba2Layer
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
 from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def _make_mixer(config: HybridConfig, mixer: object, cache_name: str) -> nn.Module:
+def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: TensorParallel) -> nn.Module:
     if isinstance(mixer, Attention):
         return AttentionLayer(config.hidden_size, mixer, cache_name=cache_name, norm_eps=config.norm_eps,
-                              gemma_norm=config.norm == "gemma_rms")
+                              gemma_norm=config.norm == "gemma_rms", tp=tp)
     if isinstance(mixer, Mamba2):
-        return Mamba2Layer(config.hidden_size, mixer, cache_name=cache_name)
+        return Mamba2Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     if isinstance(mixer, Mamba1):
-        return Mamba1Layer(config.hidden_size, mixer, cache_name=cache_name)
+        return Mamba1Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     raise NotImplementedError(f"{cache_name}: mixer kind {type(mixer).__name__} is not built yet")
 
 
-def _make_mlp(hidden_size: int, mlp: MLP) -> DenseMLP:
+def _make_mlp(hidden_size: int, mlp: MLP, tp: TensorParallel) -> DenseMLP:
     return DenseMLP(hidden_size, mlp.intermediate_size, activation=mlp.activation, gated=mlp.gated,
-                    bias=mlp.bias, gate_multiplier=mlp.gate_multiplier, down_multiplier=mlp.down_multiplier)
+                    bias=mlp.bias, gate_multiplier=mlp.gate_multiplier, down_multiplier=mlp.down_multiplier, tp=tp)
 
 
-def _make_ffn(config: HybridConfig, ffn: object) -> nn.Module:
+def _make_ffn(config: HybridConfig, ffn: object, tp: TensorParallel) -> nn.Module:
     if isinstance(ffn, MLP):
-        return _make_mlp(config.hidden_size, ffn)
+        return _make_mlp(config.hidden_size, ffn, tp)
     assert isinstance(ffn, MoE)
-    return MoEFeedForward(config.hidden_size, ffn)
+    return MoEFeedForward(config.hidden_size, ffn, tp=tp)
 
 
 def _norm(config: HybridConfig, dim: int | None = None) -> RMSNorm:
@@ -70,16 +73,16 @@ class SharedTransformerBlock(nn.Module):
     """The weights of one Zamba2 shared block (``SharedBlock.block_id``): pre-norm, attention, pre-norm,
     MLP. Owned once by the model (``shared_blocks``); every use borrows them (``SharedBlockUse``)."""
 
-    def __init__(self, config: HybridConfig, block: SharedBlock) -> None:
+    def __init__(self, config: HybridConfig, block: SharedBlock, *, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
         width = 2 * hidden if block.concat_embeddings else hidden
         self.input_norm = _norm(config, width)
         self.attention = AttentionLayer(width, block.attention, cache_name=f"shared_blocks.{block.block_id}",
                                         norm_eps=config.norm_eps, gemma_norm=config.norm == "gemma_rms",
-                                        out_size=hidden)
+                                        out_size=hidden, tp=tp)
         self.ffn_norm = _norm(config)
-        self.mlp = _make_mlp(hidden, block.mlp)
+        self.mlp = _make_mlp(hidden, block.mlp, tp)
 
 
 class SharedBlockUse(nn.Module):
@@ -87,15 +90,17 @@ class SharedBlockUse(nn.Module):
     layer's output ``linear``: ``linear(mlp(norm2(attention(norm1(concat(x, embeddings))))))``."""
 
     def __init__(self, config: HybridConfig, spec: SharedBlock, block: SharedTransformerBlock,
-                 cache_name: str) -> None:
+                 cache_name: str, *, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        hidden, rank = config.hidden_size, spec.adapter_rank
+        hidden, rank, inter = config.hidden_size, spec.adapter_rank, spec.mlp.intermediate_size
         self._block = (block,)      # borrowed, not registered: the weights have one owner
         self.concat_embeddings = spec.concat_embeddings
         self.attention = AttentionUse(block.attention, cache_name=cache_name,
                                       adapter_rank=rank if spec.attention_adapters else 0)
-        self.mlp_adapter = LowRankAdapter(hidden, rank, 2 * spec.mlp.intermediate_size) if rank else None
-        self.linear = nn.Linear(hidden, hidden, bias=False)
+        gate_up = Split(inter, inter, what="SharedBlock.mlp.intermediate_size")     # split like gate|up
+        self.mlp_adapter = (LowRankAdapter(hidden, rank, 2 * inter, tp=tp, sections=(gate_up, gate_up))
+                            if rank else None)
+        self.linear = nn.Linear(hidden, hidden, bias=False)          # replicated: hidden -> hidden
 
     def forward(self, x: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x, embeddings: (num_tokens, hidden_size) -> (num_tokens, hidden_size); no residual inside
@@ -112,21 +117,22 @@ class DecoderLayer(nn.Module):
     whose output t feeds the mixer: ``h = x + m * mixer(norm(x + t))``."""
 
     def __init__(self, config: HybridConfig, layer: Layer, index: int,
-                 shared_blocks: Mapping[str, SharedTransformerBlock]) -> None:
+                 shared_blocks: Mapping[str, SharedTransformerBlock], *, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.residual_multiplier = config.residual_multiplier
         self.shared = (
             SharedBlockUse(config, layer.shared_block, shared_blocks[str(layer.shared_block.block_id)],
-                           config.layer_cache_name(index, shared=True))
+                           config.layer_cache_name(index, shared=True), tp=tp)
             if layer.shared_block is not None else None)
         self.input_norm = _norm(config) if layer.mixer is not None else None
-        self.mixer = _make_mixer(config, layer.mixer, config.layer_cache_name(index)) if layer.mixer else None
+        self.mixer = (_make_mixer(config, layer.mixer, config.layer_cache_name(index), tp)
+                      if layer.mixer else None)
         self.parallel_mixer = (
-            _make_mixer(config, layer.parallel_mixer, config.layer_cache_name(index, parallel=True))
+            _make_mixer(config, layer.parallel_mixer, config.layer_cache_name(index, parallel=True), tp)
             if layer.parallel_mixer is not None else None)
         self.post_mixer_norm = _norm(config) if layer.sandwich_norm and layer.mixer is not None else None
         self.ffn_norm = _norm(config) if layer.ffn is not None else None
-        self.ffn = _make_ffn(config, layer.ffn) if layer.ffn is not None else None
+        self.ffn = _make_ffn(config, layer.ffn, tp) if layer.ffn is not None else None
         self.post_ffn_norm = _norm(config) if layer.sandwich_norm and layer.ffn is not None else None
 
     def cache_modules(self) -> list[nn.Module]:
@@ -154,20 +160,40 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: HybridConfig) -> None:
+    """``tp``: this process's rank in a tensor-parallel group; the model then holds that rank's shard of
+    every split parameter (``parameter_shards``) and its forward runs the group's collectives. The residual
+    stream, norms and routers are replicated; ``compute_logits`` returns the full logits on rank 0 only."""
+
+    def __init__(self, config: HybridConfig, *, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        if tp.size > 1:
+            config.check_tensor_parallel(tp.size)       # one clear error naming the layer and dimension
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self._shards: dict[str, Shard] | None = None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         blocks = {str(layer.shared_block.block_id): layer.shared_block
                   for layer in config.layers if layer.shared_block is not None}
-        self.shared_blocks = nn.ModuleDict({b: SharedTransformerBlock(config, spec)
+        self.shared_blocks = nn.ModuleDict({b: SharedTransformerBlock(config, spec, tp=tp)
                                             for b, spec in blocks.items()})   # Zamba2 weights, one copy
-        self.layers = nn.ModuleList(DecoderLayer(config, layer, i, self.shared_blocks)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer, i, self.shared_blocks, tp=tp)
                                     for i, layer in enumerate(config.layers))
         self.norm = _norm(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def parameter_shards(self) -> dict[str, Shard]:
+        """Parameter name -> how its full tensor splits over the ranks (absent: replicated)."""
+        if self._shards is None:
+            self._shards = shard_rules(self)
+        return self._shards
+
+    def shard_of(self, name: str, full: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
+        """This rank's part of the full tensor of parameter ``name`` (the tensor itself when replicated or
+        at tp 1). Loaders call this on every full tensor they produce."""
+        shard = self.parameter_shards().get(name) if self.tp.size > 1 else None
+        return shard.take(full, self.tp, offset=offset) if shard is not None else full
 
     def cache_layers(self) -> dict[str, nn.Module]:
         """Cache name -> the module that owns that cache (for binding KV / state tensors)."""
@@ -186,46 +212,95 @@ class HybridModel(nn.Module):
             x = layer(x, positions, embeddings)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(num_tokens, hidden_size) -> fp32 logits (num_tokens, vocab_size)."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(num_tokens, hidden_size) -> fp32 logits (num_tokens, vocab_size); None on tensor-parallel ranks
+        other than 0 (the vocab-parallel head gathers the logits there)."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        if logits is None:
+            return None
+        logits = logits.float()
         if self.config.logits_multiplier != 1.0:
             logits = logits * self.config.logits_multiplier
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap is not None else logits
 
 
+# Initialisers module constructors call; patched to no-ops while building (as HF's no_init_weights).
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_uniform_", "xavier_normal_",
+                   "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def bare_construction(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Build modules on ``device`` in ``dtype`` without running initialisers (every parameter is written
+    afterwards). Buffers that must stay in fp32 (RoPE frequencies) are created with an explicit dtype by
+    their modules. Not thread-safe: the torch.nn.init patch and the default dtype are process-wide."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    default_dtype = torch.get_default_dtype()
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        torch.set_default_dtype(dtype)
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _new_model(config: HybridConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> HybridModel:
+    """An unfilled model. Unsharded: built on the CPU in fp32 as always (then moved by the caller). A shard:
+    built straight on the device in ``dtype`` with initialisers skipped, because the caller writes every
+    parameter and a shard of a large model need not fit in host memory in fp32."""
+    if tp.size == 1:
+        return HybridModel(config)
+    with bare_construction(device, dtype):
+        return HybridModel(config, tp=tp)
+
+
 def _init_weights(model: HybridModel, seed: int) -> None:
     """Deterministic small random init (std 0.02 linears/embeddings; norms at identity; Mamba A/dt
-    as in Mamba2's own init) so random-init models are numerically well behaved."""
+    as in Mamba2's own init) so random-init models are numerically well behaved. Each value is drawn at
+    the parameter's full (unsharded) shape and cut to this rank's shard, so every tensor-parallel size
+    gives the same model."""
     gen = torch.Generator().manual_seed(seed)
+    shards, tp = model.parameter_shards(), model.tp
     for name, p in model.named_parameters():
+        shape = shards[name].full_shape(p.shape, tp.size) if name in shards else tuple(p.shape)
         with torch.no_grad():
             if name.endswith("A_log"):    # (heads,) for Mamba2, (channels, state) for Mamba-1
-                p.copy_(torch.log(torch.linspace(1, 16, p.shape[-1])).expand_as(p))
+                value = torch.log(torch.linspace(1, 16, shape[-1])).expand(shape)
             elif name.endswith("dt_bias"):
-                dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
+                dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
                                + math.log(1e-3))
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+                value = dt + torch.log(-torch.expm1(-dt))
             elif name.endswith(".D"):
                 p.fill_(1.0)
+                continue
             elif p.ndim == 1:
                 zero = "bias" in name or ("norm" in name and model.config.norm == "gemma_rms")
                 p.fill_(0.0 if zero else 1.0)
+                continue
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                value = torch.randn(shape, generator=gen) * 0.02
+            p.copy_(model.shard_of(name, value))
 
 
 def build_model(config: HybridConfig, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                seed: int = 0) -> HybridModel:
-    """A model with deterministic random weights (same seed -> same weights on every device)."""
-    model = HybridModel(config)
+                seed: int = 0, tp: TensorParallel = SINGLE) -> HybridModel:
+    """A model with deterministic random weights (same seed -> same weights on every device, and on every
+    tensor-parallel rank the shard of those same weights)."""
+    dtype = dtype or config.torch_dtype
+    model = _new_model(config, tp, torch.device(device), dtype)
     _init_weights(model, seed)
-    return model.to(device=device, dtype=dtype or config.torch_dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def save_model(model: HybridModel, directory: str | Path) -> None:
     """``config.json`` (the HybridConfig) + ``model.safetensors`` (tied weights stored once)."""
+    if model.tp.size > 1:
+        raise ValueError("save_model: this model is one tensor-parallel shard; save the unsharded model")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=1))
@@ -235,22 +310,44 @@ def save_model(model: HybridModel, directory: str | Path) -> None:
     save_file(state, str(directory / WEIGHTS_NAME))
 
 
+def load_full_state(model: HybridModel, tensors: Callable[[str], torch.Tensor], names: Iterable[str],
+                    *, where: str) -> None:
+    """Fill ``model`` from full (unsharded) tensors: ``names`` are the available tensor names, ``tensors``
+    reads one (streamed, so only one full tensor is in memory at a time); each is cut to this rank's shard.
+    Missing or unexpected tensors and shape mismatches are errors naming them."""
+    params = dict(model.named_parameters())           # a tied alias (lm_head.weight) is listed once
+    shards = model.parameter_shards()
+    names = set(names)
+    missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, param in params.items():
+        tensor = tensors(name)
+        shape = shards[name].full_shape(param.shape, model.tp.size) if name in shards else tuple(param.shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {shape}")
+        with torch.no_grad():
+            param.copy_(model.shard_of(name, tensor))
+
+
+def shard_model(config: HybridConfig, state: Mapping[str, torch.Tensor], *, tp: TensorParallel,
+                dtype: torch.dtype, device: str | torch.device = "cpu") -> HybridModel:
+    """This rank's shard of the model whose full parameters are ``state`` (an in-memory model's
+    ``state_dict``; a tied ``lm_head.weight`` alias is ignored)."""
+    model = _new_model(config, tp, torch.device(device), dtype)
+    names = [n for n in state if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    load_full_state(model, state.__getitem__, names, where="state dict")
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def load_model(directory: str | Path, *, dtype: torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> HybridModel:
-    """Load a model saved by ``save_model``; missing or unexpected tensors are errors naming them."""
+               device: str | torch.device = "cpu", tp: TensorParallel = SINGLE) -> HybridModel:
+    """Load a model saved by ``save_model`` (each tensor-parallel rank reads its shard of every tensor);
+    missing or unexpected tensors are errors naming them."""
     directory = Path(directory)
     config = HybridConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
-    model = HybridModel(config)
-    state = load_file(str(directory / WEIGHTS_NAME))
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{directory / WEIGHTS_NAME}: missing tensors {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    params = model.state_dict()
-    for name, tensor in state.items():
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                             f"{tuple(params[name].shape)}")
-    model.load_state_dict(state, strict=False)
-    return model.to(device=device, dtype=dtype or config.torch_dtype).eval()
+    dtype = dtype or config.torch_dtype
+    model = _new_model(config, tp, torch.device(device), dtype)
+    with safe_open(str(directory / WEIGHTS_NAME), framework="pt", device="cpu") as handle:
+        load_full_state(model, handle.get_tensor, handle.keys(), where=str(directory / WEIGHTS_NAME))
+    return model.to(device=device, dtype=dtype).eval()

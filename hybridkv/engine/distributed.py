@@ -1,0 +1,313 @@
+"""Tensor-parallel processes: starting the ranks, their process groups, and the control channel.
+
+Process model. Rank 0 is the user's process: it runs the scheduler, the sampler and its own model shard.
+Ranks 1..N-1 only run their shard. They are either spawned here (``torch.multiprocessing`` "spawn",
+one process per rank) or started by ``torchrun`` (detected from ``WORLD_SIZE`` / ``RANK`` /
+``LOCAL_RANK``): either way every rank goes through the same ``LLM(...)`` construction, and ranks > 0
+then serve steps until rank 0 shuts down.
+
+Three process groups:
+
+- the default group: the rendezvous only (its TCP store lives in rank 0);
+- ``device``: the collectives inside the forward (all-reduce, logits gather): NCCL on CUDA, gloo on the
+  CPU, with the user's ``timeout``, so a dead or stuck rank is an error, never a hang;
+- ``control``: gloo (host data, also on CUDA): rank 0 broadcasts each step's host batch (a packed int64
+  tensor, see ``pack_step``). Its group timeout is long, because ranks > 0 wait on it while the user is
+  idle; rank 0 bounds every send by ``timeout`` itself (``Work.wait(timeout)``). A rank that died closes its
+  sockets, which fails the next collective at once; a spawned rank's death is also seen before each send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridkv.layers.parallel import TensorParallel
+
+logger = logging.getLogger("hybridkv.distributed")
+
+_IDLE_TIMEOUT = datetime.timedelta(days=365)      # how long a rank > 0 may wait for the next step
+_SPAWNED = "HYBRIDKV_TP_SPAWNED"                  # set in ranks that spawn_group started
+_T = TypeVar("_T")
+
+# Step message: header (int64) = [op, num_tokens, num_reqs, num_outputs, num_copies, width per group...],
+# then one int64 payload: input_ids | query_lens | seq_lens | logits_indices | copy src | copy dst | tables.
+OP_EXECUTE, OP_SHUTDOWN = 1, 2
+_FIXED = 5
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed, died or timed out; the engine cannot continue."""
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(world size, rank, local rank) when this process was started by torchrun (or a spawned rank), else
+    None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    return size, rank, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """Rank ``local_rank``'s device on this host: ``cuda:{local_rank}``, or the CPU."""
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on 'cuda' or 'cpu' devices, got {device}")
+    if device.index not in (None, local_rank):
+        raise ValueError(f"tensor parallelism places rank r on cuda:r; pass device='cuda', not {device}")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"tensor-parallel local rank {local_rank} needs cuda:{local_rank}, but this host has "
+                         f"{count} GPU(s)")
+    return torch.device("cuda", local_rank)
+
+
+@dataclass(eq=False)
+class ParallelContext:
+    """This process's rank, its groups, and (on rank 0 when it spawned them) the other ranks' processes."""
+
+    rank: int
+    size: int
+    device: torch.device
+    tp: TensorParallel
+    control: Any
+    timeout: float
+    processes: list[Any] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    # -- startup -----------------------------------------------------------------------------------------
+    def run_everywhere(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on every rank and agree on the outcome: if any rank raised, rank 0 raises an error
+        naming the rank and its exception, and the other ranks exit. (Without this, rank 0 would wait for a
+        failed rank in the next collective until the timeout.)"""
+        error: str | None = None
+        mine: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except Exception as err:                        # reported to the others below
+            error, mine = f"{type(err).__name__}: {err}", err
+            if not self.is_driver:
+                traceback.print_exc()
+        errors: list[Any] = [None] * self.size
+        dist.all_gather_object(errors, error, group=self.control)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return result
+        self.close(graceful=False)
+        if not self.is_driver:
+            raise SystemExit(1)
+        if mine is not None:
+            raise mine                                  # the same error every rank hit (e.g. a bad config)
+        rank, message = failed[0]
+        raise TensorParallelError(f"tensor-parallel rank {rank} failed while {what}: {message}")
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` of all ranks (e.g. each GPU's free memory, so every rank plans the same)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def share(self, obj: _T | None) -> _T:
+        """Rank 0's ``obj`` on every rank (startup data such as the KV-cache plan)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    # -- steps ---------------------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raise if a rank this process spawned has exited."""
+        for rank, proc in enumerate(self.processes, start=1):
+            if proc.exitcode is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                          f"{proc.exitcode}")
+
+    def send(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        """Rank 0: broadcast one message, waiting at most ``timeout`` for the other ranks to take it."""
+        works = [dist.broadcast(header, src=0, group=self.control, async_op=True)]
+        if payload.numel():
+            works.append(dist.broadcast(payload, src=0, group=self.control, async_op=True))
+        for work in works:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+
+    def receive(self, header_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ranks > 0: the next message (waits as long as rank 0 is idle)."""
+        header = torch.empty(header_len, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.control)
+        size = payload_size(header)
+        payload = torch.empty(size, dtype=torch.int64)
+        if size:
+            dist.broadcast(payload, src=0, group=self.control)
+        return header, payload
+
+    # -- shutdown ------------------------------------------------------------------------------------------
+    def close(self, *, graceful: bool = True, header_len: int | None = None) -> None:
+        """Leave the groups. Rank 0 first tells the other ranks to stop (``graceful``, when ``header_len``
+        is known), then waits briefly for spawned ranks and terminates any that linger."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.is_driver and graceful and header_len is not None:
+            with contextlib.suppress(Exception):
+                self.check_alive()
+                header = torch.zeros(header_len, dtype=torch.int64)
+                header[0] = OP_SHUTDOWN
+                self.send(header, header[:0])
+        for proc in self.processes:
+            if graceful:
+                proc.join(timeout=5)
+            if proc.exitcode is None:        # failed group, or a rank that did not stop: it goes now
+                proc.kill()
+                proc.join(timeout=5)
+        # The spawned ranks are gone, so pending collectives fail at once and the groups can be destroyed
+        # (which also lets this process start another group later).
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def payload_size(header: torch.Tensor) -> int:
+    """Length of the payload that follows ``header``."""
+    if int(header[0]) != OP_EXECUTE:
+        return 0
+    num_tokens, num_reqs, num_outputs, num_copies = (int(v) for v in header[1:_FIXED])
+    widths = header[_FIXED:]
+    return num_tokens + 2 * num_reqs + num_outputs + 2 * num_copies + num_reqs * int(widths.sum())
+
+
+def pack_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+              block_tables: Sequence[np.ndarray], logits_indices: np.ndarray,
+              copies: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's host batch (and pending Mamba state copies) as (header, payload) int64 tensors."""
+    pairs = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+    header = np.array([OP_EXECUTE, len(input_ids), len(query_lens), len(logits_indices), len(pairs),
+                       *(t.shape[1] for t in block_tables)], dtype=np.int64)
+    payload = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in (
+        input_ids, query_lens, seq_lens, logits_indices, pairs[:, 0], pairs[:, 1], *block_tables)])
+    return torch.from_numpy(header), torch.from_numpy(payload)
+
+
+def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> dict[str, Any]:
+    """Inverse of ``pack_step``: the StepBatch fields and the copy pairs."""
+    h = header.numpy()
+    num_tokens, num_reqs, num_outputs, num_copies = (int(v) for v in h[1:_FIXED])
+    data = payload.numpy()
+    out: dict[str, Any] = {}
+    offset = 0
+    for name, n in (("input_ids", num_tokens), ("query_lens", num_reqs), ("seq_lens", num_reqs),
+                    ("logits_indices", num_outputs), ("src", num_copies), ("dst", num_copies)):
+        out[name] = data[offset:offset + n]
+        offset += n
+    tables = []
+    for width in h[_FIXED:].tolist():
+        tables.append(data[offset:offset + num_reqs * width].reshape(num_reqs, width).astype(np.int32))
+        offset += num_reqs * width
+    out["block_tables"] = tables
+    out["copies"] = list(zip(out.pop("src").tolist(), out.pop("dst").tolist(), strict=True))
+    return out
+
+
+def header_length(num_groups: int) -> int:
+    return _FIXED + num_groups
+
+
+# -- starting the ranks ----------------------------------------------------------------------------------------
+def _groups(rank: int, size: int, device: torch.device, timeout: float) -> tuple[TensorParallel, Any]:
+    """The device and control groups (collective calls: every rank creates them in the same order)."""
+    device_group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                  timeout=datetime.timedelta(seconds=timeout))
+    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return TensorParallel(rank=rank, size=size, group=device_group), control
+
+
+def _init_default(store: Any, rank: int, size: int, device: torch.device, timeout: float) -> None:
+    """The default group over ``store`` (None: torchrun's ``env://`` rendezvous)."""
+    if dist.is_initialized():
+        raise TensorParallelError("a tensor-parallel LLM is already running in this process (torch.distributed "
+                                  "is initialised); shut it down first (LLM.shutdown())")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout), **kwargs)
+
+
+def join_group(size: int, device: torch.device, timeout: float) -> ParallelContext:
+    """A rank started by torchrun (or spawned by ``spawn_group``): join the group the environment names."""
+    world = torchrun_world()
+    assert world is not None
+    world_size, rank, local_rank = world
+    if world_size != size:
+        raise ValueError(f"tensor_parallel_size={size}, but the launcher started WORLD_SIZE={world_size} "
+                         f"processes; they must match")
+    device = rank_device(device, local_rank)
+    store = None
+    if os.environ.get(_SPAWNED) == "1":         # rank 0's store (torchrun's ranks use env:// instead)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+    _init_default(store, rank, size, device, timeout)
+    tp, control = _groups(rank, size, device, timeout)
+    return ParallelContext(rank=rank, size=size, device=device, tp=tp, control=control, timeout=timeout)
+
+
+def spawn_group(size: int, device: torch.device, timeout: float, worker: Callable[..., None],
+                worker_args: tuple[Any, ...]) -> ParallelContext:
+    """Rank 0 of a group it spawns: start ranks 1..size-1 running ``worker(*worker_args)`` with the
+    environment ``join_group`` reads, then rendezvous with them (the TCP store is rank 0's, on a free port
+    the OS picks, so there is no port race)."""
+    device = rank_device(device, 0)
+    if device.type == "cuda" and size > torch.cuda.device_count():   # fail before spawning anything
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
+                         f"{torch.cuda.device_count()}")
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    ctx_mp = torch.multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // size) if device.type == "cpu" else 1
+    processes = []
+    for rank in range(1, size):
+        env = {"WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank), _SPAWNED: "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "OMP_NUM_THREADS": str(threads)}
+        proc = ctx_mp.Process(target=_spawned_main, args=(env, worker, worker_args), daemon=True,
+                              name=f"hybridkv-tp-rank{rank}")
+        proc.start()
+        processes.append(proc)
+    try:
+        _init_default(store, 0, size, device, timeout)
+        tp, control = _groups(0, size, device, timeout)
+    except Exception as err:
+        for proc in processes:
+            proc.kill()
+        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(processes, 1)
+                if p.exitcode is not None]
+        raise TensorParallelError(f"tensor-parallel rendezvous failed ({'; '.join(dead) or err})") from err
+    return ParallelContext(rank=0, size=size, device=device, tp=tp, control=control, timeout=timeout,
+                           processes=processes)
+
+
+def _spawned_main(env: dict[str, str], worker: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        worker(*args)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)       # do not run the groups' destructors, which may block on a dead peer

@@ -1,0 +1,266 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): the same tokens and logits as one process.
+
+Every layer mix (chunked-local + global with MoE, sliding, pure Mamba2, Mamba2 + attention + Mamba-1 +
+latent MoE) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the greedy tokens of
+``tensor_parallel_size=1`` with every step's logits within 1e-5 (fp32). HF checkpoints load at tp 2 (each
+rank reads its shard); in-process checks show each rank's parameters are exactly the shards of the full
+ones for every supported family, and every family served at tp 2 gives tp 1's tokens with logits within
+1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an error
+naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _hf_mamba_models as hf_mamba
+import _hf_models as hf_attention
+import pytest
+import torch
+from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, max_logit_diff, prompts, run
+
+from hybridkv import LLM, plan
+from hybridkv.cli import main
+from hybridkv.engine import distributed
+from hybridkv.engine.distributed import TensorParallelError, pack_step, unpack_step
+from hybridkv.layers.parallel import Shard, Split, TensorParallel
+from hybridkv.loaders.checkpoint import load_hf_checkpoint
+from hybridkv.models import Attention, HybridConfig, Layer, Mamba2
+from hybridkv.models.hybrid import build_model
+
+TOL = 1e-5
+
+
+# -- equivalence through the engine -------------------------------------------------------------------------
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tp2_matches_tp1(mix: str) -> None:
+    config = MIXES[mix]()
+    batch = prompts(VOCAB)
+    one, two = run(config, 1, batch), run(config, 2, batch)
+    assert two.tokens == one.tokens
+    assert len({t for seq in one.tokens for t in seq}) >= 5, f"{mix}: degenerate greedy output"
+    assert max_logit_diff(one, two) <= TOL
+    if any(isinstance(layer.mixer, Mamba2) for layer in config.layers):
+        assert two.copies, "prefix hits should have copied Mamba states (sent to rank 1 with the next step)"
+
+
+# Every supported family as a tiny HF checkpoint (seeds as in the parity tests: non-degenerate greedy output).
+_ATTENTION_SEEDS = {"llama4": 2, "llama4_multimodal": 0, "mistral": 0, "gemma2": 1, "gemma3": 0,
+                    "gemma3_multimodal": 0, "mamba2": 0}
+HF_FAMILIES = [*_ATTENTION_SEEDS, *hf_mamba.BUILDERS]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for name, seed in _ATTENTION_SEEDS.items():
+        out[name] = hf_attention.save(hf_attention.FAMILIES[name](seed), tmp_path_factory.mktemp(name))
+    for name, build in hf_mamba.BUILDERS.items():
+        out[name] = tmp_path_factory.mktemp(name)
+        build().save_pretrained(out[name])
+    return out
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
+    """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks
+    and adapters, Falcon-H1's parallel mixer and µP sections, Jamba's Mamba-1, tied embeddings, ...)."""
+    batch = prompts(hf_attention.VOCAB, n=2, seed=3)
+    one = run(hf_checkpoints[family], 1, batch, max_model_len=128)
+    two = run(hf_checkpoints[family], 2, batch, max_model_len=128)
+    assert two.tokens == one.tokens
+    diff = max_logit_diff(one, two)
+    if diff > TOL:
+        # These checkpoints use HF-scale weights; Zamba2's is sensitive enough that fp32 round-off alone
+        # moves its logits by ~3e-5 (against an fp64 run). Summing partial products in another order must
+        # not move them by more than fp32 itself does.
+        exact = run(hf_checkpoints[family], 1, batch, max_model_len=128, dtype="float64")
+        assert diff <= 2 * max_logit_diff(one, exact), f"{family}: max |logit diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_hf_loading_gives_each_rank_its_shard(family: str, hf_checkpoints: dict[str, Path]) -> None:
+    """No processes: load every family as rank 0 and rank 1 of 2 and compare with the full model's shards
+    (Zamba2: shared blocks and their adapters; Jamba: Mamba-1 and per-expert tensors)."""
+    full = load_hf_checkpoint(hf_checkpoints[family], dtype=torch.float32)
+    params = dict(full.named_parameters())
+    for rank in range(2):
+        shard = load_hf_checkpoint(hf_checkpoints[family], dtype=torch.float32, tp=TensorParallel(rank=rank, size=2))
+        rules = shard.parameter_shards()
+        assert any(r.dim for r in rules.values()), "some parameters split along dim > 0 (row-parallel)"
+        for name, p in shard.named_parameters():
+            want = rules[name].take(params[name], shard.tp) if name in rules else params[name]
+            assert torch.equal(p, want), f"{family} rank {rank}: {name}"
+
+
+def test_random_init_is_the_shard_of_the_full_init() -> None:
+    config = MIXES["mamba_hybrid"]()
+    full = dict(build_model(config, seed=4).named_parameters())
+    for rank in range(2):
+        shard = build_model(config, seed=4, tp=TensorParallel(rank=rank, size=2))
+        for name, p in shard.named_parameters():
+            assert torch.equal(p, shard.shard_of(name, full[name])), name
+
+
+def test_in_memory_model_is_sharded_too() -> None:
+    """A built model passed to LLM: its tensors reach the spawned rank (shared memory) and are sharded."""
+    model = build_model(MIXES["sliding"](), seed=2)
+    batch = prompts(VOCAB, n=2, seed=5)
+    assert run(model, 2, batch).tokens == run(model, 1, batch).tokens
+
+
+_TORCHRUN_SCRIPT = """
+import json, os
+from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, prompts
+from hybridkv import LLM
+
+llm = LLM(MIXES["mamba_hybrid"](), tensor_parallel_size=2, seed=1, distributed_timeout=60, **ENGINE_ARGS)
+outs = llm.generate(prompts(VOCAB), GREEDY, use_tqdm=False)     # ranks > 0 never get here
+print("TOKENS", os.environ["RANK"], json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+llm.shutdown()
+"""
+
+
+def _torchrun(tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "tp_torchrun.py"
+    path.write_text(script)
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    """Every process runs the same script; rank 1 serves inside ``LLM(...)`` and exits with rank 0."""
+    done = _torchrun(tmp_path, _TORCHRUN_SCRIPT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(lines) == 1 and lines[0].startswith("TOKENS 0 ")
+    assert json.loads(lines[0].split(" ", 2)[2]) == run(MIXES["mamba_hybrid"](), 1, prompts(VOCAB)).tokens
+
+
+def test_a_rank_failing_at_startup_is_reported_by_rank_0(tmp_path: Path) -> None:
+    """Rank 1 cannot load its shard: rank 0 raises rank 1's error at once (no timeout to wait out)."""
+    failing = _TORCHRUN_SCRIPT.replace("from hybridkv import LLM\n", """from hybridkv import LLM
+import hybridkv.engine.llm as llm_module
+
+def _broken(*args, **kwargs):
+    raise OSError("disk on fire")
+
+if os.environ["RANK"] == "1":
+    llm_module._load = _broken
+""")
+    start = time.monotonic()
+    done = _torchrun(tmp_path, failing)
+    assert done.returncode != 0 and time.monotonic() - start < 50
+    assert "TensorParallelError: tensor-parallel rank 1 failed while loading the model: OSError: disk on fire" \
+        in done.stderr
+
+
+def test_launcher_size_must_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2, but the launcher started WORLD_SIZE=4"):
+        LLM(MIXES["mamba2"](), tensor_parallel_size=2, **ENGINE_ARGS)
+
+
+# -- sharding rules -----------------------------------------------------------------------------------------
+def test_split_rules() -> None:
+    tp = [TensorParallel(rank=r, size=4) for r in range(4)]
+    kv = Split(2 * 3, 2, replicate=True)                         # 2 kv heads of 3 over 4 ranks
+    assert [kv.part(4, t.rank) for t in tp] == [(0, 3), (0, 3), (3, 3), (3, 3)]
+    vocab = Split(10, 10, pad=True)                              # 10 rows over 4 ranks: 3, 3, 3, 1 + pad
+    full = torch.arange(10.0)[:, None]
+    parts = [Shard(0, (vocab,)).take(full, t) for t in tp]
+    assert [p.shape[0] for p in parts] == [3] * 4 and torch.equal(torch.cat(parts)[:10], full)
+    fused = Shard(0, (Split(4, 2), Split(2, 2)))                 # z|dt sections, split section by section
+    assert fused.take(torch.arange(6), TensorParallel(rank=1, size=2)).tolist() == [2, 3, 5]
+
+
+def test_step_message_round_trip() -> None:
+    import numpy as np
+
+    tables = [np.array([[1, 2, 0], [3, 4, 5]], np.int32), np.array([[7], [8]], np.int32)]
+    header, payload = pack_step(np.array([5, 6, 7]), np.array([1, 2]), np.array([4, 9]), tables,
+                                np.array([0, 2]), [(3, 4)])
+    out = unpack_step(header, payload)
+    assert out["input_ids"].tolist() == [5, 6, 7] and out["copies"] == [(3, 4)]
+    assert [t.tolist() for t in out["block_tables"]] == [t.tolist() for t in tables]
+    assert out["block_tables"][0].dtype == np.int32
+    assert distributed.payload_size(header) == payload.numel()
+
+
+def test_per_rank_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """Per-GPU bytes: kv heads halve (8 kv heads at tp 2); a Mamba state holds half the heads and, with
+    one group, the whole group on each rank; the same budget per GPU then admits about twice as many."""
+    one = plan("llama4-scout", max_model_len=131072, kv_memory="40GiB")
+    two = plan("llama4-scout", max_model_len=131072, kv_memory="40GiB", tensor_parallel_size=2)
+    assert two.bytes_per_request_max * 2 == one.bytes_per_request_max
+    assert two.max_concurrent_requests >= 2 * one.max_concurrent_requests
+    bamba = plan("bamba-9b", max_model_len=4096, kv_memory="40GiB", tensor_parallel_size=2)
+    mamba = next(g.spec for g in bamba.groups if not g.spec.is_attention)
+    assert mamba.shapes == ((64 * 64 + 2 * 128, 3), (64, 64, 128))
+    assert main(["plan", "llama4-scout", "--tensor-parallel-size", "2", "--kv-memory", "40GiB", "--json"]) == 0
+    assert '"tensor_parallel_size": 2' in capsys.readouterr().out
+
+
+# -- bad input and failures ---------------------------------------------------------------------------------
+def test_tp_that_does_not_divide_heads_is_a_clear_error() -> None:
+    config = MIXES["llama4_like"]()
+    with pytest.raises(ValueError, match=r"layers\.0 \(Attention\): num_heads=4 must be divisible by "
+                                         r"tensor_parallel_size=3"):
+        LLM(config, tensor_parallel_size=3, **ENGINE_ARGS)
+    mamba = HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=(
+        Layer(mixer=Attention(num_heads=2, num_kv_heads=1, head_dim=4)),
+        Layer(mixer=Mamba2(num_heads=6, head_dim=8, state_size=8, n_groups=3))))
+    with pytest.raises(ValueError, match=r"layers\.1 \(Mamba2\): n_groups=3 must be divisible by "
+                                         r"tensor_parallel_size=2 or divide it"):
+        mamba.check_tensor_parallel(2)
+    kv = HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=(
+        Layer(mixer=Attention(num_heads=6, num_kv_heads=3, head_dim=4)),))
+    with pytest.raises(ValueError, match=r"num_kv_heads=3"):
+        kv.kv_specs(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="num_heads=40"):
+        plan("llama4-scout", kv_memory="40GiB", tensor_parallel_size=3)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs, this host has 1"):
+        distributed.spawn_group(2, torch.device("cuda"), 5.0, print, ())
+    with pytest.raises(ValueError, match="local rank 1 needs cuda:1"):
+        distributed.rank_device(torch.device("cuda"), 1)
+
+
+TIMEOUT = 4.0
+
+
+@pytest.mark.parametrize("failure", ["killed", "killed_unnoticed", "stuck"])
+def test_dead_or_stuck_rank_is_an_error_not_a_hang(failure: str) -> None:
+    llm = LLM(MIXES["mamba2"](), tensor_parallel_size=2, distributed_timeout=TIMEOUT, **ENGINE_ARGS)
+    try:
+        batch = prompts(VOCAB, n=2)
+        llm.generate(batch, GREEDY, use_tqdm=False)
+        worker = llm._executor.ctx.processes[0]
+        if failure == "stuck":
+            os.kill(worker.pid, signal.SIGSTOP)              # alive, but never answers
+        else:
+            worker.kill()
+            worker.join()
+            if failure == "killed_unnoticed":               # let it fail inside a collective instead
+                llm._executor.ctx.check_alive = lambda: None
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel step failed"):
+            llm.generate(batch, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < TIMEOUT + 3
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            llm.generate(batch, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert worker.exitcode is not None
