@@ -73,7 +73,7 @@ def run_demo(*, num_requests: int = 12, max_tokens: int = 24, kv_cache_memory: i
     outputs: dict[str, tuple[int, ...]] = {}
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step(only_finished=True):
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         steps += 1

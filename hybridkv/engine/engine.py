@@ -114,8 +114,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; returns an output for every request that advanced."""
+    def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model, sample; returns an output for every request that advanced (streaming),
+        or with ``only_finished`` for those that finished this step (building an output copies all of a
+        request's tokens, which a non-streaming caller would throw away every step)."""
         batch = self.scheduler.schedule()
         if batch.num_reqs == 0:
             if self.scheduler.has_unfinished:
@@ -126,7 +128,7 @@ class LLMEngine:
         self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
         step = self._step_batch(batch)
         logits = self.runner.execute(step)
-        return self._process(batch, step, logits)
+        return self._process(batch, step, logits, only_finished=only_finished)
 
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
         coord, reqs = self.coordinator, batch.requests
@@ -160,7 +162,8 @@ class LLMEngine:
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
                          logits_indices=index.astype(np.int64))
 
-    def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
+    def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor, *,
+                 only_finished: bool) -> list[RequestOutput]:
         reqs = batch.requests
         new, computed = batch.num_new_tokens, batch.num_computed
         # Map logits rows back to requests.
@@ -197,7 +200,8 @@ class LLMEngine:
             if r.finished:
                 self.scheduler.finish(r)
                 self._forget(r)
-            outputs.append(self.make_output(r))
+            if r.finished or not only_finished:
+                outputs.append(self.make_output(r))
         return outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:

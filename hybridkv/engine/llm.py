@@ -269,7 +269,7 @@ class LLM:
         start = time.perf_counter()
         with tqdm(total=len(num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished:
-                for out in self.engine.step():
+                for out in self.engine.step(only_finished=True):
                     if out.finished:
                         rid, i = out.request_id.rsplit(".", 1)
                         samples[rid][int(i)] = out
