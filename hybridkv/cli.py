@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # -- plan ---------------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type for counts (shared by every subcommand)."""
     try:
         value = int(text)
     except ValueError:
@@ -97,16 +98,16 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG_OR_DIR",
                         help="config.json, a checkpoint directory, or a bundled config name "
                              f"({', '.join(bundled_config_names())})")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="tokens per request (default: the model's max positions)")
     parser.add_argument("--kv-memory", default="40GiB", help="KV-cache budget, e.g. 40GiB (default: 40GiB)")
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default: 16)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None,
                         help="cap on concurrent requests")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens per scheduler step (default: 2048)")
     parser.add_argument("--kv-dtype", default=None, help="KV dtype (default: the checkpoint dtype)")
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="GPUs the model is sharded over; --kv-memory and every byte figure are then "
                              "per GPU (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -215,8 +216,8 @@ register(Command(name="plan", help="show layer -> KV-cache group and the concurr
 
 # -- demo ----------------------------------------------------------------------------------------------
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=_positive_int, default=12, help="requests to serve (default 12)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=24, help="tokens per request (default 24)")
+    parser.add_argument("--num-requests", type=positive_int, default=12, help="requests to serve (default 12)")
+    parser.add_argument("--max-tokens", type=positive_int, default=24, help="tokens per request (default 24)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -237,7 +238,7 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); token ids as '1,2,3' "
                         "when the model has no tokenizer")
     parser.add_argument("--prompts-file", help="one prompt per line; '-' reads standard input")
-    parser.add_argument("--max-tokens", type=_positive_int, default=64)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)

@@ -15,17 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import Command, UsageError, register
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from hybridkv.cli import Command, UsageError, positive_int, register
 
 
 def _k_list(text: str) -> tuple[int, ...]:
@@ -43,8 +33,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto")
     group.add_argument("--device", default="auto")
     group.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
-    group.add_argument("--max-num-seqs", type=_positive_int, default=256, help="concurrent requests (default 256)")
-    group.add_argument("--max-model-len", type=_positive_int, default=None)
+    group.add_argument("--max-num-seqs", type=positive_int, default=256, help="concurrent requests (default 256)")
+    group.add_argument("--max-model-len", type=positive_int, default=None)
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -72,17 +62,17 @@ def _humaneval_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="checkpoint directory to generate completions with")
     source.add_argument("--samples", help="score this samples.jsonl (task_id, completion) instead")
-    parser.add_argument("--n", type=_positive_int, default=1, help="samples per problem (default 1)")
+    parser.add_argument("--n", type=positive_int, default=1, help="samples per problem (default 1)")
     parser.add_argument("--k", type=_k_list, default=(1, 10), help="pass@k values, e.g. 1,10 (default 1,10; "
                         "k larger than the samples per problem is skipped)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling when temperature > 0")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="first N problems only")
-    parser.add_argument("--max-tokens", type=_positive_int, default=512)
+    parser.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
+    parser.add_argument("--max-tokens", type=positive_int, default=512)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per completion's tests (default 5)")
-    parser.add_argument("--memory-limit-mb", type=_positive_int, default=1024,
+    parser.add_argument("--memory-limit-mb", type=positive_int, default=1024,
                         help="address-space limit of each test process (default 1024)")
-    parser.add_argument("--workers", type=_positive_int, default=None, help="test processes (default: CPUs)")
+    parser.add_argument("--workers", type=positive_int, default=None, help="test processes (default: CPUs)")
     parser.add_argument("--out", default=None, help="directory for samples.jsonl and results.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     _model_arguments(parser)
@@ -142,8 +132,8 @@ def _gsm8k_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="GSM8K test jsonl (question, answer); default: a GSM8K "
                         "file in the local Hugging Face cache")
     parser.add_argument("--num-fewshot", type=int, default=8, choices=range(9), metavar="0..8")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="first N problems only")
-    parser.add_argument("--max-tokens", type=_positive_int, default=256)
+    parser.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
+    parser.add_argument("--max-tokens", type=positive_int, default=256)
     parser.add_argument("--out", default=None, help="directory for predictions.jsonl and results.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     _model_arguments(parser)
