@@ -5,6 +5,7 @@ rotary, linear and llama3 frequency scaling. Cos/sin are computed per call from 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,6 +40,15 @@ class RotaryEmbedding(nn.Module):
                              f"{rope.partial_rotary_factor}) must be even")
         self.interleaved = rope.interleaved
         self.register_buffer("inv_freq", rope_inv_freq(rope, self.rot_dim), persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        """Follow device moves but stay fp32 through dtype casts: a bf16 frequency table is off by up to
+        ~0.4% per frequency, i.e. whole radians of phase at long positions (HF keeps it fp32 too)."""
+        table = self.inv_freq
+        super()._apply(fn, recurse)
+        if not table.is_meta and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = table.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
