@@ -183,11 +183,13 @@ class LLM:
                 return None                               # rank 0's plan is shared below
             specs = config.kv_specs(block_size=block_size, kv_dtype=next(self.model.parameters()).dtype,
                                     tensor_parallel_size=tensor_parallel_size)
-            has_mamba = any(not s.is_attention for s in specs.values())
+            # Mamba prefix-cache checkpoints: up to one per sequence, within an eighth of the budget.
+            state_bytes = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
+            checkpoints = min(max_num_seqs, budget // (8 * state_bytes)) if state_bytes and enable_prefix_caching \
+                else 0
             return plan_kv_cache(
                 specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=max_num_seqs,
-                step_tokens=step_tokens,
-                num_checkpoint_slots=max_num_seqs if (has_mamba and enable_prefix_caching) else 0)
+                step_tokens=step_tokens, num_checkpoint_slots=checkpoints)
 
         runner = None
         if ctx is None:
@@ -267,18 +269,18 @@ class LLM:
         ids, num_samples, errors = self._submit(prompts, sampling_params)
         samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in num_samples}
         start = time.perf_counter()
+        generated = 0
         with tqdm(total=len(num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished:
                 for out in self.engine.step(only_finished=True):
-                    if out.finished:
-                        rid, i = out.request_id.rsplit(".", 1)
-                        samples[rid][int(i)] = out
-                        if len(samples[rid]) == num_samples[rid]:
-                            bar.update(1)
+                    rid, i = out.request_id.rsplit(".", 1)
+                    samples[rid][int(i)] = out
+                    generated += len(out.outputs[0].token_ids)
+                    if len(samples[rid]) == num_samples[rid]:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
         elapsed = time.perf_counter() - start
-        generated = sum(len(o.outputs[0].token_ids) for s in samples.values() for o in s.values())
-        if use_tqdm and elapsed > 0:
-            logger.info("generated %d tokens in %.2fs (%.1f tok/s)", generated, elapsed, generated / elapsed)
+        logger.info("generated %d tokens in %.2fs (%.1f tok/s)", generated, elapsed, generated / max(elapsed, 1e-9))
         return [errors[rid] if rid in errors else _merge(rid, samples[rid]) for rid in ids]
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
