@@ -32,7 +32,8 @@ class KernelBackend:
     selective_state_update: Callable[..., torch.Tensor]
 
 
-def _torch_backend() -> KernelBackend:
+def torch_backend() -> KernelBackend:
+    """The reference ops: complete, any device. Other backends replace the ops they have kernels for."""
     from hybridkv.layers import ops
 
     return KernelBackend(
@@ -56,7 +57,7 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "torch": _Entry(factory=_torch_backend),
+    "torch": _Entry(factory=torch_backend),
     "triton": _Entry(factory=lambda: importlib.import_module("hybridkv.backends.triton_backend").triton_backend(),
                      requires=("triton",), cuda_only=True),
     "flash_attn": _Entry(factory=None, requires=("flash_attn",), cuda_only=True),

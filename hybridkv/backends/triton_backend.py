@@ -9,27 +9,18 @@ when it is built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from hybridkv.backends.registry import KernelBackend
+from hybridkv.backends.registry import KernelBackend, torch_backend
 
 logger = logging.getLogger("hybridkv.backends")
 
 
 def triton_backend() -> KernelBackend:
     from hybridkv.backends.triton_attention import paged_attention_triton, write_kv_triton
-    from hybridkv.layers import ops
 
     logger.info("kernel backend triton: Triton paged attention + KV write; SSM ops (conv1d, SSD, "
                 "selective scan) use the torch references")
-    return KernelBackend(
-        name="triton",
-        paged_attention=paged_attention_triton,
-        write_kv=write_kv_triton,
-        causal_conv1d=ops.causal_conv1d_ref,
-        causal_conv1d_update=ops.causal_conv1d_update_ref,
-        ssd_chunk_scan=ops.ssd_chunk_scan_ref,
-        ssd_state_update=ops.ssd_state_update_ref,
-        selective_scan=ops.selective_scan_ref,
-        selective_state_update=ops.selective_state_update_mamba1_ref,
-    )
+    return dataclasses.replace(torch_backend(), name="triton", paged_attention=paged_attention_triton,
+                               write_kv=write_kv_triton)

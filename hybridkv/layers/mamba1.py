@@ -13,22 +13,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridkv.forward_context import get_forward_context
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.state_slots import StateSlotMixer
 from hybridkv.models.config import Mamba1
 
 
-class Mamba1Layer(nn.Module):
+class Mamba1Layer(StateSlotMixer):
     """Tensor parallel (``tp``): the inner channels split (x/z halves of in_proj, conv, dt_proj outputs,
     A, D); x_proj reads the split channels, so it is row-parallel and every rank gets the full dt/B/C (a
     small all-reduce); out_proj is row-parallel."""
 
     def __init__(self, hidden_size: int, cfg: Mamba1, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
+        super().__init__(cache_name=cache_name)
         self.cfg = cfg
-        self.cache_name = cache_name
         n, rank = cfg.state_size, cfg.dt_rank
         channels = Split(cfg.intermediate_size, cfg.intermediate_size,
                          what=f"{cache_name} Mamba1.intermediate_size")
@@ -48,21 +47,11 @@ class Mamba1Layer(nn.Module):
             self.dt_layernorm = RMSNorm(rank, eps=cfg.norm_eps)
             self.b_layernorm = RMSNorm(n, eps=cfg.norm_eps)
             self.c_layernorm = RMSNorm(n, eps=cfg.norm_eps)
-        self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
-
-    def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
-        """conv_states: (num_slots, inter, kernel - 1); ssm_states: (num_slots, inter, state) fp32."""
-        self.state = (conv_states, ssm_states)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         cfg = self.cfg
-        if self.state is None:
-            raise RuntimeError(f"{self.cache_name}: no state slots bound (the model runner binds them)")
-        ctx = get_forward_context()
-        meta = ctx.inputs[self.cache_name]
-        be = ctx.backend
-        conv_states, ssm_states = self.state
+        meta, be, conv_states, ssm_states = self.step_inputs()
         xs, z = self.in_proj(x).chunk(2, dim=-1)                            # (num_tokens, inter) each
         weight = self.conv1d.weight.squeeze(1)                              # (inter, kernel)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens

@@ -14,23 +14,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.forward_context import get_forward_context
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.state_slots import StateSlotMixer
 from hybridkv.models.config import Mamba2
 
 
-class Mamba2Layer(nn.Module):
+class Mamba2Layer(StateSlotMixer):
     """Tensor parallel (``tp``): heads split, with their z/x channels, dt, A, D, dt bias and gated-norm
     channels; B/C groups split when n_groups divides by the ranks, else each rank keeps the one group its
     heads read (replicated); the conv channels follow x, B, C. in_proj is column-parallel section by section,
     out_proj row-parallel; the scans are local, the conv and SSM states per rank hold only its heads."""
 
     def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
+        super().__init__(cache_name=cache_name)
         self.cfg = cfg
-        self.cache_name = cache_name
         h, p, gs = cfg.num_heads, cfg.head_dim, cfg.n_groups * cfg.state_size
         heads = Split(h * p, h, what=f"{cache_name} Mamba2.num_heads")
         groups = Split(gs, cfg.n_groups, replicate=True, what=f"{cache_name} Mamba2.n_groups")
@@ -63,22 +62,11 @@ class Mamba2Layer(nn.Module):
             mup = torch.cat([torch.full((n,), float(m))
                              for n, m in zip(sizes, cfg.zxbcdt_multipliers, strict=True)])
         self.register_buffer("mup_vector", mup, persistent=False)
-        self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
-
-    def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
-        """conv_states: (num_slots, conv_dim, kernel - 1);
-        ssm_states: (num_slots, heads, head_dim, state) fp32."""
-        self.state = (conv_states, ssm_states)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         cfg = self.cfg
-        if self.state is None:
-            raise RuntimeError(f"{self.cache_name}: no state slots bound (the model runner binds them)")
-        ctx = get_forward_context()
-        meta = ctx.inputs[self.cache_name]
-        be = ctx.backend
-        conv_states, ssm_states = self.state
+        meta, be, conv_states, ssm_states = self.step_inputs()
         if cfg.input_multiplier != 1.0:
             x = x * cfg.input_multiplier
         projected = self.in_proj(x)
