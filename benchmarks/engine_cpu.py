@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.engine.request import RequestStatus
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.json"
@@ -54,9 +53,7 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
         coord.commit(req.request_id, num_computed_tokens=n - 1)
         req.num_computed_tokens = n - 1
-        req.kv_row = coord.row_of(req.request_id)
-        req.status = RequestStatus.RUNNING
-        sched.running.append(req)
+        sched.mark_running(req)
 
     timings = {"schedule": [], "step_batch": [], "metadata": [], "commit": [], "total": []}
     for _ in range(steps):
@@ -70,6 +67,7 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         for req, n in zip(batch.requests, batch.num_new_tokens.tolist(), strict=True):
             req.num_computed_tokens += n
             req.token_ids.append(1)
+        sched.append_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
         coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)
         t4 = time.perf_counter_ns()
         for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):

@@ -25,7 +25,7 @@ from hybridkv.kv_groups.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from hybridkv.metadata import CommonAttentionMetadata
+from hybridkv.metadata import CommonAttentionMetadata, host_to_device
 from hybridkv.transforms import make_local_attention_virtual_batches, trim_sliding_window
 
 
@@ -68,13 +68,15 @@ def _build_chunked(spec: ChunkedLocalAttentionSpec, cam: CommonAttentionMetadata
 def _build_mamba(spec: MambaSpec, cam: CommonAttentionMetadata) -> MambaInputs:
     # The leading run of 1-token continuations goes to the one-step update; a fresh 1-token request
     # has no state to continue from, so it stays with the scan (which starts it from zeros).
-    is_decode = (np.diff(cam.query_start_loc_cpu) == 1) & (cam.num_computed_tokens_cpu > 0)
+    qsl = cam.query_start_loc_cpu
+    is_decode = (qsl[1:] - qsl[:-1] == 1) & (cam.num_computed_tokens_cpu > 0)
     num_decodes = cam.num_reqs if is_decode.all() else int(np.argmin(is_decode))
+    num_decode_tokens = int(qsl[num_decodes])
     device = cam.query_start_loc.device
-    state_indices = cam.block_table_tensor[:, 0].long()
-    has_initial = torch.from_numpy(cam.num_computed_tokens_cpu > 0).to(device, non_blocking=True)
-    num_decode_tokens = int(cam.query_start_loc_cpu[num_decodes])
-    prefill_qsl = cam.query_start_loc[num_decodes:] - num_decode_tokens
+    # Host-side arrays, one copy each: a device op per field would cost more than the numpy work.
+    state_indices = host_to_device(cam.block_table_cpu[:, 0].astype(np.int64), device)
+    has_initial = host_to_device(cam.num_computed_tokens_cpu > 0, device)
+    prefill_qsl = host_to_device(qsl[num_decodes:] - num_decode_tokens, device)
     return MambaInputs(query_start_loc=cam.query_start_loc, state_indices=state_indices,
                        has_initial_state=has_initial, num_decodes=num_decodes,
                        num_decode_tokens=num_decode_tokens, prefill_query_start_loc=prefill_qsl,

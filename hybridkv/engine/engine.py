@@ -131,30 +131,31 @@ class LLMEngine:
         return self._process(batch, step, logits, only_finished=only_finished)
 
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
-        coord, reqs = self.coordinator, batch.requests
-        new, computed = batch.num_new_tokens, batch.num_computed
+        coord, reqs, sched = self.coordinator, batch.requests, self.scheduler
+        new, computed, rows = batch.num_new_tokens, batch.num_computed, batch.rows
         n = len(reqs)
-        if int(new.sum()) == n:                                      # all decodes: one token each
-            ids = np.fromiter((r.token_ids[c] for r, c in zip(reqs, computed.tolist(), strict=True)), np.int64, n)
+        seq_lens = computed + new
+        decode = n > 0 and int(new.sum()) == n and bool((seq_lens == sched.row_num_tokens[rows]).all())
+        if decode:                                  # every request continues from its last token
+            ids = sched.row_last_token[rows]
         else:
             ids = np.fromiter(itertools.chain.from_iterable(
                 r.token_ids[c:c + k] for r, c, k in zip(reqs, computed.tolist(), new.tolist(), strict=True)),
                 np.int64, int(new.sum()))
-        seq_lens = computed + new
         width = int(-(-seq_lens.max() // self.plan.block_size)) if self.plan.attention_groups else 1
         tables = []
         for group in self.plan.groups:
-            if group.spec.is_attention:
-                tables.append(coord.block_tables.np[coord.table_index[group.group_id]][batch.rows, :width])
+            if group.spec.is_attention:       # (n, width) C-contiguous: a row gather per group
+                tables.append(coord.block_tables.np[coord.table_index[group.group_id]][rows, :width])
             else:
-                tables.append(coord.state_slots(batch.rows).astype(np.int32)[:, None])
+                tables.append(coord.state_slots(rows).astype(np.int32)[:, None])
         # Logits: the last token of requests that reach their end this step; every token of prompt
         # chunks whose request asked for prompt logprobs. (Decodes always reach their end.)
         ends = np.cumsum(new)
-        if int(new.sum()) == n and not self._num_prompt_logprob_requests:
+        if decode and not self._num_prompt_logprob_requests:
             return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
                              logits_indices=ends - 1)
-        samples = seq_lens == np.fromiter((r.num_tokens for r in reqs), np.int64, n)
+        samples = seq_lens == sched.row_num_tokens[rows]
         wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
         lengths = np.where(wants, new, samples)
         starts = np.where(wants, ends - new, ends - 1)
@@ -166,37 +167,34 @@ class LLMEngine:
                  only_finished: bool) -> list[RequestOutput]:
         reqs = batch.requests
         new, computed = batch.num_new_tokens, batch.num_computed
-        # Map logits rows back to requests.
-        offset = 0
-        sample_rows, samplers, prompt_lp = [], [], []
-        for r, c, n in zip(reqs, computed.tolist(), new.tolist(), strict=True):
-            reaches_end = c + n == r.num_tokens
-            if r.params.prompt_logprobs is not None:
-                prompt_lp.append((r, c, n, offset))
-                if reaches_end:
-                    sample_rows.append(offset + n - 1)
-                    samplers.append(r)
-                offset += n
-            elif reaches_end:
-                sample_rows.append(offset)
-                samplers.append(r)
-                offset += 1
-        for r, c, n, off in prompt_lp:
-            self._record_prompt_logprobs(r, c, n, logits[off:off + n])
+        # Requests that reach their end this step sample; their logits rows come in batch order.
+        samples = computed + new == self.scheduler.row_num_tokens[batch.rows]
+        sample_idx = np.flatnonzero(samples)
+        samplers = reqs if sample_idx.size == len(reqs) else [reqs[i] for i in sample_idx.tolist()]
+        if self._num_prompt_logprob_requests:        # logits rows of prompt chunks come first per request
+            wants = np.array([r.params.prompt_logprobs is not None for r in reqs], bool)
+            lengths = np.where(wants, new, samples)
+            offsets = np.cumsum(lengths) - lengths
+            sample_rows = (offsets + lengths - 1)[sample_idx]
+            for i in np.flatnonzero(wants).tolist():
+                self._record_prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
+                                             logits[int(offsets[i]):int(offsets[i] + new[i])])
+        else:
+            sample_rows = np.arange(sample_idx.size)
 
         for r, n in zip(reqs, new.tolist(), strict=True):
             r.num_computed_tokens += n
             if r.num_computed_tokens <= r.num_prompt_tokens:
                 self._prompt_tokens += n
         if samplers:
-            self._sample(samplers, logits[torch.as_tensor(sample_rows, device=logits.device)])
+            tokens = self._sample(samplers, logits[torch.as_tensor(sample_rows, device=logits.device)])
+            self.scheduler.append_tokens(batch.rows[sample_idx], tokens)
         self.coordinator.commit_batch(batch.rows, computed + new)
 
         outputs = []
-        sampled = {id(r) for r in samplers}
+        for r in samplers:
+            self._check_stop(r)
         for r in reqs:
-            if id(r) in sampled:
-                self._check_stop(r)
             if r.finished:
                 self.scheduler.finish(r)
                 self._forget(r)
@@ -204,7 +202,8 @@ class LLMEngine:
                 outputs.append(self.make_output(r))
         return outputs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> np.ndarray:
+        """Samples one token per request, appends it, and returns them ((B,) int64)."""
         device = logits.device
         params = [r.params for r in reqs]
         st = SamplingTensors(
@@ -221,6 +220,7 @@ class LLMEngine:
         want = any(p.logprobs is not None for p in params)
         if want:
             chosen, values, ids = (t.tolist() for t in logprobs_of(logits, tokens, top))
+        tokens = tokens.cpu().numpy().astype(np.int64, copy=False)
         for i, (r, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
             r.token_ids.append(tok)
             self._generated += 1
@@ -228,6 +228,7 @@ class LLMEngine:
                 k = r.params.logprobs
                 r.logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
                                                top=tuple(zip(ids[i][:k], values[i][:k], strict=True))))
+        return tokens
 
     def _record_prompt_logprobs(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
         """Logits at prompt position p predict token p + 1."""

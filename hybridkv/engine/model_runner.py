@@ -100,16 +100,21 @@ class ModelRunner:
                       num_actual_tokens=num_tokens, max_query_len=int(q.max(initial=0)),
                       max_seq_len=int(s.max(initial=0)))
         inputs = {}
+        debug = debug_enabled()
+        index_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for group, table in zip(self.plan.groups, batch.block_tables, strict=True):
             table = np.ascontiguousarray(table, dtype=np.int32)
             # A Mamba group's one "block" is its state slot, covering the whole sequence.
             bs = group.spec.block_size if group.spec.is_attention else max(1, shared["max_seq_len"])
-            cols = positions // bs
-            slots = table.ravel().take(token_req * table.shape[1] + cols).astype(np.int64) * bs + positions % bs
+            key = (bs, table.shape[1])
+            if key not in index_cache:          # attention groups share these: same positions, same width
+                index_cache[key] = (token_req * table.shape[1] + positions // bs, positions % bs)
+            flat, offset = index_cache[key]
+            slots = table.ravel().take(flat).astype(np.int64) * bs + offset
             cam = CommonAttentionMetadata(block_table_tensor=host_to_device(table, self.device),
                                           block_table_cpu=table, slot_mapping=host_to_device(slots, self.device),
                                           block_size=bs, **shared)
-            if debug_enabled():
+            if debug:
                 cam.validate()
             built = build_group_inputs(group.spec, cam)
             inputs.update(dict.fromkeys(group.layer_names, built))

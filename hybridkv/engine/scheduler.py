@@ -65,6 +65,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Per coordinator row of a running request: tokens known and the last one (a decode's input).
+        # ``append_tokens`` keeps them current, so a step reads them with one gather, never a loop over
+        # requests; the computed counts live in the coordinator (``num_computed_at``).
+        self.row_num_tokens = np.zeros(coordinator.max_num_reqs, np.int64)
+        self.row_last_token = np.zeros(coordinator.max_num_reqs, np.int64)
+        self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
 
     # -- queue management --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -77,6 +83,7 @@ class Scheduler:
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
+                    self._running_rows = None
                     self.coord.free(request_id)
                     req.status = RequestStatus.FINISHED
                     req.finish_reason = "abort"
@@ -86,6 +93,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Called by the engine once a running request has finished: frees its cache."""
         self.running.remove(request)
+        self._running_rows = None
         self.coord.free(request.request_id)
         request.status = RequestStatus.FINISHED
 
@@ -107,8 +115,31 @@ class Scheduler:
             n = aligned if aligned > 0 else n
         return n
 
+    def mark_running(self, req: Request) -> None:
+        """Move a request the coordinator already holds (allocated, ``num_computed_tokens`` set) into
+        ``running`` at its arrival position."""
+        req.kv_row = row = self.coord.row_of(req.request_id)
+        req.status = RequestStatus.RUNNING
+        self.row_num_tokens[row] = req.num_tokens
+        self.row_last_token[row] = req.token_ids[-1]
+        bisect.insort(self.running, req, key=lambda r: r.arrival)
+        self._running_rows = None
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """The engine sampled ``tokens`` (B,) for the running requests at coordinator ``rows`` (B,)."""
+        self.row_num_tokens[rows] += 1
+        self.row_last_token[rows] = tokens
+
+    @property
+    def running_rows(self) -> np.ndarray:
+        """(len(running),) int64 coordinator rows of the running requests, in arrival order."""
+        if self._running_rows is None:
+            self._running_rows = np.fromiter((r.kv_row for r in self.running), np.int64, len(self.running))
+        return self._running_rows
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._running_rows = None
         request.kv_row = -1
         self.coord.free(request.request_id)
         request.num_computed_tokens = 0
@@ -117,23 +148,31 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray]:
-        """Token counts for running requests, decodes first then by arrival, within ``budget``.
+    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray]:
+        """(requests, tokens to compute, coordinator rows, computed so far) for the running requests,
+        decodes first then by arrival, within ``budget``.
 
         Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
-        running = self.running
-        rem = np.fromiter((r.num_tokens - r.num_computed_tokens for r in running), np.int64, len(running))
-        order = np.argsort(rem > 1, kind="stable")          # running is kept in arrival order
-        rem = rem[order]
-        take = np.clip(budget - (np.cumsum(rem) - rem), 0, rem)
+        running, rows = self.running, self.running_rows
+        computed = self.coord.num_computed_at(rows)
+        rem = self.row_num_tokens[rows] - computed
+        prefill = rem > 1
+        if prefill.any() and not prefill.all():            # running is in arrival order: decodes first
+            order = np.argsort(prefill, kind="stable")
+            rem, rows, computed = rem[order], rows[order], computed[order]
+            running = [running[i] for i in order.tolist()]
+        if not prefill.any() and rem.shape[0] <= budget:   # all decodes, all fit (the steady state)
+            return list(running), rem, rows, computed
+        take = np.minimum(np.maximum(budget - (np.cumsum(rem) - rem), 0), rem)
         partial = np.flatnonzero((take > 0) & (take < rem))
         if partial.size and self.config.align_prefill_chunks:
             i = int(partial[0])
-            computed = running[int(order[i])].num_computed_tokens
-            take[i] = self._chunk(computed, int(rem[i]), int(take[i]))
+            take[i] = self._chunk(int(computed[i]), int(rem[i]), int(take[i]))
         keep = take > 0
-        return [running[i] for i in order[keep].tolist()], take[keep]
+        if keep.all():
+            return list(running), take, rows, computed
+        return [running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep]
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -143,9 +182,7 @@ class Scheduler:
         counts, rows, computed = empty, empty, empty
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
         while self.running:
-            chosen, counts = self._running_step(budget)
-            rows = np.fromiter((r.kv_row for r in chosen), np.int64, len(chosen))
-            computed = np.fromiter((r.num_computed_tokens for r in chosen), np.int64, len(chosen))
+            chosen, counts, rows, computed = self._running_step(budget)
             if self.coord.allocate_batch(rows, computed, counts):
                 break
             victim = self.running[-1]                       # the latest arrival
@@ -184,9 +221,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = hit
-            req.kv_row = self.coord.row_of(rid)
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            self.mark_running(req)
             chosen.append(req)
             new_counts.append(n)
             budget -= n

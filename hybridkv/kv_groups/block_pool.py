@@ -176,10 +176,8 @@ class BlockPool:
             plain = zero[~cached] if n_cached else zero
             self._stack[self._top:self._top + plain.size] = plain[::-1]
             self._top += plain.size
-        if n_cached:
-            lru = self._lru
-            for b in (zero if not plain.size else zero[cached]).tolist():
-                lru[b] = None
+        if n_cached:       # (dict.fromkeys + update: one C-level pass, order kept)
+            self._lru.update(dict.fromkeys((zero if not plain.size else zero[cached]).tolist()))
 
     def touch(self, group_id: int, block_ids: Sequence[int]) -> None:
         """Take one more reference to cached blocks (a prefix hit), reviving free ones."""

@@ -174,6 +174,10 @@ class KVCacheCoordinator:
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._num_computed[self._rows[request_id]])
 
+    def num_computed_at(self, rows: np.ndarray) -> np.ndarray:
+        """(B,) int64 tokens computed (as last allocated / committed) of registered ``rows`` (B,)."""
+        return self._num_computed[rows]
+
     def block_ids(self, request_id: str, group_id: int) -> np.ndarray:
         """(n,) int32 entries of the request in an attention group (null = 0 for freed entries)."""
         row = self._rows[request_id]
