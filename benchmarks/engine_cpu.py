@@ -52,7 +52,6 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         n = req.num_tokens
         assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
         coord.commit(req.request_id, num_computed_tokens=n - 1)
-        req.num_computed_tokens = n - 1
         sched.mark_running(req)
 
     timings = {"schedule": [], "step_batch": [], "metadata": [], "commit": [], "total": []}
@@ -64,8 +63,7 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         t2 = time.perf_counter_ns()
         engine.runner.build_context(step)
         t3 = time.perf_counter_ns()
-        for req, n in zip(batch.requests, batch.num_new_tokens.tolist(), strict=True):
-            req.num_computed_tokens += n
+        for req in batch.requests:         # what the engine does per request: append the sampled token
             req.token_ids.append(1)
         sched.append_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
         coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)

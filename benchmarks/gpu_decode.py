@@ -1,17 +1,21 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
-    python benchmarks/gpu_decode.py [--families llama4,gemma3] [--batches 1,8,32] [--tiny]
+    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh] [--batches 1,8,32]
+                                    [--backends triton,triton:eager] [--tiny]
     # writes benchmarks/results/gpu_decode.json
 
 Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer,
-shared expert) and Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head).
-The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM``) is built from its config, saved with
+shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head),
+Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers) and NemotronH-like (Mamba2 +
+attention + relu² MLPs). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager``
+never. The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built from its config, saved with
 ``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME weights, dtype (bf16) and batch.
 
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
 the decode steps (prefill excluded: hybridkv steps are timed one by one, HF as generate(1 + N) - generate(1)).
-Batch-1 step time is compared with the HBM floor = (weight bytes read per step + KV bytes read) / copy
+Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read + Mamba state bytes read
+and written per step) / copy
 bandwidth (measured here). A short torch.profiler trace of batch-1 decode steps gives GPU busy time vs
 wall time and the top kernels, which explains the gap (launch-bound vs kernel-bound).
 ``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless).
@@ -64,7 +68,43 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.Gemma3TextConfig(**kw)
         cfg.architectures = ["Gemma3ForCausalLM"]
         return cfg, transformers.Gemma3ForCausalLM
+    if family == "mamba2":      # Mamba-Codestral's layer shapes narrowed to ~1B (hidden 2048, 32 layers)
+        kw = dict(hidden_size=2048, num_hidden_layers=32, num_heads=64, head_dim=64, state_size=128, n_groups=8,
+                  expand=2, conv_kernel=4, chunk_size=256, vocab_size=32768, tie_word_embeddings=False)
+        if tiny:
+            kw.update(hidden_size=64, num_hidden_layers=4, num_heads=4, head_dim=32, state_size=16, n_groups=2,
+                      chunk_size=16, vocab_size=256)
+        cfg = transformers.Mamba2Config(**kw)
+        cfg.architectures = ["Mamba2ForCausalLM"]
+        return cfg, transformers.Mamba2ForCausalLM
+    if family == "nemotronh":   # NemotronH-like: Mamba2 + attention (1 in 5 mixers) + relu² MLPs, ~1.3B
+        kw = dict(hidden_size=2048, hybrid_override_pattern="M-M-M-M*-" * 4, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=8192, mlp_hidden_act="relu2",
+                  mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
+                  chunk_size=256, vocab_size=32768, max_position_embeddings=16384, tie_word_embeddings=False)
+        if tiny:
+            kw.update(hidden_size=64, hybrid_override_pattern="M-M*-", num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128, mamba_num_heads=4,
+                      mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16, vocab_size=256)
+        cfg = transformers.NemotronHConfig(**kw)
+        cfg.architectures = ["NemotronHForCausalLM"]
+        return cfg, transformers.NemotronHForCausalLM
     raise ValueError(family)
+
+
+def state_bytes_per_step(config, family: str, batch: int) -> int:
+    """Mamba state bytes a decode step reads and writes: fp32 SSM state + conv state (model dtype), x2."""
+    if family not in ("mamba2", "nemotronh"):
+        return 0
+    if family == "mamba2":
+        layers, heads, hd, n, groups = (config.num_hidden_layers, config.num_heads, config.head_dim,
+                                        config.state_size, config.n_groups)
+    else:
+        layers = config.hybrid_override_pattern.count("M")
+        heads, hd, n, groups = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+    conv_channels = heads * hd + 2 * groups * n
+    per_layer = heads * hd * n * 4 + conv_channels * (config.conv_kernel - 1) * 2
+    return 2 * batch * layers * per_layer
 
 
 def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
@@ -86,8 +126,12 @@ def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
 
 
 def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) -> int:
+    if family == "mamba2":
+        return 0
     kv, d = config.num_key_value_heads, config.head_dim
     per_tok = 2 * kv * d * elem
+    if family == "nemotronh":
+        return batch * ctx * per_tok * config.hybrid_override_pattern.count("*")
     total = 0
     for i in range(config.num_hidden_layers):
         if family == "llama4":
@@ -233,7 +277,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument("--backends", default="triton,triton:eager",
+                    help="comma list of backend[:eager]; ':eager' turns CUDA graphs off")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
@@ -267,10 +312,13 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix=f"hkv-{family}-")
         hf.save_pretrained(tmp)
         ctx_end = args.prompt + args.steps
-        for backend in args.backends.split(","):
+        for variant in args.backends.split(","):
+            backend, _, mode = variant.partition(":")       # "triton:eager" = no CUDA graphs
             llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend, max_model_len=ctx_end + 64,
                       max_num_seqs=max(batches) + 1, enable_prefix_caching=False,
-                      max_num_batched_tokens=max(4096, args.prompt), kv_cache_memory="4GiB")
+                      max_num_batched_tokens=max(4096, args.prompt), kv_cache_memory="4GiB",
+                      cuda_graphs=False if mode == "eager" else None)
+            graphs = "graphs" if getattr(llm.engine.runner, "graphs", None) is not None else "eager"
             for B in batches:
                 rng = np.random.default_rng(B)   # the same prompts for every backend
                 prompts = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(B)]
@@ -278,11 +326,12 @@ def main() -> None:
                 r = run_hybridkv(llm, prompts, args.steps, device)
                 step = statistics.median(r["step_times"]) if r["step_times"] else float("nan")
                 mid_ctx = args.prompt + args.steps // 2
-                floor = (active_weight_bytes(hf, config, B) + kv_bytes_per_step(config, family, B, mid_ctx)) / bw
-                row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend})", "batch": B,
+                floor = (active_weight_bytes(hf, config, B) + kv_bytes_per_step(config, family, B, mid_ctx)
+                         + state_bytes_per_step(config, family, B)) / bw
+                row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend}, {graphs})", "batch": B,
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
                        "x_floor": step / floor if floor == floor else float("nan")}
-                if not args.no_hf and backend == args.backends.split(",")[0]:
+                if not args.no_hf and variant == args.backends.split(",")[0]:
                     h = run_hf(hf, prompts, args.steps, device)
                     hstep = h["decode_time"] / args.steps
                     match = np.mean([list(a[:8]) == list(b[:8]) for a, b in zip(r["tokens"], h["tokens"], strict=True)])
@@ -291,7 +340,7 @@ def main() -> None:
                                  "x_floor": hstep / floor if floor == floor else float("nan")})
                     row["speedup_vs_hf"] = hstep / step
                     row["greedy_first8_match_hf"] = float(match)
-                tokens[(family, B, backend)] = r["tokens"]
+                tokens[(family, B, variant)] = r["tokens"]
                 first = tokens.get((family, B, args.backends.split(",")[0]))
                 if first is not None and first is not r["tokens"]:
                     row["greedy_first8_match_first_backend"] = float(np.mean(
@@ -299,9 +348,10 @@ def main() -> None:
                 rows.append(row)
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
-                profiles[f"{family}/{backend}"] = profile_steps(llm, prompts[0], device)
-            logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
-                                           args.check_len))
+                profiles[f"{family}/{variant}"] = profile_steps(llm, prompts[0], device)
+            if mode != "eager":
+                logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
+                                               args.check_len))
             del llm
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -10,11 +10,18 @@ Three process groups:
 
 - the default group: the rendezvous only (its TCP store lives in rank 0);
 - ``device``: the collectives inside the forward (all-reduce, logits gather): NCCL on CUDA, gloo on the
-  CPU, with the user's ``timeout``, so a dead or stuck rank is an error, never a hang;
+  CPU. On gloo its timeout is the user's ``timeout``: a collective with a dead or stuck peer raises. NCCL
+  collectives do not block the host, so rank 0 bounds each step itself (``wait_for``: the step's completion
+  event, polled with the other ranks' liveness, until ``timeout``) and then aborts the NCCL communicators;
+  the NCCL group's own timeout is ``timeout + NCCL_BACKSTOP_S``, a backstop whose watchdog tears the
+  process down only if that bounded wait could not run (e.g. a host sync inside the forward);
 - ``control``: gloo (host data, also on CUDA): rank 0 broadcasts each step's host batch (a packed int64
   tensor, see ``pack_step``). Its group timeout is long, because ranks > 0 wait on it while the user is
   idle; rank 0 bounds every send by ``timeout`` itself (``Work.wait(timeout)``). A rank that died closes its
   sockets, which fails the next collective at once; a spawned rank's death is also seen before each send.
+
+Spawned ranks also exit when rank 0 disappears (a watcher thread on the parent pid), whatever they are
+waiting on.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import datetime
 import logging
 import os
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +48,8 @@ logger = logging.getLogger("hybridkv.distributed")
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)      # how long a rank > 0 may wait for the next step
 _SPAWNED = "HYBRIDKV_TP_SPAWNED"                  # set in ranks that spawn_group started
+NCCL_BACKSTOP_S = 60.0                            # NCCL group timeout = distributed timeout + this
+_POLL_CHECK_S = 0.02                              # how often wait_for looks at the other ranks
 _T = TypeVar("_T")
 
 # Step message: header (int64) = [op, num_tokens, num_reqs, num_outputs, num_copies, width per group...],
@@ -132,6 +143,24 @@ class ParallelContext:
         return box[0]
 
     # -- steps ---------------------------------------------------------------------------------------------
+    def wait_for(self, done: Callable[[], bool], what: str) -> None:
+        """Rank 0: poll ``done`` (e.g. the step's CUDA event) until it is true, raising
+        ``TensorParallelError`` as soon as a spawned rank has exited or once ``timeout`` has passed. NCCL
+        collectives never block the host, so this is where a rank that dies or stalls mid-forward is seen
+        (a blocking ``synchronize`` would wait for the NCCL watchdog instead). Spins for the first few
+        milliseconds (decode steps are short), then sleeps 0.2 ms between polls."""
+        start = time.monotonic()
+        next_check = start
+        while not done():
+            now = time.monotonic()
+            if now >= next_check:
+                self.check_alive()
+                next_check = now + _POLL_CHECK_S
+            if now - start > self.timeout:
+                raise TensorParallelError(f"{what} did not finish within distributed_timeout={self.timeout:g}s "
+                                          f"(a rank is stuck, or died unseen)")
+            time.sleep(0 if now - start < 0.005 else 2e-4)
+
     def check_alive(self) -> None:
         """Raise if a rank this process spawned has exited."""
         for rank, proc in enumerate(self.processes, start=1):
@@ -170,6 +199,11 @@ class ParallelContext:
                 header = torch.zeros(header_len, dtype=torch.int64)
                 header[0] = OP_SHUTDOWN
                 self.send(header, header[:0])
+        if not graceful and self.device.type == "cuda":
+            # Abort the NCCL communicators first: kernels still waiting on a dead or stuck peer return, so
+            # this process's stream drains and the watchdog has no pending collective left to time out.
+            with contextlib.suppress(Exception):
+                self.tp.group.abort()
         for proc in self.processes:
             if graceful:
                 proc.join(timeout=5)
@@ -177,9 +211,24 @@ class ParallelContext:
                 proc.kill()
                 proc.join(timeout=5)
         # The spawned ranks are gone, so pending collectives fail at once and the groups can be destroyed
-        # (which also lets this process start another group later).
+        # (which also lets this process start another group later). Bounded: a backend that still waits on
+        # a lost peer must not turn an error into a hang.
+        _destroy_groups(timeout=30.0)
+
+
+def _destroy_groups(timeout: float) -> None:
+    """``dist.destroy_process_group()`` in a daemon thread, waited on for at most ``timeout`` seconds."""
+
+    def destroy() -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+    thread = threading.Thread(target=destroy, daemon=True, name="hybridkv-tp-destroy")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.warning("tensor-parallel process groups did not shut down within %gs; continuing without them",
+                       timeout)
 
 
 def payload_size(header: torch.Tensor) -> int:
@@ -230,8 +279,9 @@ def header_length(num_groups: int) -> int:
 # -- starting the ranks ----------------------------------------------------------------------------------------
 def _groups(rank: int, size: int, device: torch.device, timeout: float) -> tuple[TensorParallel, Any]:
     """The device and control groups (collective calls: every rank creates them in the same order)."""
-    device_group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                  timeout=datetime.timedelta(seconds=timeout))
+    nccl = device.type == "cuda"
+    device_group = dist.new_group(backend="nccl" if nccl else "gloo",
+                                  timeout=datetime.timedelta(seconds=timeout + (NCCL_BACKSTOP_S if nccl else 0)))
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return TensorParallel(rank=rank, size=size, group=device_group), control
 
@@ -300,9 +350,24 @@ def spawn_group(size: int, device: torch.device, timeout: float, worker: Callabl
                            processes=processes)
 
 
+def _exit_with_parent() -> None:
+    """A spawned rank exits as soon as rank 0 is gone (its parent pid changes), whatever it waits on: a
+    receive fails by itself, but a rank inside an NCCL collective or a stuck kernel would otherwise wait for
+    the watchdog."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="hybridkv-tp-parent-watch").start()
+
+
 def _spawned_main(env: dict[str, str], worker: Callable[..., None], args: tuple[Any, ...]) -> None:
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    _exit_with_parent()
     try:
         worker(*args)
     except SystemExit:

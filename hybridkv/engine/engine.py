@@ -46,7 +46,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
-                 seed: int = 0, runner: StepRunner | None = None) -> None:
+                 seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -59,7 +59,8 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
             self.coordinator)
-        self.runner = runner if runner is not None else ModelRunner(model, plan, backend=backend)
+        self.runner = runner if runner is not None else ModelRunner(
+            model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -182,14 +183,13 @@ class LLMEngine:
         else:
             sample_rows = np.arange(sample_idx.size)
 
-        for r, n in zip(reqs, new.tolist(), strict=True):
-            r.num_computed_tokens += n
-            if r.num_computed_tokens <= r.num_prompt_tokens:
-                self._prompt_tokens += n
+        ends = computed + new
+        self._prompt_tokens += int(np.maximum(np.minimum(ends, self.scheduler.row_num_prompt[batch.rows])
+                                              - computed, 0).sum())
         if samplers:
             tokens = self._sample(samplers, logits[torch.as_tensor(sample_rows, device=logits.device)])
             self.scheduler.append_tokens(batch.rows[sample_idx], tokens)
-        self.coordinator.commit_batch(batch.rows, computed + new)
+        self.coordinator.commit_batch(batch.rows, ends)
 
         outputs = []
         for r in samplers:
@@ -221,9 +221,9 @@ class LLMEngine:
         if want:
             chosen, values, ids = (t.tolist() for t in logprobs_of(logits, tokens, top))
         tokens = tokens.cpu().numpy().astype(np.int64, copy=False)
+        self._generated += len(reqs)
         for i, (r, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
             r.token_ids.append(tok)
-            self._generated += 1
             if want and r.params.logprobs is not None:
                 k = r.params.logprobs
                 r.logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],

@@ -136,7 +136,8 @@ class LLM:
     this process and spawns the others, or, under ``torchrun``, every process constructs the same ``LLM``
     and the constructor does not return on ranks > 0 (they serve steps and exit when rank 0 shuts down).
     ``distributed_timeout`` (seconds) bounds every collective of a step: a dead or stuck rank is an error,
-    not a hang. With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
+    not a hang. ``cuda_graphs``: replay captured decode steps (None = on when the device and backend allow it).
+    With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
     the other ranks (done at exit otherwise)."""
 
     def __init__(self, model: ModelArg, *, dtype: str | torch.dtype = "auto",
@@ -144,7 +145,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
                  backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
-                 tensor_parallel_size: int = 1, distributed_timeout: float = 600.0) -> None:
+                 tensor_parallel_size: int = 1, distributed_timeout: float = 600.0,
+                 cuda_graphs: bool | None = None) -> None:
         dev = _resolve_device(device)
         self._executor: TensorParallelExecutor | None = None
         ctx = None
@@ -207,7 +209,8 @@ class LLM:
         logger.info("KV cache plan: %s (budget %s%s)", self.plan.summary(), format_bytes(budget), per_rank)
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
-                                backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner)
+                                backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner,
+                                cuda_graphs=cuda_graphs)
         self._next_id = 0
 
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@ its own cache shard, with the same batch (``engine/executor.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,13 +18,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hybridkv.backends.builders import build_group_inputs
+from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs
 from hybridkv.backends.registry import KernelBackend, get_backend
+from hybridkv.engine.cuda_graphs import DecodeGraphs, default_buckets
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.metadata import CommonAttentionMetadata, debug_enabled, host_to_device
 from hybridkv.models.hybrid import HybridModel
+
+logger = logging.getLogger("hybridkv.engine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +66,11 @@ class StepRunner(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: HybridModel, plan: KVCachePlan, *, backend: str | KernelBackend = "auto") -> None:
+    """``cuda_graphs``: capture decode steps (``engine/cuda_graphs.py``) for batch sizes up to
+    ``max_num_seqs``; None = when the device is CUDA and the backend allows it (logged either way)."""
+
+    def __init__(self, model: HybridModel, plan: KVCachePlan, *, backend: str | KernelBackend = "auto",
+                 cuda_graphs: bool | None = None, max_num_seqs: int = 256) -> None:
         self.model = model
         self.plan = plan
         self.device = next(model.parameters()).device
@@ -79,9 +87,42 @@ class ModelRunner:
                 module.bind_cache(tensors[0][:, 0], tensors[0][:, 1])
             else:                                     # Mamba: one tensor per state
                 module.bind_cache(*tensors)
+        self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs)
+
+    def _capture_graphs(self, wanted: bool | None, max_num_seqs: int) -> DecodeGraphs | None:
+        if wanted is False:
+            return None
+        reason = None
+        if self.device.type != "cuda":
+            reason = f"the device is {self.device.type}"
+        elif not getattr(self.backend, "cuda_graph_safe", False):
+            reason = f"kernel backend {self.backend.name!r} reads host metadata inside its ops"
+        elif self.model.tp.size > 1:
+            reason = "tensor parallelism is not supported with CUDA graphs yet"
+        if reason is not None:
+            if wanted:
+                raise ValueError(f"cuda_graphs=True: {reason}")
+            logger.info("CUDA graphs off: %s", reason)
+            return None
+        graphs = DecodeGraphs(self.model, self.plan, self.backend, buckets=default_buckets(max_num_seqs))
+        try:
+            graphs.capture()
+        except RuntimeError as e:            # an op that syncs or allocates on the host inside the forward
+            if wanted:
+                raise RuntimeError(f"cuda_graphs=True: capturing the decode step failed: {e}") from e
+            logger.warning("CUDA graphs off: capturing the decode step failed (%s)", str(e).splitlines()[0])
+            return None
+        return graphs
 
     def build_context(self, batch: StepBatch) -> ForwardContext:
-        """One CAM per group from the batch, then each group's builder; all layers of a group share it.
+        """One CAM per group from the batch, then each group's builder; all layers of a group share it."""
+        inputs: dict[str, AttentionInputs | MambaInputs] = {}
+        for group, built in zip(self.plan.groups, self.group_inputs(batch, self.device), strict=True):
+            inputs.update(dict.fromkeys(group.layer_names, built))
+        return ForwardContext(inputs=inputs, backend=self.backend)
+
+    def group_inputs(self, batch: StepBatch, device: torch.device) -> list[AttentionInputs | MambaInputs]:
+        """Per plan group: its CAM from the batch, transformed by its builder, device twins on ``device``.
 
         The batch-wide arrays (offsets, lengths, token -> request, positions) and their device twins are
         made once; each group adds only its block table and slot mapping. The scheduler's output is
@@ -94,12 +135,12 @@ class ModelRunner:
         token_req = np.repeat(np.arange(n, dtype=np.int64), q)
         positions = batch.positions()                                        # (num_tokens,) int64
         zeros = np.zeros(n, np.int32)
-        shared = dict(query_start_loc=host_to_device(qsl, self.device), query_start_loc_cpu=qsl,
-                      seq_lens=host_to_device(s, self.device), seq_lens_cpu=s, num_computed_tokens_cpu=s - q,
-                      key_start=host_to_device(zeros, self.device), key_start_cpu=zeros, num_reqs=n,
+        shared = dict(query_start_loc=host_to_device(qsl, device), query_start_loc_cpu=qsl,
+                      seq_lens=host_to_device(s, device), seq_lens_cpu=s, num_computed_tokens_cpu=s - q,
+                      key_start=host_to_device(zeros, device), key_start_cpu=zeros, num_reqs=n,
                       num_actual_tokens=num_tokens, max_query_len=int(q.max(initial=0)),
                       max_seq_len=int(s.max(initial=0)))
-        inputs = {}
+        out: list[AttentionInputs | MambaInputs] = []
         debug = debug_enabled()
         index_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for group, table in zip(self.plan.groups, batch.block_tables, strict=True):
@@ -111,19 +152,29 @@ class ModelRunner:
                 index_cache[key] = (token_req * table.shape[1] + positions // bs, positions % bs)
             flat, offset = index_cache[key]
             slots = table.ravel().take(flat).astype(np.int64) * bs + offset
-            cam = CommonAttentionMetadata(block_table_tensor=host_to_device(table, self.device),
-                                          block_table_cpu=table, slot_mapping=host_to_device(slots, self.device),
+            cam = CommonAttentionMetadata(block_table_tensor=host_to_device(table, device),
+                                          block_table_cpu=table, slot_mapping=host_to_device(slots, device),
                                           block_size=bs, **shared)
             if debug:
                 cam.validate()
-            built = build_group_inputs(group.spec, cam)
-            inputs.update(dict.fromkeys(group.layer_names, built))
-        return ForwardContext(inputs=inputs, backend=self.backend)
+            out.append(build_group_inputs(group.spec, cam))
+        return out
+
+    def _graph_eligible(self, batch: StepBatch) -> bool:
+        """A decode batch the captured graphs can run: one continuing token per request, logits for all."""
+        n = batch.num_reqs
+        return (self.graphs is not None and 0 < n <= self.graphs.buckets[-1]
+                and batch.input_ids.shape[0] == n and batch.logits_indices.shape[0] == n
+                and bool((batch.seq_lens > 1).all()))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:
         """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices``. On a
         tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
+        if self._graph_eligible(batch):
+            assert self.graphs is not None
+            inputs = self.group_inputs(batch, torch.device("cpu"))
+            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.positions(), inputs)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         positions = host_to_device(batch.positions(), self.device)
         with forward_context(self.build_context(batch)):

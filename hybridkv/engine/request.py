@@ -53,8 +53,8 @@ class Request:
     seed: int                                   # effective seed (params.seed or drawn by the engine)
     arrival: int                                # monotonically increasing: preemption takes the latest
     prompt: str | None = None
-    num_computed_tokens: int = 0
-    kv_row: int = -1                            # the coordinator row while running (stable until freed)
+    kv_row: int = -1                            # the coordinator row while running (stable until freed);
+                                                # its computed-token count lives in the coordinator
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

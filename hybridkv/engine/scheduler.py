@@ -70,6 +70,7 @@ class Scheduler:
         # requests; the computed counts live in the coordinator (``num_computed_at``).
         self.row_num_tokens = np.zeros(coordinator.max_num_reqs, np.int64)
         self.row_last_token = np.zeros(coordinator.max_num_reqs, np.int64)
+        self.row_num_prompt = np.zeros(coordinator.max_num_reqs, np.int64)
         self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
 
     # -- queue management --------------------------------------------------------------------------
@@ -116,11 +117,12 @@ class Scheduler:
         return n
 
     def mark_running(self, req: Request) -> None:
-        """Move a request the coordinator already holds (allocated, ``num_computed_tokens`` set) into
-        ``running`` at its arrival position."""
+        """Move a request the coordinator already holds (allocated) into ``running`` at its arrival
+        position."""
         req.kv_row = row = self.coord.row_of(req.request_id)
         req.status = RequestStatus.RUNNING
         self.row_num_tokens[row] = req.num_tokens
+        self.row_num_prompt[row] = req.num_prompt_tokens
         self.row_last_token[row] = req.token_ids[-1]
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         self._running_rows = None
@@ -142,7 +144,6 @@ class Scheduler:
         self._running_rows = None
         request.kv_row = -1
         self.coord.free(request.request_id)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -192,6 +193,7 @@ class Scheduler:
         budget -= int(counts.sum())
         num_running = len(chosen)
         new_counts: list[int] = []
+        new_computed: list[int] = []
         # First blocks of prompts admitted this step: a waiting request that starts the same way waits a
         # step, so it reuses that prefix from the cache instead of computing it again in parallel.
         bs = self.coord.block_size
@@ -220,10 +222,10 @@ class Scheduler:
                 self.coord.free(rid)
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = hit
             self.mark_running(req)
             chosen.append(req)
             new_counts.append(n)
+            new_computed.append(hit)
             budget -= n
             if first_block is not None:
                 prefilling.add(first_block)
@@ -231,8 +233,7 @@ class Scheduler:
         if new_counts:
             admitted = chosen[num_running:]
             rows = np.concatenate([rows, np.fromiter((r.kv_row for r in admitted), np.int64, len(admitted))])
-            computed = np.concatenate([computed, np.fromiter((r.num_computed_tokens for r in admitted), np.int64,
-                                                             len(admitted))])
+            computed = np.concatenate([computed, np.asarray(new_computed, np.int64)])
             counts = np.concatenate([counts, np.asarray(new_counts, np.int64)])
         return ScheduledBatch(requests=chosen, rows=rows, num_new_tokens=counts, num_computed=computed,
                               preempted=preempted)
