@@ -155,6 +155,38 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() / (ms * 1e-3)
 
 
+def matmul_rate(device) -> float:
+    """Measured bf16 dense matmul FLOP/s (8192^3): the prefill roofline."""
+    if device.type != "cuda":
+        return float("nan")
+    import triton
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = triton.testing.do_bench(lambda: a @ a, warmup=10, rep=50, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def prefill_rate(llm, weight_bytes_per_token: int, n_tokens: int, device) -> dict:
+    """One ``n_tokens`` prompt prefilled in one step: tokens/s and the linear layers' FLOP/s (2 FLOPs per
+    active weight per token; attention and the scan are extra work not counted, so this is a lower bound)."""
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    ids = np.random.default_rng(7).integers(10, eng.vocab_size, n_tokens).tolist()
+    best = float("inf")
+    for i in range(3):
+        eng.add_request(f"prefill-{time.monotonic_ns()}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=1))
+        sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+        while eng.has_unfinished:
+            eng.step()
+    flops = 2 * (weight_bytes_per_token / 2) * n_tokens
+    return {"tokens": n_tokens, "ms": best * 1e3, "tok_s": n_tokens / best, "tflops": flops / best / 1e12}
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -167,12 +199,15 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     eng = llm.engine
+    host = _HostTimer(eng)
     base = f"b{time.monotonic_ns()}"
     for i, p in enumerate(prompts):
         eng.add_request(f"{base}-{i}.0", p, params)
     times, tokens = [], {}
+    host_times = []
     while eng.has_unfinished:
         sync(device)
+        host.total = 0.0
         t0 = time.perf_counter()
         outs = eng.step()
         sync(device)
@@ -180,10 +215,42 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
         lens = [len(o.outputs[0].token_ids) for o in outs]
         if len(outs) == len(prompts) and min(lens) >= 2:
             times.append(dt)
+            host_times.append(host.total)
         for o in outs:
             tokens[o.request_id] = o.outputs[0].token_ids
+    host.restore()
     ordered = [tokens[f"{base}-{i}.0"] for i in range(len(prompts))]
-    return {"step_times": times, "tokens": ordered}
+    return {"step_times": times, "host_times": host_times, "tokens": ordered}
+
+
+class _HostTimer:
+    """Adds up the host-side phases of a step (schedule, step batch, per-group metadata + transforms, KV
+    commit) by wrapping those methods of one engine instance; ``restore`` unwraps them."""
+
+    def __init__(self, eng) -> None:
+        self.total = 0.0
+        self._saved = []
+        runner = eng.runner
+        targets = [(eng.scheduler, "schedule"), (eng, "_step_batch"), (eng.coordinator, "commit_batch")]
+        if hasattr(runner, "group_inputs"):
+            targets.append((runner, "group_inputs"))
+        for obj, name in targets:
+            fn = getattr(obj, name)
+            self._saved.append((obj, name))
+            setattr(obj, name, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t0
+        return timed
+
+    def restore(self) -> None:
+        for obj, name in self._saved:
+            delattr(obj, name)
 
 
 def run_hf(model, prompts: list[list[int]], steps: int, device) -> dict:
@@ -280,6 +347,7 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,triton:eager",
                     help="comma list of backend[:eager]; ':eager' turns CUDA graphs off")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     ap.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
@@ -288,12 +356,15 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
         args.prompt, args.steps, args.check_len = min(args.prompt, 20), min(args.steps, 4), 40
+        args.prefill = min(args.prefill, 64)
         args.backends = "torch"
     from hybridkv.engine.llm import LLM
 
     bw = copy_bandwidth(device)
+    mm = matmul_rate(device)
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": git_commit(),
-            "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "prompt_len": args.prompt,
+            "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "matmul_tflops": mm / 1e12,
+            "prompt_len": args.prompt,
             "decode_steps": args.steps, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import transformers
@@ -301,7 +372,7 @@ def main() -> None:
         meta["transformers"] = transformers.__version__
     except ImportError:
         pass
-    rows, profiles, tokens, logit_rows = [], {}, {}, []
+    rows, profiles, tokens, logit_rows, prefill_rows = [], {}, {}, [], []
     batches = [int(b) for b in args.batches.split(",")]
     for family in args.families.split(","):
         config, cls = hf_config(family, args.tiny)
@@ -314,9 +385,10 @@ def main() -> None:
         ctx_end = args.prompt + args.steps
         for variant in args.backends.split(","):
             backend, _, mode = variant.partition(":")       # "triton:eager" = no CUDA graphs
-            llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend, max_model_len=ctx_end + 64,
-                      max_num_seqs=max(batches) + 1, enable_prefix_caching=False,
-                      max_num_batched_tokens=max(4096, args.prompt), kv_cache_memory="4GiB",
+            llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend,
+                      max_model_len=max(ctx_end, args.prefill) + 64, max_num_seqs=max(batches) + 1,
+                      enable_prefix_caching=False,
+                      max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory="4GiB",
                       cuda_graphs=False if mode == "eager" else None)
             graphs = "graphs" if getattr(llm.engine.runner, "graphs", None) is not None else "eager"
             for B in batches:
@@ -328,9 +400,11 @@ def main() -> None:
                 mid_ctx = args.prompt + args.steps // 2
                 floor = (active_weight_bytes(hf, config, B) + kv_bytes_per_step(config, family, B, mid_ctx)
                          + state_bytes_per_step(config, family, B)) / bw
+                host = statistics.median(r["host_times"]) if r["host_times"] else float("nan")
                 row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend}, {graphs})", "batch": B,
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
-                       "x_floor": step / floor if floor == floor else float("nan")}
+                       "x_floor": step / floor if floor == floor else float("nan"),
+                       "host_ms": host * 1e3, "host_fraction": host / step}
                 if not args.no_hf and variant == args.backends.split(",")[0]:
                     h = run_hf(hf, prompts, args.steps, device)
                     hstep = h["decode_time"] / args.steps
@@ -349,6 +423,12 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
                 profiles[f"{family}/{variant}"] = profile_steps(llm, prompts[0], device)
+            if mode != "eager" and args.prefill:
+                p = prefill_rate(llm, active_weight_bytes(hf, config, 1), args.prefill, device)
+                p.update(family=family, engine=f"hybridkv ({backend})", matmul_tflops=mm / 1e12,
+                         pct_matmul=100 * p["tflops"] * 1e12 / mm)
+                prefill_rows.append(p)
+                print(p, flush=True)
             if mode != "eager":
                 logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
                                                args.check_len))
@@ -356,7 +436,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         del hf
-    result = {"meta": meta, "rows": rows, "profiles": profiles, "logits": logit_rows}
+    result = {"meta": meta, "rows": rows, "profiles": profiles, "logits": logit_rows, "prefill": prefill_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if not args.tiny:
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -364,6 +444,11 @@ def main() -> None:
                 ["family", "engine", "len", "rel err", "argmax = fp32", "HF bf16 rel err", "HF bf16 argmax = fp32"],
                 [[r["family"], r["engine"], r["len"], f"{r['rel_err']:.2e}", f"{r['argmax_agree']:.3f}",
                   f"{r['hf_bf16_rel_err']:.2e}", f"{r['hf_bf16_argmax_agree']:.3f}"] for r in logit_rows])
+    if prefill_rows:
+        print_table(f"prefill, one prompt per step (bf16 matmul rate {mm / 1e12:.0f} TFLOP/s)",
+                    ["family", "engine", "tokens", "ms", "tok/s", "linear TFLOP/s", "% matmul"],
+                    [[r["family"], r["engine"], r["tokens"], f"{r['ms']:.1f}", f"{r['tok_s']:.0f}",
+                      f"{r['tflops']:.0f}", f"{r['pct_matmul']:.0f}"] for r in prefill_rows])
     for key, p in profiles.items():
         if p:
             print_table(f"batch-1 decode profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU busy "
@@ -372,10 +457,11 @@ def main() -> None:
                         [[k["name"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:.1f}"]
                          for k in p["top_kernels"]])
     print_table(f"decode on {meta['device']} (prompt {args.prompt}, {args.steps} steps; copy bw {bw / 1e9:.0f} GB/s)",
-                ["family", "params", "engine", "B", "step ms", "tok/s", "floor ms", "x floor", "vs HF",
+                ["family", "params", "engine", "B", "step ms", "tok/s", "floor ms", "x floor", "host %", "vs HF",
                  "greedy = HF", "greedy = 1st backend"],
                 [[r["family"], f"{r['params'] / 1e9:.2f}B", r["engine"], r["batch"], f"{r['step_ms']:.2f}",
                   f"{r['tok_s']:.0f}", f"{r['floor_ms']:.3f}", f"{r['x_floor']:.1f}",
+                  f"{100 * r['host_fraction']:.1f}" if "host_fraction" in r else "",
                   f"{r.get('speedup_vs_hf', float('nan')):.2f}x", r.get("greedy_first8_match_hf", ""),
                   r.get("greedy_first8_match_first_backend", "")]
                  for r in rows])
