@@ -1,25 +1,52 @@
 """Kernel backends: a named set of ops with the signatures of the ``*_ref`` reference twins.
 
-``torch`` (the references) runs everywhere and is complete. Fast backends register here too; asking
-for one that is not installed or not built yet is a clear error, never a silent change of math path.
-``auto`` picks the best installed backend for the device and logs the choice.
+``torch`` (the references) runs everywhere and is complete. ``triton`` replaces what it has kernels for.
+The vendor backends ``flash_attn`` and ``mamba_ssm`` (mamba-ssm + causal-conv1d) derive from ``triton`` and
+replace only the ops their packages provide. Asking for a backend that is not installed, or not usable on
+the device, is a clear error, never a silent change of math path.
+
+``auto`` on CUDA composes the best available: ``triton`` (or ``torch`` without triton) plus the ops of every
+importable vendor backend, e.g. ``triton+mamba_ssm``. A vendor op that cannot run a call's configuration
+raises ``UnsupportedConfig`` naming the constraint (before touching any state): an explicitly chosen backend
+lets it propagate; under ``auto`` the call falls back to the op it replaced, logged once per reason.
+The choice is logged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("hybridkv.backends")
 
+__all__ = ["KernelBackend", "UnsupportedConfig", "available_backends", "get_backend", "torch_backend"]
+
+
+class UnsupportedConfig(ValueError):
+    """A vendor kernel cannot run this call's configuration (block size, dtype, head dim, device ...).
+
+    Raised by a vendor op before it changes anything, so ``auto`` can run the replaced op instead."""
+
+    def __init__(self, backend: str, op: str, constraint: str) -> None:
+        self.backend, self.op, self.constraint = backend, op, constraint
+        super().__init__(f"kernel backend {backend!r} cannot run {op}: {constraint} "
+                         f"(backend='auto' falls back to the next backend for such calls)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class KernelBackend:
-    """One implementation of every op a layer calls (signatures: ``hybridkv.layers.ops.*_ref``)."""
+    """One implementation of every op a layer calls (signatures: ``hybridkv.layers.ops.*_ref``).
+
+    ``cuda_graph_safe``: its decode-path ops read only device metadata and never sync, so a captured
+    decode step stays correct for any batch of the captured size (``engine/cuda_graphs.py``)."""
 
     name: str
     paged_attention: Callable[..., torch.Tensor]
@@ -30,6 +57,7 @@ class KernelBackend:
     ssd_state_update: Callable[..., torch.Tensor]
     selective_scan: Callable[..., torch.Tensor]
     selective_state_update: Callable[..., torch.Tensor]
+    cuda_graph_safe: bool = False
 
 
 def torch_backend() -> KernelBackend:
@@ -49,19 +77,34 @@ def torch_backend() -> KernelBackend:
     )
 
 
+def _triton() -> KernelBackend:
+    return importlib.import_module("hybridkv.backends.triton_backend").triton_backend()
+
+
+def _flash_attn_ops() -> dict[str, Callable[..., Any]]:
+    return importlib.import_module("hybridkv.backends.vendor_flash_attn").flash_attn_ops()
+
+
+def _mamba_ssm_ops() -> dict[str, Callable[..., Any]]:
+    return importlib.import_module("hybridkv.backends.vendor_mamba").mamba_ssm_ops()
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Entry:
-    factory: Callable[[], KernelBackend] | None   # None: named, not built yet
-    requires: tuple[str, ...] = ()                 # importable modules it needs
+    factory: Callable[[], KernelBackend] | None = None           # None: named, not built yet
+    requires: tuple[str, ...] = ()                                # importable modules it needs
     cuda_only: bool = False
+    # vendor backends: the ops they replace on top of ``base`` (may raise ImportError: broken install)
+    vendor_ops: Callable[[], dict[str, Callable[..., Any]]] | None = None
+    base: str = "triton"
 
 
 _REGISTRY: dict[str, _Entry] = {
     "torch": _Entry(factory=torch_backend),
-    "triton": _Entry(factory=lambda: importlib.import_module("hybridkv.backends.triton_backend").triton_backend(),
-                     requires=("triton",), cuda_only=True),
-    "flash_attn": _Entry(factory=None, requires=("flash_attn",), cuda_only=True),
-    "mamba_ssm": _Entry(factory=None, requires=("mamba_ssm", "causal_conv1d"), cuda_only=True),
+    "triton": _Entry(factory=_triton, requires=("triton",), cuda_only=True),
+    "flash_attn": _Entry(vendor_ops=_flash_attn_ops, requires=("triton", "flash_attn"), cuda_only=True),
+    "mamba_ssm": _Entry(vendor_ops=_mamba_ssm_ops, requires=("triton", "mamba_ssm", "causal_conv1d"),
+                        cuda_only=True),
 }
 
 
@@ -69,32 +112,113 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def _importable(module: str) -> bool:
+    """Cheap presence check (no import); a module already in ``sys.modules`` counts as present."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _unavailable_reason(name: str, device: torch.device) -> str | None:
     entry = _REGISTRY[name]
-    missing = [m for m in entry.requires if importlib.util.find_spec(m) is None]
+    missing = [m for m in entry.requires if not _importable(m)]
     if missing:
         return f"needs the package(s) {', '.join(missing)} (pip install 'hybridkv[cuda]')"
     if entry.cuda_only and device.type != "cuda":
         return f"runs on CUDA devices only, not {device.type}"
-    if entry.factory is None:
+    if entry.factory is None and entry.vendor_ops is None:
         return "is not implemented in this version of hybridkv"
     return None
 
 
+def _vendor_ops(name: str) -> dict[str, Callable[..., Any]]:
+    """The vendor ops of ``name``; an installed package that fails to import is a clear error."""
+    entry = _REGISTRY[name]
+    assert entry.vendor_ops is not None
+    try:
+        return entry.vendor_ops()
+    except ImportError as e:
+        raise RuntimeError(f"kernel backend {name!r}: its package is installed but does not import ({e})") from e
+
+
+def _build(name: str) -> KernelBackend:
+    entry = _REGISTRY[name]
+    if entry.vendor_ops is None:
+        assert entry.factory is not None
+        return entry.factory()
+    ops = _vendor_ops(name)
+    base = _build(entry.base)
+    logger.info("kernel backend %s: %s from %s, the other ops from %s", name, ", ".join(ops), name, base.name)
+    return dataclasses.replace(base, name=name, **ops)
+
+
+_FALLBACKS_LOGGED: set[tuple[str, str, str]] = set()
+
+
+def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any], *, fallback: str
+                   ) -> Callable[..., Any]:
+    """``vendor_op``, or ``fallback_op`` for a call the vendor kernel does not support (logged once per reason)."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return vendor_op(*args, **kwargs)
+        except UnsupportedConfig as e:
+            key = (e.backend, e.op, e.constraint)
+            if key not in _FALLBACKS_LOGGED:
+                _FALLBACKS_LOGGED.add(key)
+                logger.warning("kernel backend auto: %s %s falls back to %s: %s", e.backend, e.op, fallback,
+                               e.constraint)
+            return fallback_op(*args, **kwargs)
+
+    op.__name__ = getattr(vendor_op, "__name__", "vendor_op")
+    op.__wrapped__ = vendor_op                      # type: ignore[attr-defined]
+    op.fallback = fallback_op                       # type: ignore[attr-defined]
+    return op
+
+
+def _auto(device: torch.device) -> KernelBackend:
+    """CUDA: triton (else torch) plus every usable vendor backend's ops, each with a logged fallback."""
+    if device.type != "cuda":
+        logger.info("kernel backend: torch (auto, device %s)", device)
+        return torch_backend()
+    base_name = "triton" if _unavailable_reason("triton", device) is None else "torch"
+    backend = _build(base_name)
+    parts = [base_name]
+    for name, entry in _REGISTRY.items():
+        if entry.vendor_ops is None:
+            continue
+        reason = _unavailable_reason(name, device)
+        if reason is not None:
+            logger.info("kernel backend auto: not using %s (it %s)", name, reason)
+            continue
+        try:
+            ops = entry.vendor_ops()
+        except ImportError as e:
+            logger.warning("kernel backend auto: not using %s: its package is installed but does not import (%s)",
+                           name, e)
+            continue
+        backend = dataclasses.replace(backend, **{
+            op: _with_fallback(fn, getattr(backend, op), fallback=base_name) for op, fn in ops.items()})
+        parts.append(name)
+    name = "+".join(parts)
+    logger.info("kernel backend: %s (auto, device %s)", name, device)
+    return dataclasses.replace(backend, name=name)
+
+
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> KernelBackend:
-    """The backend called ``name`` for ``device``; ``auto`` = the first usable of the registry order
-    after ``torch`` on CUDA, else ``torch``. The choice is logged."""
+    """The backend called ``name`` for ``device``. ``auto``: on CUDA, triton plus every usable vendor
+    backend (with per-call fallback, logged); elsewhere ``torch``. The choice is logged."""
     device = torch.device(device)
     if name == "auto":
-        preferred = [n for n in _REGISTRY if n != "torch"] if device.type == "cuda" else []
-        chosen = next((n for n in preferred if _unavailable_reason(n, device) is None), "torch")
-        logger.info("kernel backend: %s (auto, device %s)", chosen, device)
-        name = chosen
+        return _auto(device)
     if name not in _REGISTRY:
         raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(_REGISTRY)} or 'auto'")
     reason = _unavailable_reason(name, device)
     if reason is not None:
         raise RuntimeError(f"kernel backend {name!r} {reason}; use backend='torch' or 'auto'")
-    factory = _REGISTRY[name].factory
-    assert factory is not None
-    return factory()
+    backend = _build(name)
+    logger.info("kernel backend: %s (requested, device %s)", backend.name, device)
+    return backend

@@ -116,7 +116,7 @@ class DecodeGraphs:
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, backend: KernelBackend, *,
                  buckets: Sequence[int]) -> None:
-        if not getattr(backend, "cuda_graph_safe", False):
+        if not backend.cuda_graph_safe:
             raise ValueError(f"kernel backend {backend.name!r} reads host metadata inside its ops; "
                              "CUDA graphs need one that reads device metadata only (e.g. 'triton')")
         self.model, self.plan, self.backend = model, plan, backend

@@ -95,7 +95,7 @@ class ModelRunner:
         reason = None
         if self.device.type != "cuda":
             reason = f"the device is {self.device.type}"
-        elif not getattr(self.backend, "cuda_graph_safe", False):
+        elif not self.backend.cuda_graph_safe:
             reason = f"kernel backend {self.backend.name!r} reads host metadata inside its ops"
         elif self.model.tp.size > 1:
             reason = "tensor parallelism is not supported with CUDA graphs yet"

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Build mamba-ssm and causal-conv1d wheels from the sdists in .whl_src/ (offline, one GPU arch) and install
+# them into a private site dir. Meant for the GPU machine (no network; torch 2.11+cu130, nvcc 13, ninja):
+#
+#   bash benchmarks/build_vendor.sh start     # detached (setsid): returns at once, other GPU work can run
+#   bash benchmarks/build_vendor.sh status    # RUNNING / DONE / FAILED + the log tail
+#   bash benchmarks/build_vendor.sh wait 540  # block until done (at most N seconds), then status
+#   bash benchmarks/build_vendor.sh run       # the build itself, in the foreground
+#   PYTHONPATH=/tmp/site python benchmarks/gpu_vendor.py      # then use them
+#
+# The sdists come from `pip download --no-deps --no-binary :all: --no-build-isolation mamba-ssm==2.3.2.post1
+# causal-conv1d==1.7.0` (with MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE for the metadata step).
+# Each setup.py is patched in a scratch copy: its -gencode list is replaced by one arch (9.0 = H100/H200: the
+# full list compiles ~8 archs), and bdist_wheel comes from setuptools when the `wheel` package is absent.
+# *_FORCE_BUILD=TRUE stops setup.py from trying to download a prebuilt wheel from GitHub (it would hang
+# offline). Both packages build in parallel (~7-8 min on 16 cores per DESIGN.md).
+# Env overrides: VENDOR_SRC, VENDOR_WORK (/tmp/vendor_build), VENDOR_SITE (/tmp/site), TORCH_CUDA_ARCH_LIST
+# (9.0), MAX_JOBS (16), PYTHON (python).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SRC=${VENDOR_SRC:-$ROOT/.whl_src}
+WORK=${VENDOR_WORK:-/tmp/vendor_build}
+SITE=${VENDOR_SITE:-/tmp/site}
+ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+SM=${ARCH_LIST//./}
+JOBS=${MAX_JOBS:-16}
+PY=${PYTHON:-python}
+SELF="${BASH_SOURCE[0]}"
+
+patch_setup() {  # $1 setup.py
+  "$PY" - "$1" "$SM" <<'PYEOF'
+import sys
+
+path, sm = sys.argv[1], sys.argv[2]
+src = open(path).read()
+anchor = "    # HACK: The compiler flag -D_GLIBCXX_USE_CXX11_ABI"
+if anchor not in src:
+    sys.exit(f"{path}: anchor not found, cannot pin the arch list (setup.py changed?)")
+pin = f'    cc_flag = ["-gencode", "arch=compute_{sm},code=sm_{sm}"]  # hybridkv build_vendor.sh: one arch\n'
+src = src.replace(anchor, pin + anchor, 1)
+old = "from wheel.bdist_wheel import bdist_wheel as _bdist_wheel"
+new = ("try:\n    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel\n"
+       "except ImportError:\n    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel")
+src = src.replace(old, new, 1)
+open(path, "w").write(src)
+PYEOF
+}
+
+build_one() {  # $1 sdist glob prefix, e.g. mamba_ssm
+  local name=$1 sdist dir
+  sdist=$(ls "$SRC"/"$name"-*.tar.gz 2>/dev/null | head -n 1)
+  [[ -n "$sdist" ]] || { echo "[$name] no sdist $SRC/$name-*.tar.gz"; return 1; }
+  dir="$WORK/src/$name"
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar -xzf "$sdist" -C "$dir" --strip-components=1
+  patch_setup "$dir/setup.py"
+  echo "[$name] building $(basename "$sdist") for sm_$SM with MAX_JOBS=$JOBS ($(date +%T))"
+  local t0=$SECONDS
+  if (cd "$dir" && MAX_JOBS=$JOBS TORCH_CUDA_ARCH_LIST=$ARCH_LIST MAMBA_FORCE_BUILD=TRUE \
+        CAUSAL_CONV1D_FORCE_BUILD=TRUE PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/wheels" . ) > "$WORK/$name.log" 2>&1; then
+    echo "[$name] wheel built in $((SECONDS - t0)) s"
+  else
+    echo "[$name] FAILED after $((SECONDS - t0)) s; last lines of $WORK/$name.log:"
+    tail -n 30 "$WORK/$name.log"
+    return 1
+  fi
+}
+
+run() {
+  mkdir -p "$WORK/wheels"
+  echo RUNNING > "$WORK/status"
+  trap 'echo FAILED > "$WORK/status"' ERR
+  echo "torch: $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'), nvcc: $(nvcc --version | tail -n 2 | head -n 1)"
+  rm -f "$WORK"/wheels/*.whl
+  build_one mamba_ssm & local p1=$!
+  build_one causal_conv1d & local p2=$!
+  local ok=0
+  wait "$p1" || ok=1
+  wait "$p2" || ok=1
+  if [[ $ok -ne 0 ]]; then echo FAILED > "$WORK/status"; echo "build FAILED"; exit 1; fi
+  mkdir -p "$SITE"
+  PIP_NO_INDEX=1 "$PY" -m pip install --no-deps --no-index --upgrade --target "$SITE" "$WORK"/wheels/*.whl
+  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "
+import causal_conv1d, mamba_ssm
+from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+print('import ok: mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)"
+  echo DONE > "$WORK/status"
+  echo "installed into $SITE: use PYTHONPATH=$SITE"
+}
+
+status() {
+  echo "status: $(cat "$WORK/status" 2>/dev/null || echo 'not started')"
+  tail -n "${1:-15}" "$WORK/build.log" 2>/dev/null || true
+}
+
+case "${1:-start}" in
+  run) run ;;
+  start)
+    # run a private copy of this script and of the sdists: a later re-sync of the work tree cannot change
+    # what the detached build reads
+    mkdir -p "$WORK/sdist"
+    cp "$SELF" "$WORK/build_vendor.sh"
+    cp "$SRC"/*.tar.gz "$WORK/sdist/"
+    echo RUNNING > "$WORK/status"
+    VENDOR_SRC="$WORK/sdist" VENDOR_WORK="$WORK" VENDOR_SITE="$SITE" \
+      setsid nohup bash "$WORK/build_vendor.sh" run > "$WORK/build.log" 2>&1 < /dev/null &
+    echo "started in the background (pid $!); log $WORK/build.log; check with: bash $0 status" ;;
+  status) status "${2:-15}" ;;
+  wait)
+    limit=${2:-540}
+    while [[ $(cat "$WORK/status" 2>/dev/null) == RUNNING && $SECONDS -lt $limit ]]; do sleep 5; done
+    status 40 ;;
+  *) echo "usage: $0 start|status|wait [seconds]|run" >&2; exit 2 ;;
+esac
