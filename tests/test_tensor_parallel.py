@@ -6,7 +6,9 @@ latent MoE) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the 
 rank reads its shard); in-process checks show each rank's parameters are exactly the shards of the full
 ones for every supported family, and every family served at tp 2 gives tp 1's tokens with logits within
 1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an error
-naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang.
+naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang — also when it
+fails inside a step's forward (``HYBRIDKV_TP_FAULT``), and a spawned rank exits when rank 0 dies. Random init
+drawn on the device (``init="device"``, chunked) is also exactly the shard of the full init.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, max_logit_diff, promp
 from hybridkv import LLM, plan
 from hybridkv.cli import main
 from hybridkv.engine import distributed
-from hybridkv.engine.distributed import TensorParallelError, pack_step, unpack_step
+from hybridkv.engine.distributed import ParallelContext, TensorParallelError, pack_step, unpack_step
+from hybridkv.engine.executor import FAULT_ENV
 from hybridkv.layers.parallel import Shard, Split, TensorParallel
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
-from hybridkv.models import Attention, HybridConfig, Layer, Mamba2
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE, hybrid
 from hybridkv.models.hybrid import build_model
 
 TOL = 1e-5
@@ -106,6 +109,33 @@ def test_random_init_is_the_shard_of_the_full_init() -> None:
         shard = build_model(config, seed=4, tp=TensorParallel(rank=rank, size=2))
         for name, p in shard.named_parameters():
             assert torch.equal(p, shard.shard_of(name, full[name])), name
+
+
+@pytest.mark.parametrize("mix", ["mamba_hybrid", "llama4_like", "sliding"])
+def test_device_init_is_the_shard_of_the_full_init(mix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init="device"`` (here on the CPU, with tiny chunks so every tensor is drawn in many pieces along a dim
+    it is not split on): each rank's parameters are exactly the shards of the tp-1 model's, the values are
+    reproducible and distinct from the host draw, and ``init="auto"`` on the CPU is still the host draw."""
+    monkeypatch.setattr(hybrid, "DEVICE_INIT_CHUNK", 40)
+    config = MIXES[mix]()
+    full = dict(build_model(config, seed=4, init="device").named_parameters())
+    again = dict(build_model(config, seed=4, init="device").named_parameters())
+    host = dict(build_model(config, seed=4, init="host").named_parameters())
+    auto = dict(build_model(config, seed=4).named_parameters())
+    for name, p in full.items():
+        assert torch.equal(p, again[name]) and torch.equal(host[name], auto[name]), name
+        if name.endswith("A_log") or (p.ndim == 1 and not name.endswith("dt_bias")):
+            assert torch.equal(p, host[name]), name                   # constants, Mamba's A
+        else:
+            assert not torch.equal(p, host[name]), name               # drawn by another generator
+            if p.ndim >= 2:
+                assert 0.01 < p.std().item() < 0.03, name             # N(0, 0.02) like the host init
+    for rank in range(2):
+        shard = build_model(config, seed=4, init="device", tp=TensorParallel(rank=rank, size=2))
+        for name, p in shard.named_parameters():
+            assert torch.equal(p, shard.shard_of(name, full[name])), f"rank {rank}: {name}"
+    with pytest.raises(ValueError, match="init must be one of"):
+        build_model(config, init="gpu")
 
 
 def test_in_memory_model_is_sharded_too() -> None:
@@ -228,6 +258,20 @@ def test_tp_that_does_not_divide_heads_is_a_clear_error() -> None:
         kv.kv_specs(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="num_heads=40"):
         plan("llama4-scout", kv_memory="40GiB", tensor_parallel_size=3)
+    # Experts are split inside (by intermediate channels), so their count never matters; the channels do.
+    attn = Attention(num_heads=6, num_kv_heads=3, head_dim=4)
+
+    def moe(inter: int, shared: int) -> HybridConfig:
+        ffn = MoE(num_experts=5, top_k=1, intermediate_size=inter, shared_intermediate_size=shared)
+        return HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=(
+            Layer(mixer=attn, ffn=MLP(intermediate_size=15)), Layer(mixer=attn, ffn=ffn)))
+
+    moe(21, 30).check_tensor_parallel(3)
+    with pytest.raises(ValueError, match=r"layers\.1\.ffn: MoE\.intermediate_size=20 must be divisible by "
+                                         r"tensor_parallel_size=3"):
+        moe(20, 30).check_tensor_parallel(3)
+    with pytest.raises(ValueError, match=r"layers\.1\.ffn: MoE\.shared_intermediate_size=32"):
+        moe(21, 32).check_tensor_parallel(3)
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,3 +308,125 @@ def test_dead_or_stuck_rank_is_an_error_not_a_hang(failure: str) -> None:
     finally:
         llm.shutdown()
     assert worker.exitcode is not None
+
+
+@pytest.mark.parametrize("action", ["exit", "hang"])
+def test_a_rank_failing_inside_the_forward_is_an_error_not_a_hang(action: str, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Rank 1 takes its third step, runs the first half of the layers (their all-reduces complete), then exits
+    or stops for good just before the middle layer: rank 0, blocked in that layer's all-reduce, raises at once
+    (exit: the peer's sockets close) or at the timeout (hang), and refuses later steps."""
+    monkeypatch.setenv(FAULT_ENV, f"1:3:{action}")
+    llm = LLM(MIXES["llama4_like"](), tensor_parallel_size=2, distributed_timeout=TIMEOUT, **ENGINE_ARGS)
+    worker = llm._executor.ctx.processes[0]
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel step failed") as info:
+            llm.generate(prompts(VOCAB, n=2), GREEDY, use_tqdm=False)
+        elapsed = time.monotonic() - start
+        assert elapsed < (TIMEOUT + 3 if action == "hang" else 3), f"{elapsed:.1f}s: {info.value}"
+        if action == "exit":                          # the error names the rank, not only the broken socket
+            assert f"rank 1 (pid {worker.pid}) exited with code 13" in str(info.value)
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            llm.generate(prompts(VOCAB, n=1), GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert worker.exitcode == (13 if action == "exit" else -signal.SIGKILL)
+
+
+class _Proc:
+    def __init__(self, exitcode: int | None) -> None:
+        self.pid, self.exitcode = 4242, exitcode
+
+
+def test_bounded_step_wait_sees_a_dead_rank_or_the_timeout() -> None:
+    """Rank 0's wait for a CUDA step (``ParallelContext.wait_for``, polled on the step's event): a spawned rank
+    that exited is reported within milliseconds; with nothing to watch (torchrun) the timeout ends the wait."""
+    ctx = ParallelContext(rank=0, size=2, device=torch.device("cpu"), tp=TensorParallel(), control=None,
+                          timeout=0.5, processes=[_Proc(None)])
+    polls = iter([False, False, True])
+    ctx.wait_for(lambda: next(polls), "the step")                       # finishes normally
+    ctx.processes = [_Proc(-9)]
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid 4242\) exited with code -9"):
+        ctx.wait_for(lambda: False, "the step")
+    assert time.monotonic() - start < 0.2
+    ctx.processes = []
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"the step did not finish within distributed_timeout=0\.5s"):
+        ctx.wait_for(lambda: False, "the step")
+    assert 0.5 <= time.monotonic() - start < 1.5
+
+
+_DRIVER_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, prompts
+from hybridkv import LLM
+
+if __name__ == "__main__":
+    os.environ["HYBRIDKV_TP_FAULT"] = "1:2:hang"        # rank 1 stops inside its second forward
+    llm = LLM(MIXES["llama4_like"](), tensor_parallel_size=2, distributed_timeout=120, **ENGINE_ARGS)
+    print("RANK1", llm._executor.ctx.processes[0].pid, flush=True)
+    llm.generate(prompts(VOCAB, n=2), GREEDY, use_tqdm=False)   # blocks in an all-reduce; the test kills us
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_spawned_rank_exits_when_rank_0_dies_mid_step(tmp_path: Path) -> None:
+    """Rank 0 is killed while rank 1 is stuck inside a forward (not waiting on any socket): rank 1's parent
+    watcher ends it within about a second."""
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER_SCRIPT.format(tests=str(Path(__file__).parent)))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    rank1 = None
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("RANK1 "), line
+        rank1 = int(line.split()[1])
+        time.sleep(1.0)                                   # rank 1 reaches its stuck second step
+        assert _alive(rank1)
+        driver.kill()
+        driver.wait()
+        start = time.monotonic()
+        while _alive(rank1) and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert not _alive(rank1), "rank 1 outlived rank 0"
+        assert time.monotonic() - start < 3
+    finally:
+        driver.kill()
+        driver.wait()
+        if rank1 is not None and _alive(rank1):
+            os.kill(rank1, signal.SIGKILL)                # never leave a stuck rank behind
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/tp_decode.py at tiny dims on the CPU: tp 1 vs tp 2 (identical in fp32), decode speed rows, and
+    the in-forward failure case through the script's own harness."""
+    script = Path(__file__).parent.parent / "benchmarks" / "tp_decode.py"
+    out = tmp_path / "tp_decode_full.json"                   # the default (no --compare) path: tp 2 only
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--layers", "4", "--batches", "2", "--cases", "",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["warmup"]["first_logits_finite"] and [r["batch"] for r in result["rows"]] == [2]
+    assert result["meta"]["params_per_rank"] < result["meta"]["params"]
+    out = tmp_path / "tp_decode.json"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--layers", "4", "--compare", "--batches", "1,3",
+                           "--cases", "died_in_forward", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["correctness"]["tokens_identical_fraction"] == 1.0
+    assert [(r["tp"], r["batch"]) for r in result["rows"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["decode_steps"] > 0 and r["tok_s"] > 0 for r in result["rows"])
+    case = result["robustness"][0]
+    assert not case["hung"] and [e["event"] for e in case["events"]][2:4] == ["raised", "second_call_raised"]
+    assert "exited with code 13" in case["events"][2]["error"]

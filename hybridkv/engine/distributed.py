@@ -161,6 +161,12 @@ class ParallelContext:
                                           f"(a rank is stuck, or died unseen)")
             time.sleep(0 if now - start < 0.005 else 2e-4)
 
+    def await_exits(self, seconds: float) -> None:
+        """Wait up to ``seconds`` in all for spawned ranks to exit (after a failure, so their exit codes show)."""
+        deadline = time.monotonic() + seconds
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def check_alive(self) -> None:
         """Raise if a rank this process spawned has exited."""
         for rank, proc in enumerate(self.processes, start=1):
@@ -202,8 +208,7 @@ class ParallelContext:
         if not graceful and self.device.type == "cuda":
             # Abort the NCCL communicators first: kernels still waiting on a dead or stuck peer return, so
             # this process's stream drains and the watchdog has no pending collective left to time out.
-            with contextlib.suppress(Exception):
-                self.tp.group.abort()
+            _bounded(self.tp.group.abort, 10.0, "aborting the NCCL communicators", self.device)
         for proc in self.processes:
             if graceful:
                 proc.join(timeout=5)
@@ -213,22 +218,25 @@ class ParallelContext:
         # The spawned ranks are gone, so pending collectives fail at once and the groups can be destroyed
         # (which also lets this process start another group later). Bounded: a backend that still waits on
         # a lost peer must not turn an error into a hang.
-        _destroy_groups(timeout=30.0)
+        _bounded(dist.destroy_process_group, 30.0, "destroying the process groups", self.device)
 
 
-def _destroy_groups(timeout: float) -> None:
-    """``dist.destroy_process_group()`` in a daemon thread, waited on for at most ``timeout`` seconds."""
+def _bounded(fn: Callable[[], object], timeout: float, what: str, device: torch.device) -> None:
+    """Run ``fn`` in a daemon thread (on this rank's ``device``), waiting at most ``timeout`` seconds; its errors
+    are ignored. For teardown: a backend that still waits on a lost peer (or a faulted device) must not turn an
+    error into a hang."""
 
-    def destroy() -> None:
+    def run() -> None:
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            fn()
 
-    thread = threading.Thread(target=destroy, daemon=True, name="hybridkv-tp-destroy")
+    thread = threading.Thread(target=run, daemon=True, name="hybridkv-tp-teardown")
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        logger.warning("tensor-parallel process groups did not shut down within %gs; continuing without them",
-                       timeout)
+        logger.warning("tensor parallelism: %s did not finish within %gs; continuing without it", what, timeout)
 
 
 def payload_size(header: torch.Tensor) -> int:
@@ -311,6 +319,7 @@ def join_group(size: int, device: torch.device, timeout: float) -> ParallelConte
     if os.environ.get(_SPAWNED) == "1":         # rank 0's store (torchrun's ranks use env:// instead)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
+        store.set(_joined_key(rank), "1")      # rank 0 waits for these before its own rendezvous
     _init_default(store, rank, size, device, timeout)
     tp, control = _groups(rank, size, device, timeout)
     return ParallelContext(rank=rank, size=size, device=device, tp=tp, control=control, timeout=timeout)
@@ -338,6 +347,7 @@ def spawn_group(size: int, device: torch.device, timeout: float, worker: Callabl
         proc.start()
         processes.append(proc)
     try:
+        _await_spawned(store, processes, timeout)
         _init_default(store, 0, size, device, timeout)
         tp, control = _groups(0, size, device, timeout)
     except Exception as err:
@@ -348,6 +358,24 @@ def spawn_group(size: int, device: torch.device, timeout: float, worker: Callabl
         raise TensorParallelError(f"tensor-parallel rendezvous failed ({'; '.join(dead) or err})") from err
     return ParallelContext(rank=0, size=size, device=device, tp=tp, control=control, timeout=timeout,
                            processes=processes)
+
+
+def _joined_key(rank: int) -> str:
+    return f"hybridkv/joined/{rank}"
+
+
+def _await_spawned(store: Any, processes: Sequence[Any], timeout: float) -> None:
+    """Wait until every spawned rank has reached the store, failing at once if one exits first (a rank that
+    cannot even start, e.g. a broken import, would otherwise keep the rendezvous waiting for ``timeout``)."""
+    keys = [_joined_key(rank) for rank in range(1, len(processes) + 1)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(processes, 1) if p.exitcode is not None]
+        if dead:
+            raise TensorParallelError(f"a spawned rank exited before joining: {'; '.join(dead)}")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"spawned ranks did not join within {timeout:g}s")
+        time.sleep(0.05)
 
 
 def _exit_with_parent() -> None:

@@ -94,11 +94,15 @@ class TensorParallelExecutor:
 
     def _fail(self, err: Exception) -> NoReturn:
         self._error = err
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if not isinstance(err, TensorParallelError):
+            # A rank that crashed closes its sockets a moment before it can be reaped: give its exit a
+            # moment to show, so the error names the rank rather than only the broken connection.
+            self.ctx.await_exits(0.5)
         try:
             self.ctx.check_alive()
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         except TensorParallelError as dead:
-            detail = str(dead)
+            detail = str(dead) if str(dead) in detail else f"{dead} ({detail})"
         self.ctx.close(graceful=False)
         raise TensorParallelError(f"tensor-parallel step failed (distributed_timeout={self.ctx.timeout:g}s): "
                                   f"{detail}") from err

@@ -7,11 +7,35 @@
   ``routed_scaling_factor``. With ``latent_size`` the routed experts run between ``fc1_latent_proj`` and
   ``fc2_latent_proj``; the shared expert always sees the layer input.
 
-Experts are stored stacked, (num_experts, out, in), so one gather feeds any grouped-GEMM kernel later;
-the reference loop runs over experts (a handful), never over tokens or requests.
+Experts are stored stacked, (num_experts, out, in). Three implementations of the routed experts compute
+the same function (``run_experts``; chosen per call, see ``choose_impl``):
+
+- ``ref`` (``moe_experts_ref``): a loop over experts with ``nonzero`` — the reference twin, and the CPU
+  default. On a GPU each ``nonzero`` is a device->host sync (one per expert per layer), so it is slow and
+  cannot be captured in a CUDA graph.
+- ``grouped`` (``moe_experts_grouped``): sort the (token, slot) assignments by expert, gather the inputs,
+  per-expert row offsets on the device (``searchsorted`` of the sorted ids), three ``torch._grouped_mm``
+  calls, and the results put back in (token, slot) order and summed over the slots. No host sync, shapes
+  fixed by the number of tokens: CUDA-graph capturable. Reads only the weights of experts that got tokens.
+  The CUDA default for bf16 on sm90/sm100, where torch has a CUTLASS grouped GEMM; for other dtypes or
+  GPUs torch's ``_grouped_mm`` falls back to a per-group loop that copies the offsets to the host (a sync),
+  so it is not chosen there. It also runs on the CPU (torch's fallback), where tests check it.
+- ``padded`` (``moe_experts_padded``): every expert gets a (num_tokens, dim) batch whose row t is token t's
+  input when t chose the expert and zero otherwise; one ``bmm`` per projection over (E, num_tokens, ·),
+  then each (token, slot) reads its expert's row t. No sort, no sync, static shapes, any dtype — but E x
+  the FLOPs and it reads every expert's weights, so it is the GPU fallback for decode-size batches only
+  (``PADDED_MAX_ROWS``); larger batches of other dtypes use ``ref``.
+
+The choice is explicit (``MoEFeedForward.impl``; default from ``HYBRIDKV_MOE_IMPL``, else "auto") and
+logged once per (device, dtype, impl).
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,17 +45,154 @@ from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
 
+logger = logging.getLogger("hybridkv.moe")
+
+MOE_IMPLS = ("auto", "ref", "grouped", "padded")
+IMPL_ENV = "HYBRIDKV_MOE_IMPL"
+PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
+_logged: set[tuple[str, torch.dtype, str]] = set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """One layer's routed experts (this rank's channels): ``up``/``gate`` (E, inter, dim), ``down``
+    (E, dim, inter); ``scale_input``: the routing weight scales the expert input (Llama-4), not its output."""
+
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+    scale_input: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.up.shape[0]
+
+    def mlp(self, x: torch.Tensor, proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)) (or down(act(up(x))) when not gated) with ``proj(x, W)`` = x @ W^T
+        for whichever batching the caller uses."""
+        up = proj(x, self.up)
+        h = self.act(proj(x, self.gate)) * up if self.gate is not None else self.act(up)
+        return proj(h, self.down)
+
+
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x * w in fp32, rounded back to x's dtype (HF Llama-4 scales the expert input this way)."""
+    return (x.float() * w).to(x.dtype)
+
+
+def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Reference: loop over experts. x (T, dim); ids, weights (T, k) -> fp32 (T, dim)."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(experts.num_experts):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        w = weights[token, slot, None]
+        one = Experts(gate=experts.gate[e] if experts.gate is not None else None, up=experts.up[e],
+                      down=experts.down[e], act=experts.act, scale_input=experts.scale_input)
+        if experts.scale_input:
+            y = one.mlp(_scaled(x[token], w), lambda a, wt: a @ wt.t()).float()
+        else:
+            y = one.mlp(x[token], lambda a, wt: a @ wt.t()).float() * w
+        out.index_add_(0, token, y)
+    return out
+
+
+def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        experts: Experts) -> torch.Tensor:
+    """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> fp32 (T, dim)."""
+    num_tokens, k = ids.shape
+    flat = ids.reshape(-1)                                                       # (T*k,) slot-major per token
+    sorted_ids, order = torch.sort(flat, stable=True)                            # (T*k,)
+    bounds = torch.arange(experts.num_experts, device=ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)    # (E,) end row of each expert
+    rows = x.index_select(0, order // k)                                         # (T*k, dim) grouped by expert
+    w = weights.reshape(-1).index_select(0, order)[:, None]                      # (T*k, 1) fp32
+    if experts.scale_input:
+        rows = _scaled(rows, w)
+    y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs)).float()
+    if not experts.scale_input:
+        y = y * w
+    back = torch.empty_like(y).index_copy_(0, order, y)                         # (T*k, dim) in (token, slot) order
+    return back.view(num_tokens, k, -1).sum(1)
+
+
+def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       experts: Experts) -> torch.Tensor:
+    """One zero-padded (num_tokens, dim) batch per expert + ``bmm``; no host sync, no sort. Row t of expert
+    e is token t (the top-k ids of a token are distinct, so T rows per expert always suffice).
+    x (T, dim); ids, weights (T, k) -> fp32 (T, dim)."""
+    num_tokens, k = ids.shape
+    token = torch.arange(num_tokens, device=ids.device)[:, None].expand(num_tokens, k)    # (T, k)
+    w = weights[..., None]                                                                # (T, k, 1) fp32
+    rows = _scaled(x[:, None], w) if experts.scale_input else x[:, None].expand(num_tokens, k, x.shape[-1])
+    batch = x.new_zeros(experts.num_experts, num_tokens, x.shape[-1])                     # (E, T, dim)
+    batch[ids, token] = rows
+    y = experts.mlp(batch, lambda a, wt: torch.bmm(a, wt.transpose(-2, -1)))              # (E, T, dim)
+    y = y[ids, token].float()                                                             # (T, k, dim)
+    if not experts.scale_input:
+        y = y * w
+    return y.sum(1)
+
+
+_IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded}
+
+
+def grouped_mm_is_fast(device: torch.device) -> bool:
+    """torch's CUTLASS grouped GEMM (no host sync) runs on sm90 / sm100 for bf16 only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def choose_impl(impl: str, x: torch.Tensor, experts: Experts) -> str:
+    """Resolve "auto": the reference loop on the CPU (exact, and a sync costs nothing there); on CUDA the
+    grouped GEMM for bf16 on sm90/sm100 (dims 16-byte aligned); else the padded bmm for decode-size batches
+    (num_experts * num_tokens <= PADDED_MAX_ROWS) and the reference loop for larger ones."""
+    if impl != "auto":
+        return impl
+    if x.device.type != "cuda":
+        return "ref"
+    inter, dim = experts.up.shape[1], experts.up.shape[2]
+    if x.dtype == torch.bfloat16 and grouped_mm_is_fast(x.device) and inter % 8 == 0 and dim % 8 == 0:
+        return "grouped"
+    return "padded" if experts.num_experts * x.shape[0] <= PADDED_MAX_ROWS else "ref"
+
+
+def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
+                impl: str = "auto") -> torch.Tensor:
+    """The routed experts' weighted sum: x (T, dim); ids (T, k) expert ids; weights (T, k) fp32 -> fp32
+    (T, dim). ``impl``: one of ``MOE_IMPLS``."""
+    if x.shape[0] == 0:                      # no tokens: nothing to route (grouped GEMMs of zero rows are avoided)
+        return x.new_zeros(x.shape, dtype=torch.float32)
+    name = choose_impl(impl, x, experts)
+    key = (x.device.type, x.dtype, name)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("MoE experts on %s %s: %s (asked: %s)", x.device.type, str(x.dtype).removeprefix("torch."),
+                    name, impl)
+    return _IMPLS[name](x, ids, weights, experts)
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"MoE implementation {impl!r} is not one of {MOE_IMPLS}")
+    return impl
+
 
 class MoEFeedForward(nn.Module):
     """Tensor parallel inside the experts: every rank holds every expert, with 1/tp of its intermediate
     channels (gate/up rows, down columns), and the shared expert likewise. Routing is replicated (the router
     is tiny), so each rank picks the same experts for the same tokens with no all-to-all and no load
-    imbalance between ranks; routed and shared partial sums are all-reduced once at the end."""
+    imbalance between ranks; routed and shared partial sums are all-reduced once at the end.
 
-    def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE) -> None:
+    ``impl``: how the routed experts run (module docstring); None takes ``HYBRIDKV_MOE_IMPL`` or "auto".
+    A plain attribute, so it can be changed on a built model (``set_moe_impl``)."""
+
+    def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE, impl: str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.impl = _check_impl(impl or os.environ.get(IMPL_ENV) or "auto")
         self.act = get_activation(cfg.activation)
         e = cfg.num_experts
         channels = (Split(cfg.intermediate_size, cfg.intermediate_size, what="MoE.intermediate_size"),)
@@ -54,7 +215,7 @@ class MoEFeedForward(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids, weights), both (num_tokens, top_k)."""
+        """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
         logits = self.router(x).float()
         k = self.cfg.top_k
         if self.cfg.router == "softmax":
@@ -80,30 +241,26 @@ class MoEFeedForward(nn.Module):
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * self.cfg.routed_scaling_factor
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        up = x @ self.up_proj[e].t()
-        h = self.act(x @ self.gate_proj[e].t()) * up if self.gate_proj is not None else self.act(up)
-        return h @ self.down_proj[e].t()
+    def experts(self) -> Experts:
+        return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, act=self.act,
+                       scale_input=self.cfg.router == "sigmoid_input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         ids, weights = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        out = torch.zeros_like(h, dtype=torch.float32)
-        scale_input = self.cfg.router == "sigmoid_input"
-        for e in range(self.cfg.num_experts):
-            token, slot = torch.nonzero(ids == e, as_tuple=True)
-            if token.numel() == 0:
-                continue
-            w = weights[token, slot, None]
-            if scale_input:
-                y = self._expert(e, (h[token].float() * w).to(h.dtype)).float()
-            else:
-                y = self._expert(e, h[token]).float() * w
-            out.index_add_(0, token, y)
-        out = out.to(x.dtype)
+        out = run_experts(h, ids, weights, self.experts(), impl=self.impl).to(x.dtype)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)      # linear, so it may run on this rank's partial sum
         if self.shared is not None:
             out = out + self.shared(x)
         return self.tp.all_reduce(out)
+
+
+def set_moe_impl(model: nn.Module, impl: str) -> int:
+    """Set ``impl`` on every MoE layer of ``model``; returns how many layers were set."""
+    _check_impl(impl)
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    for m in layers:
+        m.impl = impl
+    return len(layers)

@@ -1,0 +1,147 @@
+"""The sync-free MoE paths (sorted grouped GEMM, padded bmm) against the per-expert reference loop.
+
+Every router (softmax with and without renormalisation, Llama-4's input-scaling sigmoid, NemotronH's grouped
+sigmoid with a correction bias and a latent space), gated and not, top-1 to top-3, fp32 and bf16, batches from
+one token to many, experts that get no token and one expert that gets every token. ``torch._grouped_mm`` runs
+on the CPU through torch's fallback, so both fast paths are checked here; on the GPU the grouped path is
+torch's CUTLASS kernel (benchmarks/tp_decode.py checks it there, with no host sync and under a CUDA graph).
+That the fast paths have no data-dependent shapes is checked here by tracing them whole with dynamo
+(``fullgraph=True`` fails on the reference loop's ``nonzero``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.layers import moe as moe_module
+from hybridkv.layers.moe import (
+    IMPL_ENV,
+    MoEFeedForward,
+    choose_impl,
+    moe_experts_grouped,
+    moe_experts_padded,
+    moe_experts_ref,
+    run_experts,
+    set_moe_impl,
+)
+from hybridkv.models.config import MoE
+
+HIDDEN = 32
+CONFIGS = {
+    "llama4": MoE(num_experts=4, top_k=1, intermediate_size=24, router="sigmoid_input", shared_intermediate_size=24),
+    "mixtral": MoE(num_experts=6, top_k=2, intermediate_size=16, router="softmax", renormalize=True),
+    "jamba": MoE(num_experts=6, top_k=2, intermediate_size=16, router="softmax", renormalize=False),
+    "nemotron": MoE(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_bias", num_groups=4,
+                    topk_groups=2, latent_size=16, shared_intermediate_size=24, routed_scaling_factor=2.0,
+                    activation="relu2", gated=False),
+}
+FAST = ("grouped", "padded")
+
+
+def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
+    torch.manual_seed(seed)
+    layer = MoEFeedForward(HIDDEN, CONFIGS[name])
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.3)             # large enough that routing and experts matter in fp32 and bf16
+    return layer.to(dtype).eval()
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("impl", FAST)
+def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.dtype) -> None:
+    """The whole layer (router, latent projections, shared expert) with each expert implementation."""
+    layer = _layer(name, dtype)
+    for num_tokens in (1, 3, 17, 64):
+        x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+        with torch.no_grad():
+            set_moe_impl(layer, "ref")
+            want = layer(x)
+            set_moe_impl(layer, impl)
+            got = layer(x)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, **_tol(dtype), msg=f"{impl} {name} T={num_tokens}")
+
+
+@pytest.mark.parametrize("impl", FAST)
+def test_skewed_and_empty_routing(impl: str) -> None:
+    """Every token to one expert (the others empty), every expert empty but one, and a permutation of a batch
+    permutes the output (no mixing between tokens)."""
+    layer = _layer("mixtral", torch.float32, seed=3)
+    experts = layer.experts()
+    x = torch.randn(9, HIDDEN)
+    weights = torch.rand(9, 2)
+    for ids in (torch.tensor([[5, 2]] * 9), torch.tensor([[0, 1]] * 9),
+                torch.stack([torch.randperm(6)[:2] for _ in range(9)])):
+        want = moe_experts_ref(x, ids, weights, experts)
+        got = run_experts(x, ids, weights, experts, impl=impl)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert run_experts(x[:0], ids[:0], weights[:0], experts, impl=impl).shape == (0, HIDDEN)
+        perm = torch.randperm(9)
+        torch.testing.assert_close(run_experts(x[perm], ids[perm], weights[perm], experts, impl=impl), want[perm],
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_input_scaling_is_rounded_like_hf() -> None:
+    """Llama-4 scales the expert input in fp32 and rounds it to the model dtype before the expert: in bf16 the
+    fast paths must round at the same place (equal to the reference exactly on the CPU)."""
+    layer = _layer("llama4", torch.bfloat16, seed=5)
+    x = torch.randn(33, HIDDEN).to(torch.bfloat16)
+    ids, weights = layer.route(x)
+    want = moe_experts_ref(x, ids, weights, layer.experts())
+    for fn in (moe_experts_grouped, moe_experts_padded):
+        torch.testing.assert_close(fn(x, ids, weights, layer.experts()), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("fn", "dtype"), [(moe_experts_grouped, torch.bfloat16), (moe_experts_padded, torch.float32),
+                                           (moe_experts_padded, torch.bfloat16)])
+def test_fast_paths_have_static_shapes(fn, dtype: torch.dtype) -> None:
+    """Traced as one graph (no data-dependent shapes, no host reads: what a CUDA graph needs); the reference
+    loop cannot be. (``_grouped_mm``'s shape function accepts bf16 only, its only dtype on sm90.)"""
+    torch._dynamo.reset()
+    layer = _layer("mixtral", dtype)
+    x = torch.randn(8, HIDDEN).to(dtype)
+    ids, weights = layer.route(x)
+    with torch.no_grad():
+        traced = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
+        torch.testing.assert_close(traced(x, ids, weights, layer.experts()),
+                                   moe_experts_ref(x, ids, weights, layer.experts()), **_tol(dtype))
+        with pytest.raises(Exception):  # noqa: B017  (dynamo's error type for data-dependent shapes varies)
+            torch.compile(moe_experts_ref, fullgraph=True, backend="eager", dynamic=False)(
+                x, ids, weights, layer.experts())
+    torch._dynamo.reset()
+
+
+def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _layer("llama4", torch.bfloat16)
+    x = torch.randn(4, HIDDEN).to(torch.bfloat16)
+    assert choose_impl("auto", x, layer.experts()) == "ref"              # CPU: the exact loop
+    assert choose_impl("padded", x, layer.experts()) == "padded"
+    with pytest.raises(ValueError, match="not one of"):
+        MoEFeedForward(HIDDEN, CONFIGS["llama4"], impl="fast")
+    monkeypatch.setenv(IMPL_ENV, "grouped")
+    assert MoEFeedForward(HIDDEN, CONFIGS["llama4"]).impl == "grouped"
+    monkeypatch.setenv(IMPL_ENV, "nope")
+    with pytest.raises(ValueError, match="nope"):
+        MoEFeedForward(HIDDEN, CONFIGS["llama4"])
+
+    class FakeCuda:                      # the GPU rules without a GPU: decide from device, dtype and sizes
+        type = "cuda"
+
+    class Fake:
+        def __init__(self, dtype: torch.dtype, tokens: int) -> None:
+            self.device, self.dtype, self.shape = FakeCuda(), dtype, (tokens, HIDDEN)
+
+    monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: True)
+    experts = layer.experts()
+    assert choose_impl("auto", Fake(torch.bfloat16, 4096), experts) == "grouped"
+    assert choose_impl("auto", Fake(torch.float16, 8), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), experts) == "ref"
+    monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100
+    assert choose_impl("auto", Fake(torch.bfloat16, 8), experts) == "padded"
