@@ -1,10 +1,14 @@
-"""The ``triton`` kernel backend: own Triton kernels for paged attention and the KV write.
+"""The ``triton`` kernel backend: own Triton kernels for paged attention, the KV write and the Mamba2 ops.
 
-Attention (prefill, decode and mixed batches in one kernel, any block size, GQA, causal + sliding window
-+ softcap) and the KV write come from ``hybridkv.backends.triton_attention``. The SSM ops (causal conv1d,
-Mamba2 SSD chunk scan / state update, Mamba-1 selective scan / state update) are NOT Triton kernels yet:
-this backend uses the torch references for them (correct, slow on long prefills), and says so in the log
-when it is built.
+- attention (prefill, decode and mixed batches in one kernel, any block size, GQA, causal + sliding window
+  + softcap) and the KV write: ``hybridkv.backends.triton_attention``;
+- causal depthwise conv1d over packed requests with state slots, and its one-token update:
+  ``hybridkv.backends.triton_conv1d`` (used by the Mamba2 and the Mamba-1 mixers);
+- Mamba2 SSD chunked scan with per-request initial / final states (one fused kernel) and the one-token
+  state update: ``hybridkv.backends.triton_ssd``.
+
+Mamba-1's selective scan and its state update (Jamba) are NOT Triton kernels yet: this backend uses the
+torch references for them, and says so in the log when it is built.
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ logger = logging.getLogger("hybridkv.backends")
 
 def triton_backend() -> KernelBackend:
     from hybridkv.backends.triton_attention import paged_attention_triton, write_kv_triton
+    from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton
+    from hybridkv.backends.triton_ssd import ssd_chunk_scan_triton, ssd_state_update_triton
 
-    logger.info("kernel backend triton: Triton paged attention + KV write; SSM ops (conv1d, SSD, "
-                "selective scan) use the torch references")
+    logger.info("kernel backend triton: Triton paged attention + KV write, causal conv1d (+ update), Mamba2 "
+                "SSD chunk scan (+ state update); Mamba-1 selective scan uses the torch reference")
     return dataclasses.replace(torch_backend(), name="triton", paged_attention=paged_attention_triton,
-                               write_kv=write_kv_triton)
+                               write_kv=write_kv_triton, causal_conv1d=causal_conv1d_triton,
+                               causal_conv1d_update=causal_conv1d_update_triton,
+                               ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
+                               cuda_graph_safe=True)
