@@ -5,10 +5,11 @@ The vendor backends ``flash_attn`` and ``mamba_ssm`` (mamba-ssm + causal-conv1d)
 replace only the ops their packages provide. Asking for a backend that is not installed, or not usable on
 the device, is a clear error, never a silent change of math path.
 
-``auto`` on CUDA composes the best available: ``triton`` (or ``torch`` without triton) plus the ops of every
-importable vendor backend, e.g. ``triton+mamba_ssm``. A vendor op that cannot run a call's configuration
-raises ``UnsupportedConfig`` naming the constraint (before touching any state): an explicitly chosen backend
-lets it propagate; under ``auto`` the call falls back to the op it replaced, logged once per reason.
+``auto`` on CUDA composes the best available: ``triton`` (or ``torch`` without triton) plus, from every
+importable vendor backend, the ops measured faster than triton's (``_AUTO_OPS``), e.g. ``triton+mamba_ssm``.
+A vendor op that cannot run a call's configuration raises ``UnsupportedConfig`` naming the constraint
+(before touching any state): an explicitly chosen backend lets it propagate; under ``auto`` the call falls
+back to the op it replaced, logged once per reason.
 The choice is logged.
 """
 
@@ -179,6 +180,16 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
     return op
 
 
+# Which vendor ops ``auto`` takes over triton's: only those measured faster on an H100
+# (benchmarks/results/gpu_vendor.json, docs/gpu.md). Our Triton conv1d and SSD kernels beat mamba-ssm /
+# causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1 state update beats our
+# reference 4-5x; flash-attn's paged prefill is faster than ours where its block-size rule lets it run.
+_AUTO_OPS: dict[str, frozenset[str]] = {
+    "flash_attn": frozenset({"paged_attention"}),
+    "mamba_ssm": frozenset({"selective_state_update"}),
+}
+
+
 def _auto(device: torch.device) -> KernelBackend:
     """CUDA: triton (else torch) plus every usable vendor backend's ops, each with a logged fallback."""
     if device.type != "cuda":
@@ -200,6 +211,7 @@ def _auto(device: torch.device) -> KernelBackend:
             logger.warning("kernel backend auto: not using %s: its package is installed but does not import (%s)",
                            name, e)
             continue
+        ops = {op: fn for op, fn in ops.items() if op in _AUTO_OPS[name]}
         backend = dataclasses.replace(backend, **{
             op: _with_fallback(fn, getattr(backend, op), fallback=base_name) for op, fn in ops.items()})
         parts.append(name)
