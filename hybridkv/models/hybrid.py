@@ -16,6 +16,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -269,20 +270,35 @@ def _init_weights(model: HybridModel, seed: int) -> None:
     shards, tp = model.parameter_shards(), model.tp
     for name, p in model.named_parameters():
         shape = shards[name].full_shape(p.shape, tp.size) if name in shards else tuple(p.shape)
-        with torch.no_grad():
-            if name.endswith("A_log"):    # (heads,) for Mamba2, (channels, state) for Mamba-1
-                value = torch.log(torch.linspace(1, 16, shape[-1])).expand(shape)
-            elif name.endswith("dt_bias"):
-                value = _dt_bias(torch.rand(shape, generator=gen))
-            elif name.endswith(".D"):
-                p.fill_(1.0)
-                continue
-            elif p.ndim == 1:
-                p.fill_(_identity_value(model, name))
-                continue
-            else:
-                value = torch.randn(shape, generator=gen) * 0.02
-            p.copy_(model.shard_of(name, value))
+        _init_parameter(model, name, p, shape, gen, matrix=partial(_normal_whole, model, name, p, shape, gen))
+
+
+def _init_parameter(model: HybridModel, name: str, p: torch.Tensor, shape: tuple[int, ...], gen: torch.Generator,
+                    *, matrix: Callable[[], None]) -> None:
+    """The init rule of one parameter of full ``shape`` (this rank holds a shard of it), drawing from
+    ``gen`` on its device; ``matrix`` fills a weight matrix (std 0.02), the only rule the two init paths
+    draw differently."""
+    with torch.no_grad():
+        if name.endswith("A_log"):    # (heads,) for Mamba2, (channels, state) for Mamba-1
+            value = torch.log(torch.linspace(1, 16, shape[-1], device=gen.device)).expand(shape)
+        elif name.endswith("dt_bias"):
+            value = _dt_bias(torch.rand(shape, generator=gen, device=gen.device))
+        elif name.endswith(".D"):
+            p.fill_(1.0)
+            return
+        elif p.ndim == 1:
+            p.fill_(_identity_value(model, name))
+            return
+        else:
+            matrix()
+            return
+        p.copy_(model.shard_of(name, value))
+
+
+def _normal_whole(model: HybridModel, name: str, p: torch.Tensor, shape: tuple[int, ...],
+                  gen: torch.Generator) -> None:
+    """``init="host"``: the full tensor drawn at once from the shared generator, then cut."""
+    p.copy_(model.shard_of(name, torch.randn(shape, generator=gen, device=gen.device) * 0.02))
 
 
 def _dt_bias(u: torch.Tensor) -> torch.Tensor:
@@ -317,21 +333,8 @@ def _init_weights_on_device(model: HybridModel, seed: int) -> None:
         shard = shards.get(name)
         shape = shard.full_shape(p.shape, tp.size) if shard is not None else tuple(p.shape)
         gen = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
-        with torch.no_grad():
-            if name.endswith("A_log"):
-                value = torch.log(torch.linspace(1, 16, shape[-1], device=p.device)).expand(shape)
-            elif name.endswith("dt_bias"):
-                value = _dt_bias(torch.rand(shape, generator=gen, device=p.device))
-            elif name.endswith(".D"):
-                p.fill_(1.0)
-                continue
-            elif p.ndim == 1:
-                p.fill_(_identity_value(model, name))
-                continue
-            else:
-                _normal_in_chunks(p, shape, shard, tp, gen, std=0.02)
-                continue
-            p.copy_(model.shard_of(name, value))
+        _init_parameter(model, name, p, shape, gen,
+                        matrix=partial(_normal_in_chunks, p, shape, shard, tp, gen, std=0.02))
 
 
 def _normal_in_chunks(p: torch.Tensor, shape: tuple[int, ...], shard: Shard | None, tp: TensorParallel,
