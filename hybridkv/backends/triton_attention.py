@@ -45,8 +45,10 @@ _MAX_SEGMENTS = 128
 
 
 @triton.jit
-def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
-    """Largest r with qsl[r] // BLOCK_Q + r <= pid (binary search; the key is strictly increasing)."""
+def find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest r with qsl[r] // BLOCK_Q + r <= pid (binary search; the key is strictly increasing): the
+    request whose BLOCK_Q-token blocks program ``pid`` of a packed-varlen grid works on (also used by the
+    conv1d kernel)."""
     lo = 0
     hi = num_reqs
     while lo < hi:
@@ -141,7 +143,7 @@ def _paged_attention_kernel(
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
 
-    req = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+    req = find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
     q0 = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q0
     q_blk = pid - (q0 // BLOCK_Q + req)

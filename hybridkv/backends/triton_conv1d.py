@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.triton_attention import find_request
 from hybridkv.layers.ops.conv1d_ref import (
     _check_activation,
     _check_shape,
@@ -44,21 +45,6 @@ from hybridkv.layers.ops.conv1d_ref import (
 )
 
 __all__ = ["causal_conv1d_triton", "causal_conv1d_update_triton", "conv1d_launch_config"]
-
-
-@triton.jit
-def _find_request(qsl_ptr, num_reqs, pid, BLOCK_T: tl.constexpr):
-    """Largest r with qsl[r] // BLOCK_T + r <= pid (binary search; the key is strictly increasing)."""
-    lo = 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        val = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_T + mid
-        if val <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -77,7 +63,7 @@ def _conv1d_varlen_kernel(
 ):
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
-    req = _find_request(qsl_ptr, num_reqs, pid, BLOCK_T)
+    req = find_request(qsl_ptr, num_reqs, pid, BLOCK_T)
     t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
     t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
     seq_len = t1 - t0
