@@ -239,3 +239,15 @@ def test_identical_prompts_share_the_prefill(model):
     samples_off = [c.token_ids for c in off.generate([prompt], sp, use_tqdm=False)[0].outputs]
     assert samples_on == samples_off
     assert on.stats().prefix_hit_tokens == 3 * ((len(prompt) - 1) // 4 * 4)
+
+
+def test_out_of_memory_at_start_is_a_clear_error(monkeypatch):
+    """An allocation that does not fit says what was asked and what to lower (here: the KV cache)."""
+    import hybridkv.engine.model_runner as model_runner
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model_runner, "allocate_kv_cache", no_memory)
+    with pytest.raises(MemoryError, match=r"allocating the KV cache \(16\.00 MiB asked.*lower kv_cache_memory"):
+        LLM(tiny_config(), device="cpu", kv_cache_memory=16 << 20)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from hybridkv.engine.distributed import join_group, spawn_group, torchrun_world
 from hybridkv.engine.engine import EngineStats, LLMEngine, RequestError
 from hybridkv.engine.executor import TensorParallelExecutor, serve
-from hybridkv.engine.model_runner import ModelRunner
+from hybridkv.engine.model_runner import ModelRunner, out_of_memory_message
 from hybridkv.engine.request import CompletionOutput, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
@@ -168,7 +168,10 @@ class LLM:
             return _load(model, dev, dtype, seed, ctx.tp if ctx else SINGLE,
                          with_tokenizer=ctx is None or ctx.is_driver)
 
-        self.model, found_tokenizer = ctx.run_everywhere("loading the model", load) if ctx else load()
+        try:
+            self.model, found_tokenizer = ctx.run_everywhere("loading the model", load) if ctx else load()
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(out_of_memory_message("the model weights", None, dev)) from e
         self.tokenizer = tokenizer or found_tokenizer
         config = self.model.config
         if block_size is None:        # 16, or what every chunked layer's chunk is a multiple of (logged)

@@ -26,6 +26,7 @@ from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.metadata import CommonAttentionMetadata, debug_enabled, host_to_device
 from hybridkv.models.hybrid import HybridModel
+from hybridkv.utils import format_bytes
 
 logger = logging.getLogger("hybridkv.engine")
 
@@ -75,7 +76,10 @@ class ModelRunner:
         self.plan = plan
         self.device = next(model.parameters()).device
         self.backend = backend if isinstance(backend, KernelBackend) else get_backend(backend, self.device)
-        self.caches = allocate_kv_cache(plan, device=self.device)
+        try:
+            self.caches = allocate_kv_cache(plan, device=self.device)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(out_of_memory_message("the KV cache", plan.allocated_bytes, self.device)) from e
         layers = model.cache_layers()
         if set(layers) != set(self.caches):
             raise ValueError(f"plan and model disagree on cache layers: plan-only "
@@ -193,6 +197,15 @@ class ModelRunner:
             for name in group.layer_names:
                 for state in self.caches[name]:
                     state[dst] = state[src]
+
+
+def out_of_memory_message(what: str, asked: int | None, device: torch.device) -> str:
+    """One line for an allocation that did not fit: what was asked (when known) and what the device has free."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    parts = [f"{format_bytes(asked)} asked" if asked is not None else None,
+             f"{format_bytes(free)} free on {device}" if free is not None else f"device {device}"]
+    return (f"out of memory allocating {what} ({', '.join(p for p in parts if p)}); lower kv_cache_memory "
+            "(or max_model_len / max_num_seqs), or shard the model (tensor_parallel_size)")
 
 
 def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: str = "torch") -> torch.Tensor:
