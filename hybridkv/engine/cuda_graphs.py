@@ -129,14 +129,16 @@ class DecodeGraphs:
         self._dev64 = torch.zeros(lay.i64_size, dtype=torch.int64, device=self.device)
         self._dev32 = torch.zeros(lay.i32_size, dtype=torch.int32, device=self.device)
         self._arange = torch.arange(lay.max_batch + 1, dtype=torch.int32, device=self.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        self._fill_padding(0)
+        self._fill_padding(0)                           # every row padding: warm-ups write no KV, no state
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)
         for b in reversed(self.buckets):
             ctx = self._context(b)
             ids, pos = self.layout.ids(self._dev64, b), self.layout.positions(self._dev64, b)
@@ -146,7 +148,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(ids, pos)
-            self._graphs[b] = (graph, logits)
+            self._graphs[b] = (graph, logits, ctx)     # ctx: keeps what the graph may read alive
         torch.cuda.synchronize(self.device)
         logger.info("CUDA graphs captured for decode batch sizes %s", ",".join(map(str, self.buckets)))
 
@@ -239,6 +241,6 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
         self._copied.record()
-        graph, logits = self._graphs[b]
+        graph, logits, _ = self._graphs[b]
         graph.replay()
         return logits[:n]
