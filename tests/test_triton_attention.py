@@ -254,3 +254,25 @@ def test_gpu_bf16_error_within_2x_of_bf16_torch(seed):
     err = (ours.float() - ref32).norm() / ref32.norm()
     err_base = (_eager_bf16(b, window, softcap) - ref32).norm() / ref32.norm()
     assert err <= 2 * err_base, (float(err), float(err_base))
+
+
+def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkeypatch, caplog):
+    """head_dim > 256: the explicit triton backend refuses with the constraint named; ``auto`` runs the
+    torch reference for that call instead and logs it once."""
+    import logging
+
+    from hybridkv.backends import registry
+    from hybridkv.backends.registry import UnsupportedConfig, get_backend
+
+    b = make_batch([3, 1], [5, 9], 4, 0, num_heads=2, num_kv_heads=1, head_dim=320)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
+    with pytest.raises(UnsupportedConfig, match=r"head_dim 320 > 256"):
+        ta.paged_attention_triton(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
+    monkeypatch.setattr(registry, "_FALLBACKS_LOGGED", set())
+    be = get_backend("auto", "cuda")        # built for CUDA; the fallback decision does not need a GPU
+    with caplog.at_level(logging.WARNING, logger="hybridkv.backends"):
+        for _ in range(2):
+            out = be.paged_attention(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
+            torch.testing.assert_close(out, ref)
+    lines = [r.getMessage() for r in caplog.records if "falls back to torch" in r.getMessage()]
+    assert len(lines) == 1 and "head_dim 320" in lines[0]

@@ -167,6 +167,8 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
         try:
             return vendor_op(*args, **kwargs)
         except UnsupportedConfig as e:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise       # the fallback may read host metadata: inside a CUDA graph it would go stale
             key = (e.backend, e.op, e.constraint)
             if key not in _FALLBACKS_LOGGED:
                 _FALLBACKS_LOGGED.add(key)
@@ -190,6 +192,10 @@ _AUTO_OPS: dict[str, frozenset[str]] = {
 }
 
 
+# Triton ops that raise ``UnsupportedConfig`` for some configurations (paged attention: head_dim > 256).
+_TRITON_REFUSING_OPS = ("paged_attention",)
+
+
 def _auto(device: torch.device) -> KernelBackend:
     """CUDA: triton (else torch) plus every usable vendor backend's ops, each with a logged fallback."""
     if device.type != "cuda":
@@ -197,6 +203,11 @@ def _auto(device: torch.device) -> KernelBackend:
         return torch_backend()
     base_name = "triton" if _unavailable_reason("triton", device) is None else "torch"
     backend = _build(base_name)
+    if base_name == "triton":        # a configuration triton's kernels refuse runs on the torch references
+        ref = torch_backend()
+        backend = dataclasses.replace(backend, **{
+            op: _with_fallback(getattr(backend, op), getattr(ref, op), fallback="torch")
+            for op in _TRITON_REFUSING_OPS})
     parts = [base_name]
     for name, entry in _REGISTRY.items():
         if entry.vendor_ops is None:

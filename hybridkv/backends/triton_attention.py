@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.registry import UnsupportedConfig
 from hybridkv.metadata import CommonAttentionMetadata
 
 __all__ = ["paged_attention_triton", "write_kv_triton", "launch_config"]
@@ -297,9 +298,15 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str,
             "num_stages": 2}
 
 
+MAX_HEAD_DIM = 256      # the largest head dim tuned and verified on the GPU (Gemma's 256)
+
+
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata,
            sliding_window: int | None) -> None:
     num_tokens, num_heads, head_dim = q.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise UnsupportedConfig("triton", "paged_attention", f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 "
+                                "accumulator tile would spill out of registers)")
     if num_tokens != cam.num_actual_tokens:
         raise ValueError(f"q: has {num_tokens} tokens, metadata has {cam.num_actual_tokens}")
     if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:

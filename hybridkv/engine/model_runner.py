@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs
-from hybridkv.backends.registry import KernelBackend, get_backend
+from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, default_buckets
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -111,7 +111,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.plan, self.backend, buckets=default_buckets(max_num_seqs))
         try:
             graphs.capture()
-        except RuntimeError as e:            # an op that syncs or allocates on the host inside the forward
+        except (RuntimeError, UnsupportedConfig) as e:   # an op that syncs, or one that refuses this config
             if wanted:
                 raise RuntimeError(f"cuda_graphs=True: capturing the decode step failed: {e}") from e
             logger.warning("CUDA graphs off: capturing the decode step failed (%s)", str(e).splitlines()[0])
