@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_attention import copy_bandwidth, eager_time_us, git_commit, graph_time_us, print_table  # noqa: E402
+from gpu_attention import copy_bandwidth, eager_time_us, fmt, git_commit, graph_time_us, print_table  # noqa: E402
 
 from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
 from hybridkv.backends.triton_ssd import (  # noqa: E402
@@ -437,10 +437,6 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], 
             print("decode", rows[-1], flush=True)
             torch.cuda.empty_cache()
     return rows, sweep_rows
-
-
-def fmt(x, p=1):
-    return f"{x:.{p}f}" if isinstance(x, float) else str(x)
 
 
 def main() -> None:

@@ -187,8 +187,9 @@ class LLMEngine:
         self._prompt_tokens += int(np.maximum(np.minimum(ends, self.scheduler.row_num_prompt[batch.rows])
                                               - computed, 0).sum())
         if samplers:
-            tokens = self._sample(samplers, logits[torch.as_tensor(sample_rows, device=logits.device)])
-            self.scheduler.append_tokens(batch.rows[sample_idx], tokens)
+            rows = batch.rows[sample_idx]
+            tokens = self._sample(samplers, rows, logits[torch.as_tensor(sample_rows, device=logits.device)])
+            self.scheduler.append_tokens(rows, tokens)
         self.coordinator.commit_batch(batch.rows, ends)
 
         outputs = []
@@ -202,23 +203,27 @@ class LLMEngine:
                 outputs.append(self.make_output(r))
         return outputs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> np.ndarray:
-        """Samples one token per request, appends it, and returns them ((B,) int64)."""
-        device = logits.device
-        params = [r.params for r in reqs]
+    def _sample(self, reqs: list[Request], rows: np.ndarray, logits: torch.Tensor) -> np.ndarray:
+        """Samples one token per request (coordinator ``rows``, (B,)), appends it, and returns them ((B,)
+        int64). The per-row parameters come from the scheduler's arrays: no loop over requests."""
+        device, sched = logits.device, self.scheduler
+        knobs = sched.row_sampling[rows]                                   # (B, 3): temperature, top_p, min_p
+        top_k = sched.row_top_k[rows]
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
         st = SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long, device=device),
-            counters=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.long, device=device),
-            needs_filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+            temperature=dev(knobs[:, 0]), top_k=dev(top_k), top_p=dev(knobs[:, 1]), min_p=dev(knobs[:, 2]),
+            seeds=dev(sched.row_seed[rows]),
+            counters=dev(sched.row_num_tokens[rows] - sched.row_num_prompt[rows]),   # outputs so far
+            needs_filtering=bool((top_k > 0).any() or (knobs[:, 1] < 1).any() or (knobs[:, 2] > 0).any()),
         )
         tokens = sample(logits, st)
-        top = max((p.logprobs or 0) for p in params)
-        want = any(p.logprobs is not None for p in params)
+        asked = sched.row_logprobs[rows]
+        want = bool((asked >= 0).any())
         if want:
+            top = int(asked.max())
             chosen, values, ids = (t.tolist() for t in logprobs_of(logits, tokens, top))
         tokens = tokens.cpu().numpy().astype(np.int64, copy=False)
         self._generated += len(reqs)

@@ -71,6 +71,13 @@ class Scheduler:
         self.row_num_tokens = np.zeros(coordinator.max_num_reqs, np.int64)
         self.row_last_token = np.zeros(coordinator.max_num_reqs, np.int64)
         self.row_num_prompt = np.zeros(coordinator.max_num_reqs, np.int64)
+        # ... and what sampling reads: (temperature, top_p, min_p), top_k (0 = off), the effective seed, and
+        # the number of logprobs asked (-1 = none).
+        R = coordinator.max_num_reqs
+        self.row_sampling = np.zeros((R, 3), np.float32)
+        self.row_top_k = np.zeros(R, np.int64)
+        self.row_seed = np.zeros(R, np.int64)
+        self.row_logprobs = np.full(R, -1, np.int64)          # -1: none asked
         self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
 
     # -- queue management --------------------------------------------------------------------------
@@ -123,6 +130,11 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.row_num_tokens[row] = req.num_tokens
         self.row_num_prompt[row] = req.num_prompt_tokens
+        p = req.params
+        self.row_sampling[row] = (p.temperature, p.top_p, p.min_p)
+        self.row_top_k[row] = max(p.top_k, 0)
+        self.row_seed[row] = req.seed
+        self.row_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.row_last_token[row] = req.token_ids[-1]
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         self._running_rows = None
