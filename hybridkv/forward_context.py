@@ -11,9 +11,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from hybridkv.backends.registry import KernelBackend
+from hybridkv.backends.registry import KernelBackend, torch_backend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,3 +44,15 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError("a cache-using layer ran outside a step: wrap the forward in "
                            "`with forward_context(...)` (the model runner does this)")
     return ctx
+
+
+@cache
+def _reference_ops() -> KernelBackend:
+    return torch_backend()
+
+
+def current_ops() -> KernelBackend:
+    """The kernel backend of the running step, for cache-free ops (norms, activations); a module called on
+    its own, outside a step, gets the torch references."""
+    ctx = _CURRENT.get()
+    return ctx.backend if ctx is not None else _reference_ops()

@@ -11,6 +11,8 @@ That the fast paths have no data-dependent shapes is checked here by tracing the
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ CONFIGS = {
                     topk_groups=2, latent_size=16, shared_intermediate_size=24, routed_scaling_factor=2.0,
                     activation="relu2", gated=False),
 }
-FAST = ("grouped", "padded")
+FAST = ("grouped", "padded", "gemv")     # gemv: Triton kernels (the interpreter on the CPU)
 
 
 def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
@@ -48,8 +50,21 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
     return layer.to(dtype).eval()
 
 
-def _tol(dtype: torch.dtype) -> dict[str, float]:
-    return dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+def _device(impl: str) -> str:
+    """The Triton GEMVs run compiled on a GPU when there is one (the interpreter only without CUDA)."""
+    return "cuda" if impl == "gemv" and torch.cuda.is_available() else "cpu"
+
+
+def _skip_interpreted_bf16(impl: str, dtype: torch.dtype) -> None:
+    if impl == "gemv" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("Triton's CPU interpreter does not round to bf16 as the GPU does; checked on the GPU")
+
+
+def _tol(dtype: torch.dtype, impl: str = "") -> dict[str, float]:
+    if dtype != torch.float32:
+        return dict(atol=2e-2, rtol=2e-2)
+    # the Triton GEMVs sum each dot product in blocks: fp32 sums in another order
+    return dict(atol=2e-5, rtol=1e-5) if impl == "gemv" else dict(atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -57,35 +72,39 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("impl", FAST)
 def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.dtype) -> None:
     """The whole layer (router, latent projections, shared expert) with each expert implementation."""
-    layer = _layer(name, dtype)
+    _skip_interpreted_bf16(impl, dtype)
+    dev = _device(impl)
+    layer = _layer(name, dtype).to(dev)
     for num_tokens in (1, 3, 17, 64):
-        x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+        x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)).to(dev, dtype)
         with torch.no_grad():
             set_moe_impl(layer, "ref")
             want = layer(x)
             set_moe_impl(layer, impl)
             got = layer(x)
         assert got.dtype == want.dtype == dtype
-        torch.testing.assert_close(got, want, **_tol(dtype), msg=f"{impl} {name} T={num_tokens}")
+        torch.testing.assert_close(got, want, **_tol(dtype, impl), msg=f"{impl} {name} T={num_tokens}")
 
 
 @pytest.mark.parametrize("impl", FAST)
 def test_skewed_and_empty_routing(impl: str) -> None:
     """Every token to one expert (the others empty), every expert empty but one, and a permutation of a batch
     permutes the output (no mixing between tokens)."""
-    layer = _layer("mixtral", torch.float32, seed=3)
+    dev = _device(impl)
+    layer = _layer("mixtral", torch.float32, seed=3).to(dev)
     experts = layer.experts()
-    x = torch.randn(9, HIDDEN)
-    weights = torch.rand(9, 2)
+    x = torch.randn(9, HIDDEN).to(dev)
+    weights = torch.rand(9, 2).to(dev)
     for ids in (torch.tensor([[5, 2]] * 9), torch.tensor([[0, 1]] * 9),
                 torch.stack([torch.randperm(6)[:2] for _ in range(9)])):
+        ids = ids.to(dev)
         want = moe_experts_ref(x, ids, weights, experts)
         got = run_experts(x, ids, weights, experts, impl=impl)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, want, **_tol(torch.float32, impl))
         assert run_experts(x[:0], ids[:0], weights[:0], experts, impl=impl).shape == (0, HIDDEN)
-        perm = torch.randperm(9)
+        perm = torch.randperm(9).to(dev)
         torch.testing.assert_close(run_experts(x[perm], ids[perm], weights[perm], experts, impl=impl), want[perm],
-                                   atol=1e-6, rtol=1e-5)
+                                   **_tol(torch.float32, impl))
 
 
 def test_input_scaling_is_rounded_like_hf() -> None:
@@ -97,6 +116,9 @@ def test_input_scaling_is_rounded_like_hf() -> None:
     want = moe_experts_ref(x, ids, weights, layer.experts())
     for fn in (moe_experts_grouped, moe_experts_padded):
         torch.testing.assert_close(fn(x, ids, weights, layer.experts()), want, atol=0, rtol=0)
+    if torch.cuda.is_available():     # the Triton GEMVs sum in another order: equal up to bf16 roundings
+        got = run_experts(x.cuda(), ids.cuda(), weights.cuda(), layer.cuda().experts(), impl="gemv")
+        torch.testing.assert_close(got.cpu(), want, **_tol(torch.bfloat16))
 
 
 @pytest.mark.parametrize(("fn", "dtype"), [(moe_experts_grouped, torch.bfloat16), (moe_experts_padded, torch.float32),
@@ -121,8 +143,12 @@ def test_fast_paths_have_static_shapes(fn, dtype: torch.dtype) -> None:
 def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = _layer("llama4", torch.bfloat16)
     x = torch.randn(4, HIDDEN).to(torch.bfloat16)
-    assert choose_impl("auto", x, layer.experts()) == "ref"              # CPU: the exact loop
-    assert choose_impl("padded", x, layer.experts()) == "padded"
+
+    def ids(tokens: int, k: int = 1) -> torch.Tensor:
+        return torch.zeros(tokens, k, dtype=torch.long)
+
+    assert choose_impl("auto", x, ids(4), layer.experts()) == "ref"              # CPU: the exact loop
+    assert choose_impl("padded", x, ids(4), layer.experts()) == "padded"
     with pytest.raises(ValueError, match="not one of"):
         MoEFeedForward(HIDDEN, CONFIGS["llama4"], impl="fast")
     monkeypatch.setenv(IMPL_ENV, "grouped")
@@ -140,8 +166,11 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: True)
     experts = layer.experts()
-    assert choose_impl("auto", Fake(torch.bfloat16, 4096), experts) == "grouped"
-    assert choose_impl("auto", Fake(torch.float16, 8), experts) == "padded"
-    assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), experts) == "ref"
+    assert choose_impl("auto", Fake(torch.bfloat16, 4096), ids(4096), experts) == "grouped"
+    assert choose_impl("auto", Fake(torch.float16, 16), ids(16), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), ids(8192), experts) == "ref"
+    if importlib.util.find_spec("triton") is not None:       # decode-size batches: the Triton GEMVs
+        assert choose_impl("auto", Fake(torch.bfloat16, 4), ids(4, 2), experts) == "gemv"
+        assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "grouped"
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100
-    assert choose_impl("auto", Fake(torch.bfloat16, 8), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.bfloat16, 16), ids(16), experts) == "padded"

@@ -58,12 +58,19 @@ class KernelBackend:
     ssd_state_update: Callable[..., torch.Tensor]
     selective_scan: Callable[..., torch.Tensor]
     selective_state_update: Callable[..., torch.Tensor]
+    # the elementwise work between GEMMs (``layers/ops/fused_ref.py``)
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
+    act_mul: Callable[..., torch.Tensor]
+    qk_rope_write_kv: Callable[..., torch.Tensor]
+    gated_rms_norm: Callable[..., torch.Tensor]
     cuda_graph_safe: bool = False
 
 
 def torch_backend() -> KernelBackend:
     """The reference ops: complete, any device. Other backends replace the ops they have kernels for."""
     from hybridkv.layers import ops
+    from hybridkv.layers.ops import fused_ref
 
     return KernelBackend(
         name="torch",
@@ -75,6 +82,11 @@ def torch_backend() -> KernelBackend:
         ssd_state_update=ops.ssd_state_update_ref,
         selective_scan=ops.selective_scan_ref,
         selective_state_update=ops.selective_state_update_mamba1_ref,
+        rms_norm=fused_ref.rms_norm_ref,
+        add_rms_norm=fused_ref.add_rms_norm_ref,
+        act_mul=fused_ref.act_mul_ref,
+        qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
+        gated_rms_norm=fused_ref.gated_rms_norm_ref,
     )
 
 

@@ -218,6 +218,7 @@ class LLMEngine:
             seeds=dev(sched.row_seed[rows]),
             counters=dev(sched.row_num_tokens[rows] - sched.row_num_prompt[rows]),   # outputs so far
             needs_filtering=bool((top_k > 0).any() or (knobs[:, 1] < 1).any() or (knobs[:, 2] > 0).any()),
+            all_greedy=bool((knobs[:, 0] == 0).all()),
         )
         tokens = sample(logits, st)
         asked = sched.row_logprobs[rows]

@@ -76,6 +76,7 @@ class ModelRunner:
         self.plan = plan
         self.device = next(model.parameters()).device
         self.backend = backend if isinstance(backend, KernelBackend) else get_backend(backend, self.device)
+        model.fuse_projections()            # q|k|v and gate|up as one GEMM each (parameters become views)
         try:
             self.caches = allocate_kv_cache(plan, device=self.device)
         except torch.OutOfMemoryError as e:

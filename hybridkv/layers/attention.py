@@ -2,7 +2,8 @@
 
 The layer does not know its kind's cache policy: its group's builder already trimmed the block table
 (sliding) or cut the batch into virtual requests (chunked), so it only applies the window mask when
-told to. RoPE variants, q/k norms and Llama-4's NoPE temperature tuning happen before the KV write.
+told to. RoPE variants, q/k norms and Llama-4's NoPE temperature tuning happen before the KV write, in one backend
+op (``qk_rope_write_kv``); q, k and v come from one packed GEMM once the runner fused the projections.
 
 Zamba2 runs one set of attention weights at several depths, each with its own KV cache: every use is an
 ``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from hybridkv.forward_context import get_forward_context
-from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, RowParallelLinear
-from hybridkv.layers.norms import RMSNorm, rms_normalize
+from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedLinears, RowParallelLinear
+from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.config import Attention
@@ -31,7 +33,6 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.cache_name = cache_name
-        self.norm_eps = norm_eps
         d = cfg.head_dim
         # Tensor parallel: q heads split; kv heads split, or replicated when fewer than ranks (each rank keeps
         # the kv head its q heads read); o_proj sums the heads' partial outputs.
@@ -51,7 +52,16 @@ class AttentionLayer(nn.Module):
         self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
+        self.prep = QKPrep(head_dim=d, rot_dim=self.rotary.rot_dim if self.rotary is not None else 0,
+                           interleaved=cfg.rope is not None and cfg.rope.interleaved, qk_norm=cfg.qk_norm,
+                           gemma_norm=gemma_norm, eps=norm_eps, temperature_tuning=cfg.temperature_tuning)
+        self.packed: PackedLinears | None = None          # q|k|v as one GEMM (``fuse_projections``)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
+
+    def fuse_projections(self) -> None:
+        """Pack q/k/v into one weight (views keep the parameters): one GEMM per step instead of three."""
+        if PackedLinears.can_pack(self.q_proj, self.k_proj, self.v_proj):
+            self.packed = PackedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) views of the block pool."""
@@ -65,7 +75,10 @@ class AttentionLayer(nn.Module):
         owner = use if use is not None else self
         if cfg.input_multiplier != 1.0:
             x = x * cfg.input_multiplier
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.packed is not None and self.packed.valid():
+            q, k, v = self.packed(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if use is not None and use.q_adapter is not None:
             q, k, v = q + use.q_adapter(x), k + use.k_adapter(x), v + use.v_adapter(x)
         if cfg.key_multiplier != 1.0:       # Falcon-H1: on the projected keys, before RoPE
@@ -73,24 +86,16 @@ class AttentionLayer(nn.Module):
         q = q.view(n, self.num_heads, cfg.head_dim)
         k = k.view(n, self.num_kv_heads, cfg.head_dim)
         v = v.view(n, self.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
-            if cfg.qk_norm == "rms_weightless":
-                q = rms_normalize(q, self.norm_eps).to(x.dtype)
-                k = rms_normalize(k, self.norm_eps).to(x.dtype)
-        elif cfg.temperature_tuning is not None:
-            attn_scale, floor_scale = cfg.temperature_tuning
-            scales = 1.0 + attn_scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
-            q = (q * scales[:, None, None]).to(x.dtype)
-
         if owner.kv_cache is None:
             raise RuntimeError(f"{owner.cache_name}: no KV cache bound (the model runner binds it)")
         ctx = get_forward_context()
         inputs = ctx.inputs[owner.cache_name]
         k_cache, v_cache = owner.kv_cache
-        ctx.backend.write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        q = ctx.backend.qk_rope_write_kv(
+            q, k, v, positions, prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
+            q_norm_weight=self.q_norm.weight if self.q_norm is not None else None,
+            k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
         out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, scale=cfg.softmax_scale,
                                           sliding_window=inputs.sliding_window, softcap=cfg.softcap)
         out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)

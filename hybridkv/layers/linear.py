@@ -63,6 +63,43 @@ class RowParallelLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+class PackedLinears:
+    """Several linears that read the same input (q|k|v, gate|up) as one GEMM. Their weights (and biases) are
+    copied into one tensor and each linear's parameters become views of it: no extra memory, the same
+    ``state_dict``, and in-place weight loads still land in the packed tensor. A move of the module
+    (``.to``) replaces the parameters and breaks the views; ``valid`` then says so and callers run the
+    linears one by one."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in linears])
+            has_bias = linears[0].bias is not None
+            self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+            self.sizes = [lin.weight.shape[0] for lin in linears]
+            start = 0
+            for lin, size in zip(linears, self.sizes, strict=True):
+                lin.weight = nn.Parameter(self.weight[start:start + size], requires_grad=lin.weight.requires_grad)
+                if has_bias:
+                    lin.bias = nn.Parameter(self.bias[start:start + size], requires_grad=lin.bias.requires_grad)
+                start += size
+        self._first = linears[0]
+
+    @staticmethod
+    def can_pack(*linears: nn.Linear) -> bool:
+        """Same input width, dtype and device, and all or none with a bias."""
+        first = linears[0]
+        return all(lin.in_features == first.in_features and lin.weight.dtype == first.weight.dtype
+                   and lin.weight.device == first.weight.device and (lin.bias is None) == (first.bias is None)
+                   for lin in linears)
+
+    def valid(self) -> bool:
+        return self._first.weight.data_ptr() == self.weight.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: (num_tokens, in_features) -> each linear's output, as column views of one GEMM's result."""
+        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
+
 def _vocab_split(vocab_size: int) -> Split:
     return Split(vocab_size, vocab_size, what="vocab_size", pad=True)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.forward_context import current_ops
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -62,6 +63,7 @@ class Mamba2Layer(StateSlotMixer):
             mup = torch.cat([torch.full((n,), float(m))
                              for n, m in zip(sizes, cfg.zxbcdt_multipliers, strict=True)])
         self.register_buffer("mup_vector", mup, persistent=False)
+        self._A_cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
@@ -74,11 +76,16 @@ class Mamba2Layer(StateSlotMixer):
             projected = projected * self.mup_vector
         z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
-        A = -torch.exp(self.A_log.float())
+        A = self._A()
         ssm_kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.time_step_limit)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into y
+            xbc_d = be.causal_conv1d_update(xbc, conv_states=conv_states, weight=weight, bias=self.conv1d.bias,
+                                            state_indices=meta.state_indices, activation="silu")
+            xs, B, C = self._split_xbc(xbc_d)
+            y = be.ssd_state_update(ssm_states, xs, dt, A, B, C, state_indices=meta.state_indices, **ssm_kw)
+            return self._output(y, z)
         y = torch.empty(x.shape[0], self.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
-
         if nd:
             dec_idx = meta.state_indices[:nd]
             xbc_d = be.causal_conv1d_update(xbc[:ndt], conv_states=conv_states, weight=weight,
@@ -94,10 +101,29 @@ class Mamba2Layer(StateSlotMixer):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        y = y.reshape(x.shape[0], self.intermediate_size)
-        y = self.norm(y, z) if self.norm is not None else (y.float() * nn.functional.silu(z.float())).to(x.dtype)
+        return self._output(y, z)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y: (num_tokens, heads, head_dim) scan output, z: the gate -> out_proj(gated norm) (num_tokens, hidden)."""
+        y = y.reshape(y.shape[0], self.intermediate_size)
+        norm = self.norm
+        if norm is not None and norm.spans_ranks:     # its group's sum of squares is all-reduced
+            y = norm(y, z)
+        else:
+            y = current_ops().gated_rms_norm(y, z, norm.weight if norm is not None else None,
+                                             n_groups=norm.n_groups if norm is not None else 1,
+                                             eps=norm.eps if norm is not None else 0.0,
+                                             norm_before_gate=norm is not None and norm.norm_before_gate)
         out = self.out_proj(y)                                              # (num_tokens, hidden_size)
-        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
+        return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
+
+    def _A(self) -> torch.Tensor:
+        """-exp(A_log) in fp32 (heads,), computed once per version of ``A_log`` (a weight load bumps it)."""
+        key = (self.A_log._version, self.A_log.data_ptr())
+        if self._A_cache is None or self._A_cache[0] != key:
+            with torch.no_grad():
+                self._A_cache = (key, -torch.exp(self.A_log.float()))
+        return self._A_cache[1]
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, n = self.cfg, xbc.shape[0]

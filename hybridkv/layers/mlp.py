@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
-from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.linear import ColumnParallelLinear, PackedLinears, RowParallelLinear
 from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
 
 
@@ -21,7 +23,8 @@ class DenseMLP(nn.Module):
                  gated: bool = True, bias: bool = False, tp: TensorParallel = SINGLE, reduce: bool = True,
                  gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.act = get_activation(activation)
+        get_activation(activation)          # fails early on an unknown name
+        self.activation = activation
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
         channels = (Split(intermediate_size, intermediate_size, what="MLP.intermediate_size"),)
@@ -30,21 +33,28 @@ class DenseMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, tp=tp, sections=channels)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp, sections=channels,
                                            reduce=reduce)
+        self.packed: PackedLinears | None = None          # gate|up as one GEMM (``fuse_projections``)
+
+    def fuse_projections(self) -> None:
+        """Pack gate/up into one weight (views keep the parameters): one GEMM instead of two."""
+        if self.gate_proj is not None and PackedLinears.can_pack(self.gate_proj, self.up_proj):
+            self.packed = PackedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
         """x: (num_tokens, hidden_size). ``gate_up_delta``: (num_tokens, 2 * intermediate on this rank) added
         to the gate|up projections before the activation (Zamba2's per-use adapter on a shared MLP)."""
-        up = self.up_proj(x)
+        ops = current_ops()
         if self.gate_proj is None:
             if gate_up_delta is not None:
                 raise ValueError("DenseMLP: gate_up_delta needs a gated MLP")
-            out = self.down_proj(self.act(up))
+            out = self.down_proj(ops.act_mul(self.up_proj(x), activation=self.activation, gated=False))
         else:
-            gate = self.gate_proj(x)
+            if self.packed is not None and self.packed.valid():
+                gate_up = F.linear(x, self.packed.weight, self.packed.bias)     # (num_tokens, 2 * inter)
+            else:
+                gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
             if gate_up_delta is not None:
-                delta_gate, delta_up = gate_up_delta.chunk(2, dim=-1)
-                gate, up = gate + delta_gate, up + delta_up
-            if self.gate_multiplier != 1.0:
-                gate = gate * self.gate_multiplier
-            out = self.down_proj(self.act(gate) * up)
+                gate_up = gate_up + gate_up_delta
+            out = self.down_proj(ops.act_mul(gate_up, activation=self.activation,
+                                             gate_multiplier=self.gate_multiplier))
         return out * self.down_multiplier if self.down_multiplier != 1.0 else out

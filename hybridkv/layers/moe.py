@@ -25,6 +25,9 @@ the same function (``run_experts``; chosen per call, see ``choose_impl``):
   then each (token, slot) reads its expert's row t. No sort, no sync, static shapes, any dtype — but E x
   the FLOPs and it reads every expert's weights, so it is the GPU fallback for decode-size batches only
   (``PADDED_MAX_ROWS``); larger batches of other dtypes use ``ref``.
+- ``gemv`` (``backends/triton_moe.py``): two Triton GEMV kernels, one program row per (token, slot) reading
+  only its expert's weights at memory bandwidth. The CUDA default for decode-size batches (at most
+  ``GEMV_MAX_ROWS`` assignments), where a grouped GEMM is dominated by its tile setup.
 
 The choice is explicit (``MoEFeedForward.impl``; default from ``HYBRIDKV_MOE_IMPL``, else "auto") and
 logged once per (device, dtype, impl).
@@ -32,6 +35,7 @@ logged once per (device, dtype, impl).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -47,9 +51,10 @@ from hybridkv.models.config import MoE
 
 logger = logging.getLogger("hybridkv.moe")
 
-MOE_IMPLS = ("auto", "ref", "grouped", "padded")
+MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv")
 IMPL_ENV = "HYBRIDKV_MOE_IMPL"
 PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
+GEMV_MAX_ROWS = 8             # auto picks "gemv" on CUDA while num_tokens * top_k <= this
 _logged: set[tuple[str, torch.dtype, str]] = set()
 
 
@@ -61,7 +66,7 @@ class Experts:
     gate: torch.Tensor | None
     up: torch.Tensor
     down: torch.Tensor
-    act: Callable[[torch.Tensor], torch.Tensor]
+    activation: str
     scale_input: bool
 
     @property
@@ -71,8 +76,9 @@ class Experts:
     def mlp(self, x: torch.Tensor, proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """down(act(gate(x)) * up(x)) (or down(act(up(x))) when not gated) with ``proj(x, W)`` = x @ W^T
         for whichever batching the caller uses."""
+        act = get_activation(self.activation)
         up = proj(x, self.up)
-        h = self.act(proj(x, self.gate)) * up if self.gate is not None else self.act(up)
+        h = act(proj(x, self.gate)) * up if self.gate is not None else act(up)
         return proj(h, self.down)
 
 
@@ -90,7 +96,7 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
             continue
         w = weights[token, slot, None]
         one = Experts(gate=experts.gate[e] if experts.gate is not None else None, up=experts.up[e],
-                      down=experts.down[e], act=experts.act, scale_input=experts.scale_input)
+                      down=experts.down[e], activation=experts.activation, scale_input=experts.scale_input)
         if experts.scale_input:
             y = one.mlp(_scaled(x[token], w), lambda a, wt: a @ wt.t()).float()
         else:
@@ -136,7 +142,16 @@ def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return y.sum(1)
 
 
-_IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded}
+def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Two Triton GEMV kernels, one program row per (token, slot) (``backends/triton_moe.py``)."""
+    from hybridkv.backends.triton_moe import moe_experts_gemv as gemv
+
+    return gemv(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
+                activation=experts.activation, scale_input=experts.scale_input)
+
+
+_IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded,
+          "gemv": moe_experts_gemv}
 
 
 def grouped_mm_is_fast(device: torch.device) -> bool:
@@ -144,7 +159,11 @@ def grouped_mm_is_fast(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def choose_impl(impl: str, x: torch.Tensor, experts: Experts) -> str:
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def choose_impl(impl: str, x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> str:
     """Resolve "auto": the reference loop on the CPU (exact, and a sync costs nothing there); on CUDA the
     grouped GEMM for bf16 on sm90/sm100 (dims 16-byte aligned); else the padded bmm for decode-size batches
     (num_experts * num_tokens <= PADDED_MAX_ROWS) and the reference loop for larger ones."""
@@ -152,6 +171,8 @@ def choose_impl(impl: str, x: torch.Tensor, experts: Experts) -> str:
         return impl
     if x.device.type != "cuda":
         return "ref"
+    if ids.numel() <= GEMV_MAX_ROWS and _triton_available():
+        return "gemv"
     inter, dim = experts.up.shape[1], experts.up.shape[2]
     if x.dtype == torch.bfloat16 and grouped_mm_is_fast(x.device) and inter % 8 == 0 and dim % 8 == 0:
         return "grouped"
@@ -164,7 +185,7 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     (T, dim). ``impl``: one of ``MOE_IMPLS``."""
     if x.shape[0] == 0:                      # no tokens: nothing to route (grouped GEMMs of zero rows are avoided)
         return x.new_zeros(x.shape, dtype=torch.float32)
-    name = choose_impl(impl, x, experts)
+    name = choose_impl(impl, x, ids, experts)
     key = (x.device.type, x.dtype, name)
     if key not in _logged:
         _logged.add(key)
@@ -193,7 +214,7 @@ class MoEFeedForward(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.impl = _check_impl(impl or os.environ.get(IMPL_ENV) or "auto")
-        self.act = get_activation(cfg.activation)
+        get_activation(cfg.activation)          # fails early on an unknown name
         e = cfg.num_experts
         channels = (Split(cfg.intermediate_size, cfg.intermediate_size, what="MoE.intermediate_size"),)
         inter = channels[0].local_size(tp.size)
@@ -242,7 +263,7 @@ class MoEFeedForward(nn.Module):
         return ids, weights * self.cfg.routed_scaling_factor
 
     def experts(self) -> Experts:
-        return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, act=self.act,
+        return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, activation=self.cfg.activation,
                        scale_input=self.cfg.router == "sigmoid_input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

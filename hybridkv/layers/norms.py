@@ -6,13 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.layers.ops.fused_ref import gated_rms_norm_ref, rms_norm_ref, rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in fp32 (Llama-4's weightless qk-norm is exactly this)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+__all__ = ["GatedGroupRMSNorm", "RMSNorm", "rms_normalize"]
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = rms_normalize(x, self.eps)
-        if self.gemma:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm_ref(x, self.weight, eps=self.eps, gemma=self.gemma)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -63,13 +57,12 @@ class GatedGroupRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # y, z: (num_tokens, dim on this rank)
+        if not self.spans_ranks:
+            return gated_rms_norm_ref(y, z, self.weight, n_groups=self.n_groups, eps=self.eps,
+                                      norm_before_gate=self.norm_before_gate)
         gate = nn.functional.silu(z.float())
         gated = y.float() if self.norm_before_gate else y.float() * gate
-        if self.spans_ranks:
-            normed = gated * torch.rsqrt(self._group_mean_square(gated) + self.eps)
-        else:
-            grouped = gated.view(*gated.shape[:-1], self.n_groups, -1)
-            normed = rms_normalize(grouped, self.eps).view_as(gated)
+        normed = gated * torch.rsqrt(self._group_mean_square(gated) + self.eps)
         if self.norm_before_gate:
             return (self.weight.float() * normed * gate).to(y.dtype)
         return self.weight * normed.to(y.dtype)

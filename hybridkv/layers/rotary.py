@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridkv.layers.ops.fused_ref import apply_rope
 from hybridkv.models.config import Rope
 
 
@@ -53,16 +54,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: (num_tokens,); q: (num_tokens, num_heads, head_dim); k: (num_tokens, kv_heads, head_dim)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]          # (num_tokens, rot_dim // 2)
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim:]
-        if self.interleaved:
-            even, odd = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-        else:
-            first, second = rot.chunk(2, dim=-1)
-            out = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return torch.cat((out.to(x.dtype), rest), dim=-1)
+        kw = dict(rot_dim=self.rot_dim, interleaved=self.interleaved)
+        return apply_rope(q, positions, self.inv_freq, **kw), apply_rope(k, positions, self.inv_freq, **kw)

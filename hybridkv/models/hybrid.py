@@ -24,6 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from hybridkv.backends.registry import KernelBackend
+from hybridkv.forward_context import current_ops
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
 from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallelEmbedding
 from hybridkv.layers.mamba1 import Mamba1Layer
@@ -65,10 +67,12 @@ def _norm(config: HybridConfig, dim: int | None = None) -> RMSNorm:
     return RMSNorm(dim or config.hidden_size, eps=config.norm_eps, gemma=config.norm == "gemma_rms")
 
 
-def _normed(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def _normed(norm: RMSNorm, x: torch.Tensor, ops: KernelBackend | None = None) -> torch.Tensor:
     """``norm(x)`` on the input cast to the norm's dtype: a no-op unless the residual stream is kept in
-    fp32 (``residual_in_fp32``), where HF rounds to the model dtype before each norm too."""
-    return norm(x.to(norm.weight.dtype))
+    fp32 (``residual_in_fp32``), where HF rounds to the model dtype before each norm too. With ``ops``, the
+    backend's ``rms_norm`` runs it (one fused kernel on triton)."""
+    x = x.to(norm.weight.dtype)
+    return ops.rms_norm(x, norm.weight, eps=norm.eps, gemma=norm.gemma) if ops is not None else norm(x)
 
 
 class SharedTransformerBlock(nn.Module):
@@ -144,21 +148,27 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings
+        # Each residual add runs with the norm after it (and the branch's post-norm) as one backend op.
+        ops = current_ops()
+        normed = None
         if self.mixer is not None:
             h = x + self.shared(x, embeddings, positions) if self.shared is not None else x
-            h = _normed(self.input_norm, h)
+            h = _normed(self.input_norm, h, ops)
             out = self.mixer(h, positions)
             if self.parallel_mixer is not None:
                 out = out + self.parallel_mixer(h, positions)
-            if self.post_mixer_norm is not None:
-                out = self.post_mixer_norm(out)
-            x = x + out * self.residual_multiplier
+            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_mixer_norm, self.ffn_norm))
         if self.ffn is not None:
-            out = self.ffn(_normed(self.ffn_norm, x))
-            if self.post_ffn_norm is not None:
-                out = self.post_ffn_norm(out)
-            x = x + out * self.residual_multiplier
+            if normed is None:
+                normed = _normed(self.ffn_norm, x, ops)
+            _, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, None))
         return x
+
+    def _add_norm(self, post: RMSNorm | None, nxt: RMSNorm | None) -> dict:
+        """``add_rms_norm`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
+        eps, gemma = next((n.eps, n.gemma) for n in (post, nxt, self.input_norm, self.ffn_norm) if n is not None)
+        return dict(weight=nxt.weight if nxt is not None else None, eps=eps, gemma=gemma,
+                    delta_weight=post.weight if post is not None else None, scale=self.residual_multiplier)
 
 
 class HybridModel(nn.Module):
@@ -212,7 +222,15 @@ class HybridModel(nn.Module):
             x = x.float()
         for layer in self.layers:
             x = layer(x, positions, embeddings)
-        return self.norm(x)
+        return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma)
+
+    def fuse_projections(self) -> None:
+        """Pack the projections that read one input (q|k|v, gate|up) into one GEMM each, in place; the
+        parameters stay (as views), so loading and ``state_dict`` are unchanged. The model runner calls this
+        once the weights are where they will run."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(num_tokens, hidden_size) -> fp32 logits (num_tokens, vocab_size); None on tensor-parallel ranks
@@ -388,7 +406,8 @@ def save_model(model: HybridModel, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=1))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # Packed projections (``fuse_projections``) are views of one tensor; safetensors wants each on its own.
+    state = {k: v.clone() if v._base is not None else v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_NAME))

@@ -1,0 +1,340 @@
+"""Triton kernels for the elementwise work between a layer's GEMMs: one launch where the torch references
+(``layers/ops/fused_ref.py``, same signatures) run 5-30 small kernels. At decode batch sizes a step is made of
+such launches, so their number, not their bytes, sets the step time.
+
+- ``add_rms_norm`` / ``rms_norm``: one program per row: optional post-norm of the branch output, residual
+  multiplier, residual add, the next pre-norm; fp32 math with the reference's rounding points.
+- ``act_mul``: ``act(gate) * up`` over the packed gate|up projection (silu, gelu, gelu_tanh, relu2).
+- ``qk_rope_write_kv``: one program per (token, q head or kv head): q/k norm, RoPE (rotate-half or
+  interleaved, partial), post-RoPE norm or NoPE temperature, then q out and K/V into the paged cache
+  (negative slot: padding, not written).
+- ``gated_rms_norm``: one program per (token, group): Mamba2's ``norm(y * silu(z))``.
+
+All grids depend on shapes only and nothing syncs, so they capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.layers.ops.fused_ref import QKPrep
+
+__all__ = ["act_mul_triton", "add_rms_norm_triton", "gated_rms_norm_triton", "qk_rope_write_kv_triton",
+           "rms_norm_triton"]
+
+_ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def _normalize(x, mask, n, eps):
+    """x / rms(x) over the valid (``mask``) entries of a 1-D fp32 block of n values."""
+    ms = tl.sum(tl.where(mask, x * x, 0.0), 0) / n
+    return x * (1.0 / tl.sqrt(ms + eps))
+
+
+@triton.jit
+def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, OUT_TY: tl.constexpr):
+    """The RMSNorm weight step, rounded as ``rms_norm_ref``: Gemma (normed * (1 + w)).to(dtype), plain
+    w * normed.to(dtype)."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        return (normed * (1.0 + w)).to(OUT_TY)
+    return (normed.to(OUT_TY).to(tl.float32) * w).to(OUT_TY)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    delta_ptr, res_ptr, res_out_ptr, out_ptr, w_ptr, dw_ptr, n, eps, scale,
+    stride_d, stride_r, stride_ro, stride_o,
+    HAS_DELTA: tl.constexpr, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
+    GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    res_ty = res_out_ptr.dtype.element_ty
+    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        d_ty = delta_ptr.dtype.element_ty
+        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA_W:
+            d = _scale_weight(_normalize(d, mask, n, eps), dw_ptr, offs, mask, GEMMA, d_ty).to(tl.float32)
+        if HAS_SCALE:
+            d = (d * scale).to(d_ty).to(tl.float32)
+        r = (r + d).to(res_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, r, mask=mask)
+    if HAS_NORM:
+        out_ty = out_ptr.dtype.element_ty
+        x = r.to(out_ty).to(tl.float32)
+        y = _scale_weight(_normalize(x, mask, n, eps), w_ptr, offs, mask, GEMMA, out_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{what}: expected (num_tokens, hidden) with a contiguous last dim, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x
+
+
+def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
+                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Same contract as ``add_rms_norm_ref``."""
+    _rows(delta, "add_rms_norm delta")
+    _rows(residual, "add_rms_norm residual")
+    if delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}")
+    rows, n = residual.shape
+    res_out = torch.empty_like(residual)
+    out = torch.empty(rows, n, dtype=weight.dtype, device=residual.device) if weight is not None else res_out
+    if rows:
+        block = _pow2(n)
+        _add_rms_norm_kernel[(rows,)](
+            delta, residual, res_out, out, weight if weight is not None else residual,
+            delta_weight if delta_weight is not None else residual, n, eps, scale,
+            delta.stride(0), residual.stride(0), res_out.stride(0), out.stride(0),
+            HAS_DELTA=True, HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0,
+            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block))
+    return (out if weight is not None else None), res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False) -> torch.Tensor:
+    """Same contract as ``rms_norm_ref`` for (num_tokens, hidden) inputs."""
+    _rows(x, "rms_norm x")
+    rows, n = x.shape
+    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    if rows:
+        block = _pow2(n)
+        _add_rms_norm_kernel[(rows,)](
+            x, x, x, out, weight, weight, n, eps, 1.0, x.stride(0), x.stride(0), x.stride(0), out.stride(0),
+            HAS_DELTA=False, HAS_DELTA_W=False, HAS_SCALE=False, HAS_NORM=True, GEMMA=gemma, BLOCK=block,
+            num_warps=_warps(block))
+    return out
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 0:
+        return x / (1.0 + tl.exp(-x))
+    elif ACT == 1:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        return 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    else:
+        r = tl.maximum(x, 0.0)
+        return r * r
+
+
+@triton.jit
+def _act_mul_kernel(
+    x_ptr, out_ptr, inter, gate_mult, stride_x, stride_o,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    ty = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        if HAS_MULT:
+            g = (g * gate_mult).to(ty).to(tl.float32)
+        a = _activation(g, ACT).to(ty).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        y = a * u
+    else:
+        y = _activation(g, ACT)
+    tl.store(out_ptr + row * stride_o + offs, y.to(ty), mask=mask)
+
+
+def act_mul_triton(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
+                   ) -> torch.Tensor:
+    """Same contract as ``act_mul_ref``."""
+    _rows(x, "act_mul x")
+    if activation not in _ACT_IDS:
+        raise ValueError(f"act_mul: unknown activation {activation!r}; known: {sorted(_ACT_IDS)}")
+    rows, width = x.shape
+    if gated and width % 2:
+        raise ValueError(f"act_mul: a gated input has an even width (gate|up), got {width}")
+    inter = width // 2 if gated else width
+    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    if rows and inter:
+        block = min(1024, _pow2(inter))
+        _act_mul_kernel[(rows, triton.cdiv(inter, block))](
+            x, out, inter, gate_multiplier, x.stride(0), out.stride(0), ACT=_ACT_IDS[activation], GATED=gated,
+            HAS_MULT=gate_multiplier != 1.0, BLOCK=block, num_warps=_warps(block))
+    return out
+
+
+@triton.jit
+def _qk_rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_heads, eps, attn_scale, floor_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    QK_NORM: tl.constexpr, POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    is_q = h < num_heads
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    ty = q_out_ptr.dtype.element_ty
+    if is_q:
+        row_ptr = q_ptr + t * stride_qt + h * stride_qh
+        w_ptr = qw_ptr
+    else:
+        row_ptr = k_ptr + t * stride_kt + (h - num_heads) * stride_kh
+        w_ptr = kw_ptr
+    x = tl.load(row_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    if ROT_DIM > 0:
+        rot = d < ROT_DIM
+        if INTERLEAVED:
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+            fi = d // 2
+        else:
+            partner = tl.where(d < ROT_DIM // 2, d + ROT_DIM // 2, d - ROT_DIM // 2)
+            sign = tl.where(d < ROT_DIM // 2, -1.0, 1.0)
+            fi = d % (ROT_DIM // 2)
+        xp = tl.load(row_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(tl.where(d_ok, x * x, 0.0), 0) / HEAD_DIM + eps)
+        x = _scale_weight(x * inv, w_ptr, d, d_ok, GEMMA, ty).to(tl.float32)
+        if ROT_DIM > 0:
+            xp = _scale_weight(xp * inv, w_ptr, partner, rot, GEMMA, ty).to(tl.float32)
+    if ROT_DIM > 0:
+        theta = pos * tl.load(inv_freq_ptr + fi, mask=rot, other=0.0)
+        roped = x * tl.cos(theta) + sign * xp * tl.sin(theta)
+        x = tl.where(rot, roped.to(ty).to(tl.float32), x)
+        if POST_NORM:
+            x = _normalize(x, d_ok, HEAD_DIM, eps).to(ty).to(tl.float32)
+    if is_q:
+        if TEMPERATURE:
+            scale = 1.0 + attn_scale * tl.log(1.0 + tl.floor((pos + 1.0) / floor_scale))
+            x = (x * scale).to(ty).to(tl.float32)
+        tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, x.to(ty), mask=d_ok)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            kh = h - num_heads
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + d,
+                     x.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+            v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=d_ok, other=0.0)
+            tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + d,
+                     v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+
+
+def qk_rope_write_kv_triton(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    positions: torch.Tensor,  # (num_tokens,)
+    *,
+    prep: QKPrep,
+    inv_freq: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,); < 0 = padding, not written
+) -> torch.Tensor:
+    """Same contract as ``qk_rope_write_kv_ref`` (plus: negative slots are skipped)."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or slot_mapping.shape[0] != n:
+        raise ValueError(f"qk_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"slot_mapping {tuple(slot_mapping.shape)}")
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit k {tuple(k.shape)}")
+    if d != prep.head_dim:
+        raise ValueError(f"qk_rope_write_kv: head_dim {d} != prep.head_dim {prep.head_dim}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
+        raise ValueError("qk_rope_write_kv: the head_dim axis must be contiguous (stride 1)")
+    norm = prep.qk_norm == "rms"
+    if norm and (q_norm_weight is None or k_norm_weight is None):
+        raise ValueError("qk_rope_write_kv: qk_norm='rms' needs q_norm_weight and k_norm_weight")
+    if prep.rot_dim and inv_freq is None:
+        raise ValueError("qk_rope_write_kv: RoPE needs inv_freq")
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    temperature = prep.rot_dim == 0 and prep.temperature_tuning is not None
+    attn_scale, floor_scale = prep.temperature_tuning if temperature else (0.0, 1.0)
+    dummy = positions
+    _qk_rope_kv_kernel[(n, heads + kv_heads)](
+        q, k, v, positions, inv_freq if prep.rot_dim else dummy, q_norm_weight if norm else dummy,
+        k_norm_weight if norm else dummy, out, k_cache, v_cache, slot_mapping,
+        heads, prep.eps, attn_scale, floor_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), ROT_DIM=prep.rot_dim, INTERLEAVED=prep.interleaved, QK_NORM=norm,
+        POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless", GEMMA=prep.gemma_norm,
+        TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1], num_warps=1 if d <= 128 else 2)
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, stride_y, stride_z, stride_o,
+    HAS_NORM: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    ty = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    if not HAS_NORM:
+        out = (y * gate).to(ty)
+    elif NORM_BEFORE_GATE:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        out = (w * _normalize(y, mask, group_size, eps) * gate).to(ty)
+    else:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        out = (_normalize(y * gate, mask, group_size, eps).to(ty).to(tl.float32) * w).to(ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
+def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, *, n_groups: int = 1,
+                          eps: float = 1e-5, norm_before_gate: bool = False) -> torch.Tensor:
+    """Same contract as ``gated_rms_norm_ref``."""
+    _rows(y, "gated_rms_norm y")
+    _rows(z, "gated_rms_norm z")
+    rows, dim = y.shape
+    if z.shape != y.shape or dim % n_groups:
+        raise ValueError(f"gated_rms_norm: y {tuple(y.shape)}, z {tuple(z.shape)}, n_groups {n_groups}")
+    groups = n_groups if weight is not None else max(1, dim // 1024)
+    while dim % groups:     # without a norm any split works: keep blocks <= ~1024 channels
+        groups += 1
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    if rows:
+        block = _pow2(dim // groups)
+        _gated_rms_norm_kernel[(rows, groups)](
+            y, z, weight if weight is not None else y, out, dim // groups, eps, y.stride(0), z.stride(0),
+            out.stride(0), HAS_NORM=weight is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+            num_warps=_warps(block))
+    return out

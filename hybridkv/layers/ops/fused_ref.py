@@ -1,0 +1,156 @@
+"""References for the fused elementwise ops a decoder layer runs between its GEMMs.
+
+Each op is what the layers computed inline before (and still compute on the ``torch`` backend), with HF's
+rounding points: results are rounded to the model dtype wherever HF rounds. The ``triton`` backend fuses
+each into one kernel (``backends/triton_fused.py``) with the same signature:
+
+- ``rms_norm`` / ``add_rms_norm``: the residual add (with an optional post-norm and residual multiplier on
+  the branch output) and the next pre-norm, one pass over the hidden state;
+- ``act_mul``: the gated MLP's ``act(gate) * up`` over the packed gate|up projection (or ``act(x)``);
+- ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
+  K/V write into the paged cache;
+- ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from hybridkv.layers.activations import get_activation
+from hybridkv.layers.ops.attention_ref import write_kv_ref
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32 (Llama-4's weightless qk-norm is exactly this)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim. Plain: ``w * normed.to(dtype)`` (cast, then scale, as Llama); Gemma:
+    ``(normed * (1 + w)).to(dtype)`` (scale in fp32, then cast)."""
+    normed = rms_normalize(x, eps)
+    if gemma:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
+                     gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``residual + scale * post_norm(delta)``, then the next pre-norm of it.
+
+    delta: (num_tokens, hidden) a branch output in the model dtype; residual: (num_tokens, hidden), the model
+    dtype or fp32 (``residual_in_fp32``). ``delta_weight``: a post-norm on the branch (Gemma's sandwich
+    norms); ``weight``: the next norm, None for none. Returns (normed in ``weight``'s dtype or None, the new
+    residual in the residual's dtype). The norm reads the residual rounded to the model dtype, as HF does."""
+    if delta_weight is not None:
+        delta = rms_norm_ref(delta, delta_weight, eps=eps, gemma=gemma)
+    if scale != 1.0:
+        delta = delta * scale
+    residual = residual + delta
+    if weight is None:
+        return None, residual
+    return rms_norm_ref(residual.to(weight.dtype), weight, eps=eps, gemma=gemma), residual
+
+
+def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
+                ) -> torch.Tensor:
+    """Gated: x = gate|up (num_tokens, 2 * inter) -> ``act(gate * gate_multiplier) * up`` (num_tokens, inter);
+    not gated: ``act(x)``. Each step rounds to x's dtype, as the unfused torch ops do."""
+    act = get_activation(activation)
+    if not gated:
+        return act(x)
+    gate, up = x.chunk(2, dim=-1)
+    if gate_multiplier != 1.0:
+        gate = gate * gate_multiplier
+    return act(gate) * up
+
+
+@dataclass(frozen=True, kw_only=True)
+class QKPrep:
+    """What happens to q and k between their projection and the cache, in this order: a learned per-head
+    RMS norm (``qk_norm="rms"``), RoPE on the first ``rot_dim`` channels (0: NoPE), Llama-4's weightless
+    norm after RoPE (``qk_norm="rms_weightless"``, RoPE layers only), and on NoPE layers Llama-4's query
+    temperature ``1 + attn_scale * log1p(floor((pos + 1) / floor_scale))``."""
+
+    head_dim: int
+    rot_dim: int = 0
+    interleaved: bool = False
+    qk_norm: str | None = None
+    gemma_norm: bool = False
+    eps: float = 1e-6
+    temperature_tuning: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rot_dim <= self.head_dim or self.rot_dim % 2:
+            raise ValueError(f"QKPrep: rot_dim {self.rot_dim} must be even and in [0, head_dim={self.head_dim}]")
+        if self.qk_norm not in (None, "rms", "rms_weightless"):
+            raise ValueError(f"QKPrep: unknown qk_norm {self.qk_norm!r}")
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, rot_dim: int,
+               interleaved: bool) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` channels of x (num_tokens, heads, head_dim) in fp32; cast back."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]          # (num_tokens, rot_dim // 2)
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+    if interleaved:
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    else:
+        first, second = rot.chunk(2, dim=-1)
+        out = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return torch.cat((out.to(x.dtype), rest), dim=-1)
+
+
+def qk_rope_write_kv_ref(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    positions: torch.Tensor,  # (num_tokens,) absolute positions
+    *,
+    prep: QKPrep,
+    inv_freq: torch.Tensor | None,  # (rot_dim // 2,) fp32, with rot_dim > 0
+    q_norm_weight: torch.Tensor | None,  # (head_dim,), with qk_norm == "rms"
+    k_norm_weight: torch.Tensor | None,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> torch.Tensor:
+    """q and k prepared as ``prep`` says; k and v written at their slots. Returns q (num_tokens, num_heads,
+    head_dim) in q's dtype."""
+    dtype = q.dtype
+    if prep.qk_norm == "rms":
+        q = rms_norm_ref(q, q_norm_weight, eps=prep.eps, gemma=prep.gemma_norm)
+        k = rms_norm_ref(k, k_norm_weight, eps=prep.eps, gemma=prep.gemma_norm)
+    if prep.rot_dim:
+        q = apply_rope(q, positions, inv_freq, rot_dim=prep.rot_dim, interleaved=prep.interleaved)
+        k = apply_rope(k, positions, inv_freq, rot_dim=prep.rot_dim, interleaved=prep.interleaved)
+        if prep.qk_norm == "rms_weightless":
+            q, k = rms_normalize(q, prep.eps).to(dtype), rms_normalize(k, prep.eps).to(dtype)
+    elif prep.temperature_tuning is not None:
+        attn_scale, floor_scale = prep.temperature_tuning
+        scales = 1.0 + attn_scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+        q = (q * scales[:, None, None]).to(dtype)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, *, n_groups: int = 1,
+                       eps: float = 1e-5, norm_before_gate: bool = False) -> torch.Tensor:
+    """Mamba2's output gate. y, z: (num_tokens, dim). ``norm(y * silu(z))`` with the RMS taken over each of
+    ``n_groups`` groups of ``dim // n_groups`` channels; ``norm_before_gate``: ``norm(y) * silu(z)`` (weight and
+    gate applied in fp32 before the cast). ``weight`` None: no norm, ``y * silu(z)``."""
+    gate = F.silu(z.float())
+    if weight is None:
+        return (y.float() * gate).to(y.dtype)
+    gated = y.float() if norm_before_gate else y.float() * gate
+    grouped = gated.view(*gated.shape[:-1], n_groups, -1)
+    normed = rms_normalize(grouped, eps).view_as(gated)
+    if norm_before_gate:
+        return (weight.float() * normed * gate).to(y.dtype)
+    return weight * normed.to(y.dtype)

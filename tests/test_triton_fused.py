@@ -1,0 +1,260 @@
+"""The fused elementwise Triton kernels (``backends/triton_fused.py``) against their torch references
+(``layers/ops/fused_ref.py``): table-driven over every variant a layer uses.
+
+On a machine without CUDA the kernels run under Triton's interpreter in fp32 (tight tolerances: only the
+order of the fp32 sums differs). With CUDA the same tables run compiled, plus bf16: the kernel's error
+against an fp32 truth must stay within twice the bf16 reference's own error (flash-attention's test rule).
+Inputs are strided views like the real call sites' ``split`` outputs; caches are NaN outside the slots
+written, padding rows (slot -1) must not be written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from hybridkv.layers.ops.fused_ref import (  # noqa: E402
+    QKPrep,
+    act_mul_ref,
+    add_rms_norm_ref,
+    gated_rms_norm_ref,
+    qk_rope_write_kv_ref,
+    rms_norm_ref,
+)
+from hybridkv.layers.rotary import rope_inv_freq  # noqa: E402
+from hybridkv.models.config import Rope  # noqa: E402
+
+_MOD = "hybridkv.backends.triton_fused"
+if not _HAS_CUDA and _MOD in sys.modules:   # imported compiled earlier in this process: re-decorate
+    importlib.reload(sys.modules[_MOD])
+tf = importlib.import_module(_MOD)
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if _HAS_CUDA else [torch.float32]
+
+
+def _strided(t: torch.Tensor, extra: int = 5) -> torch.Tensor:
+    """The same values as rows of a wider tensor (last dim contiguous, row stride larger)."""
+    wide = torch.full((t.shape[0], t[0].numel() + extra), float("nan"), dtype=t.dtype, device=t.device)
+    wide[:, : t[0].numel()] = t.reshape(t.shape[0], -1)
+    return wide[:, : t[0].numel()].view(t.shape)
+
+
+def _close(out: torch.Tensor, ref_fn, args: tuple, kwargs: dict, dtype: torch.dtype) -> None:
+    """fp32: out == ref(args) to ~1e-5. Low precision: |out - truth| <= 2 |ref_lowp - truth| + tiny, truth =
+    the reference on the same (rounded) inputs upcast to fp32."""
+    ref = ref_fn(*args, **kwargs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    up = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    upk = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
+    truth = ref_fn(*up, **upk).float()
+    err, ref_err = (out.float() - truth).abs().max(), (ref.float() - truth).abs().max()
+    assert not torch.isnan(out).any()
+    assert err <= 2 * ref_err + 1e-3 * truth.abs().max(), (err, ref_err)
+
+
+NORM_CASES = [  # (residual in fp32, post-norm on the branch, scale, next norm, gemma)
+    (False, False, 1.0, True, False),
+    (False, False, 1.0, False, False),
+    (True, False, 1.0, True, False),
+    (False, True, 1.0, True, True),
+    (False, True, 0.5, False, True),
+    (False, False, 2.0, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("res_fp32", "post", "scale", "has_norm", "gemma"), NORM_CASES)
+def test_add_rms_norm(dtype, res_fp32, post, scale, has_norm, gemma) -> None:
+    g = torch.Generator().manual_seed(0)
+    rows, n = 5, 48
+    delta = _strided(torch.randn(rows, n, generator=g).to(DEVICE, dtype))
+    residual = torch.randn(rows, n, generator=g).to(DEVICE, torch.float32 if res_fp32 else dtype)
+    w = (torch.randn(n, generator=g) * 0.3 + (0 if gemma else 1)).to(DEVICE, dtype) if has_norm else None
+    dw = (torch.randn(n, generator=g) * 0.3).to(DEVICE, dtype) if post else None
+    kw = dict(weight=w, eps=1e-6, gemma=gemma, delta_weight=dw, scale=scale)
+    normed, res = tf.add_rms_norm_triton(delta, residual, **kw)
+    ref_normed, ref_res = add_rms_norm_ref(delta, residual, **kw)
+    assert res.dtype == ref_res.dtype
+    _close(res, lambda *a, **k: add_rms_norm_ref(*a, **k)[1], (delta, residual), kw, dtype)
+    if has_norm:
+        assert normed.dtype == ref_normed.dtype
+        _close(normed, lambda *a, **k: add_rms_norm_ref(*a, **k)[0], (delta, residual), kw, dtype)
+    else:
+        assert normed is None and ref_normed is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("n", [16, 100])
+def test_rms_norm(dtype, gemma, n) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = _strided(torch.randn(7, n, generator=g).to(DEVICE, dtype))
+    w = (torch.randn(n, generator=g) * 0.3 + 1).to(DEVICE, dtype)
+    out = tf.rms_norm_triton(x, w, eps=1e-5, gemma=gemma)
+    _close(out, rms_norm_ref, (x, w), dict(eps=1e-5, gemma=gemma), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu2"])
+@pytest.mark.parametrize(("gated", "mult"), [(True, 1.0), (True, 0.25), (False, 1.0)])
+def test_act_mul(dtype, activation, gated, mult) -> None:
+    g = torch.Generator().manual_seed(2)
+    inter = 40
+    x = _strided(torch.randn(6, 2 * inter if gated else inter, generator=g).mul(3).to(DEVICE, dtype))
+    kw = dict(activation=activation, gated=gated, gate_multiplier=mult)
+    out = tf.act_mul_triton(x, **kw)
+    assert out.shape == (6, inter)
+    _close(out, act_mul_ref, (x,), kw, dtype)
+
+
+def test_act_mul_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="unknown activation"):
+        tf.act_mul_triton(torch.zeros(2, 4, device=DEVICE), activation="tanh")
+    with pytest.raises(ValueError, match="even width"):
+        tf.act_mul_triton(torch.zeros(2, 5, device=DEVICE), activation="silu")
+
+
+PREPS = {  # name -> (QKPrep kwargs, rope)
+    "neox": (dict(rot_dim=16), Rope(theta=10000.0)),
+    "neox_partial": (dict(rot_dim=8), Rope(theta=10000.0, partial_rotary_factor=0.5)),
+    "interleaved": (dict(rot_dim=16, interleaved=True), Rope(theta=500000.0, interleaved=True)),
+    "qk_norm": (dict(rot_dim=16, qk_norm="rms"), Rope(theta=10000.0)),
+    "qk_norm_gemma": (dict(rot_dim=16, qk_norm="rms", gemma_norm=True), Rope(theta=10000.0)),
+    "llama4_rope": (dict(rot_dim=16, interleaved=True, qk_norm="rms_weightless"), Rope(theta=500000.0,
+                                                                                        interleaved=True)),
+    "llama4_nope": (dict(temperature_tuning=(0.1, 8.0)), None),
+    "nope": ({}, None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(PREPS))
+def test_qk_rope_write_kv(dtype, name) -> None:
+    prep_kw, rope = PREPS[name]
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, d, blocks, bs = 6, 4, 2, 16, 5, 4
+    prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    positions = torch.tensor([0, 5, 9, 17, 3000, 12], device=DEVICE)
+    slots = torch.tensor([1, 6, -1, 13, 19, 2], device=DEVICE)   # one padding row
+    inv_freq = rope_inv_freq(rope, prep.rot_dim).to(DEVICE) if rope is not None else None
+    qw = (torch.randn(d, generator=g) * 0.3 + 1).to(DEVICE, dtype)
+    kw_ = (torch.randn(d, generator=g) * 0.3 + 1).to(DEVICE, dtype)
+    kw = dict(prep=prep, inv_freq=inv_freq, q_norm_weight=qw, k_norm_weight=kw_)
+
+    def pool() -> torch.Tensor:
+        return torch.full((blocks, 2, bs, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
+
+    pool_tri, pool_ref = pool(), pool()
+    q_tri = tf.qk_rope_write_kv_triton(q, k, v, positions, k_cache=pool_tri[:, 0], v_cache=pool_tri[:, 1],
+                                       slot_mapping=slots, **kw)      # strided cache views, as bound
+    # The reference writes every row: q from all rows into a scratch cache, K/V from the non-padding rows.
+    keep = slots >= 0
+    scratch = pool()
+    q_ref = qk_rope_write_kv_ref(q, k, v, positions, k_cache=scratch[:, 0], v_cache=scratch[:, 1],
+                                 slot_mapping=slots.clamp(min=0), **kw)
+    qk_rope_write_kv_ref(q[keep], k[keep], v[keep], positions[keep], k_cache=pool_ref[:, 0],
+                         v_cache=pool_ref[:, 1], slot_mapping=slots[keep], **kw)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q_tri, q_ref, **tol)
+    torch.testing.assert_close(pool_tri, pool_ref, equal_nan=True, **tol)   # same slots written, NaN elsewhere
+
+
+def test_qk_rope_write_kv_rejects_bad_input() -> None:
+    prep = QKPrep(head_dim=8, qk_norm="rms")
+    q = torch.zeros(2, 2, 8, device=DEVICE)
+    k = torch.zeros(2, 1, 8, device=DEVICE)
+    cache = torch.zeros(3, 4, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="q_norm_weight"):
+        tf.qk_rope_write_kv_triton(q, k, k, torch.zeros(2, dtype=torch.long, device=DEVICE), prep=prep,
+                                   inv_freq=None, q_norm_weight=None, k_norm_weight=None, k_cache=cache,
+                                   v_cache=cache, slot_mapping=torch.zeros(2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="rot_dim"):
+        QKPrep(head_dim=8, rot_dim=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n_groups", "before", "has_weight"),
+                         [(1, False, True), (4, False, True), (2, True, True), (1, False, False)])
+def test_gated_rms_norm(dtype, n_groups, before, has_weight) -> None:
+    g = torch.Generator().manual_seed(4)
+    dim = 32
+    yz = torch.randn(5, 2 * dim, generator=g).to(DEVICE, dtype)
+    y, z = yz[:, :dim], yz[:, dim:]                            # strided views of one projection
+    w = (torch.randn(dim, generator=g) * 0.3 + 1).to(DEVICE, dtype) if has_weight else None
+    kw = dict(n_groups=n_groups, eps=1e-5, norm_before_gate=before)
+    out = tf.gated_rms_norm_triton(y, z, w, **kw)
+    _close(out, gated_rms_norm_ref, (y, z, w), kw, dtype)
+
+
+# ------------------------------------------------------------------ a whole model on the fused ops
+
+def _fused_backend():
+    """The torch references with the fused elementwise ops replaced by the Triton kernels under test."""
+    import dataclasses
+
+    from hybridkv.backends.registry import torch_backend
+
+    return dataclasses.replace(torch_backend(), name="torch+triton_fused", rms_norm=tf.rms_norm_triton,
+                               add_rms_norm=tf.add_rms_norm_triton, act_mul=tf.act_mul_triton,
+                               qk_rope_write_kv=tf.qk_rope_write_kv_triton, gated_rms_norm=tf.gated_rms_norm_triton)
+
+
+def _every_variant(residual_in_fp32: bool, norm: str):
+    """One small model with every variant the fused ops take: sandwich norms, a residual multiplier, q/k
+    norms, rotate-half / interleaved / partial RoPE, Llama-4 post-RoPE norm and NoPE temperature, gated and
+    plain MLPs with a gate multiplier, Mamba2 with and without norm-before-gate."""
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, Rope
+
+    attn = dict(num_heads=4, num_kv_heads=2, head_dim=8)
+    layers = (
+        Layer(mixer=Attention(qk_norm="rms", rope=Rope(partial_rotary_factor=0.5), **attn),
+              ffn=MLP(intermediate_size=24, gate_multiplier=0.5), sandwich_norm=True),
+        Layer(mixer=Mamba2(num_heads=4, head_dim=8, state_size=4, n_groups=2, chunk_size=4),
+              ffn=MLP(intermediate_size=24, activation="relu2", gated=False)),
+        Layer(mixer=Attention(rope=Rope(interleaved=True), qk_norm="rms_weightless", attention_chunk_size=8, **attn),
+              ffn=MLP(intermediate_size=24, activation="gelu_tanh")),
+        Layer(mixer=Attention(rope=None, temperature_tuning=(0.1, 4.0), **attn), ffn=None),
+        Layer(mixer=Mamba2(num_heads=4, head_dim=8, state_size=4, n_groups=1, chunk_size=4, norm_before_gate=True),
+              ffn=MLP(intermediate_size=24, activation="gelu")),
+    )
+    return HybridConfig(vocab_size=61, hidden_size=32, layers=layers, max_position_embeddings=64, dtype="float32",
+                        norm=norm, residual_multiplier=0.7, residual_in_fp32=residual_in_fp32)
+
+
+@pytest.mark.parametrize(("residual_in_fp32", "norm"), [(False, "gemma_rms"), (True, "rms")])
+def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm) -> None:
+    """Prefill logits (reference_logits) and greedy decode through the engine on the fused ops == the torch
+    references, with the projections packed (the runner packs them)."""
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.engine.model_runner import reference_logits
+    from hybridkv.models.hybrid import build_model
+
+    config = _every_variant(residual_in_fp32, norm)
+    model = build_model(config, seed=5).to(DEVICE)
+    ids = torch.randint(0, 61, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = reference_logits(model, ids, backend="torch")
+    fused = reference_logits(model, ids, backend=_fused_backend())
+    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for name, backend in (("torch", "torch"), ("fused", _fused_backend())):
+        llm = LLM(build_model(config, seed=5), device=DEVICE, backend=backend, kv_cache_memory=4 << 20,
+                  cuda_graphs=False)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate([ids, ids[:5]], params, use_tqdm=False)]
+    assert outs["fused"] == outs["torch"]
