@@ -37,6 +37,7 @@ __all__ = [
 #: How a field slices: per request, (num_reqs+1) cumulative offsets, per token, per block-table row, or a
 #: scalar (derived scalars are recomputed from the sliced arrays, the others kept).
 SLICE_KINDS = ("request", "request_offsets", "token", "block_row", "scalar")
+_max = np.maximum.reduce  # a direct ufunc reduction: ndarray.max goes through a Python wrapper
 
 
 def debug_enabled() -> bool:
@@ -209,6 +210,41 @@ class CommonAttentionMetadata:
             num_actual_tokens=int(query_start_loc_cpu[-1]),
             max_query_len=int(q.max()) if n else 0,
             max_seq_len=int(seq_lens_cpu.max()) if n else 0,
+        )
+        if debug_enabled():
+            cam.validate()
+        return cam
+
+    def with_keys(
+        self,
+        *,
+        seq_lens_cpu: np.ndarray,
+        key_start_cpu: np.ndarray,
+        block_table_cpu: np.ndarray,
+        num_computed_tokens_cpu: np.ndarray,
+    ) -> CommonAttentionMetadata:
+        """The same requests and queries reading another span of their keys (what trimming and a 1:1 local
+        split change): offsets, slot mapping and the query scalars are kept, so only the new int32 host
+        arrays get device twins (no checks; validated under HYBRIDKV_DEBUG)."""
+        device = self.device
+        to_dev = torch.from_numpy if device.type == "cpu" else partial(host_to_device, device=device)
+        cam = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc,
+            query_start_loc_cpu=self.query_start_loc_cpu,
+            seq_lens=to_dev(seq_lens_cpu),
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=num_computed_tokens_cpu,
+            key_start=to_dev(key_start_cpu),
+            key_start_cpu=key_start_cpu,
+            block_table_tensor=to_dev(block_table_cpu),
+            block_table_cpu=block_table_cpu,
+            slot_mapping=self.slot_mapping,
+            block_size=self.block_size,
+            causal=self.causal,
+            num_reqs=self.num_reqs,
+            num_actual_tokens=self.num_actual_tokens,
+            max_query_len=self.max_query_len,
+            max_seq_len=int(_max(seq_lens_cpu)) if self.num_reqs else 0,
         )
         if debug_enabled():
             cam.validate()

@@ -43,6 +43,25 @@ def test_slot_mapping_matches_a_loop(data: st.DataObject, bs: int, groups: int, 
         assert t[g].slot_mapping(token_rows, positions).tolist() == want
 
 
+@settings(deadline=None, max_examples=60)
+@given(data=st.data(), groups=st.integers(1, 3), rows=st.integers(1, 5), cols=st.integers(1, 8))
+def test_row_windows_match_a_loop(data: st.DataObject, groups: int, rows: int, cols: int) -> None:
+    """Each row from its own column, nulls past the row's end (the last row's too, and windows that cross
+    into the next row), for any subset of the groups."""
+    t = MultiGroupBlockTable(groups, rows, cols, block_size=4)
+    t.np[:] = np.arange(1, t.np.size + 1, dtype=np.int32).reshape(t.np.shape)
+    picked = np.array(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=6, unique=True)))
+    start = np.array([data.draw(st.integers(0, cols)) for _ in picked], np.int32)
+    width = data.draw(st.integers(1, cols))
+    first = data.draw(st.integers(0, groups - 1))
+    sel = slice(first, data.draw(st.integers(first + 1, groups)))
+    got = t.row_windows(sel, picked, start, width)
+    padded = np.concatenate([t.np, np.zeros((groups, rows, width), np.int32)], axis=2)
+    want = np.stack([[padded[g, r, s:s + width] for r, s in zip(picked, start, strict=True)]
+                     for g in range(groups)[sel]])
+    assert got.dtype == np.int32 and got.tolist() == want.tolist()
+
+
 def test_token_ranges_empty_and_zero_counts() -> None:
     owner, vals = token_ranges(np.array([5, 0, 7]), np.array([2, 0, 1]))
     assert owner.tolist() == [0, 0, 2] and vals.tolist() == [5, 6, 7]

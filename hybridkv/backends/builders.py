@@ -66,21 +66,33 @@ def _build_chunked(spec: ChunkedLocalAttentionSpec, cam: CommonAttentionMetadata
 
 
 def _build_mamba(spec: MambaSpec, cam: CommonAttentionMetadata) -> MambaInputs:
+    return build_mamba_inputs(query_start_loc=cam.query_start_loc, query_start_loc_cpu=cam.query_start_loc_cpu,
+                              num_computed_tokens_cpu=cam.num_computed_tokens_cpu, max_query_len=cam.max_query_len,
+                              state_slots_cpu=cam.block_table_cpu[:, 0])
+
+
+def build_mamba_inputs(*, query_start_loc: torch.Tensor, query_start_loc_cpu: np.ndarray,
+                       num_computed_tokens_cpu: np.ndarray, max_query_len: int,
+                       state_slots_cpu: np.ndarray) -> MambaInputs:
+    """A Mamba group's inputs from the batch-wide arrays and each request's working state slot (the
+    runner calls this directly: a Mamba group needs no block table, slot mapping or CAM)."""
     # The leading run of 1-token continuations goes to the one-step update; a fresh 1-token request
     # has no state to continue from, so it stays with the scan (which starts it from zeros).
-    qsl = cam.query_start_loc_cpu
-    is_decode = (qsl[1:] - qsl[:-1] == 1) & (cam.num_computed_tokens_cpu > 0)
-    num_decodes = cam.num_reqs if is_decode.all() else int(np.argmin(is_decode))
+    qsl = query_start_loc_cpu
+    n = num_computed_tokens_cpu.shape[0]
+    started = num_computed_tokens_cpu > 0
+    one_each = max_query_len == 1 and int(qsl[-1]) == n         # every request has exactly one query
+    is_decode = started if one_each else (qsl[1:] - qsl[:-1] == 1) & started
+    num_decodes = n if np.count_nonzero(is_decode) == n else int(np.argmin(is_decode))
     num_decode_tokens = int(qsl[num_decodes])
-    device = cam.query_start_loc.device
+    device = query_start_loc.device
     # Host-side arrays, one copy each: a device op per field would cost more than the numpy work.
-    state_indices = host_to_device(cam.block_table_cpu[:, 0].astype(np.int64), device)
-    has_initial = host_to_device(cam.num_computed_tokens_cpu > 0, device)
-    prefill_qsl = host_to_device(qsl[num_decodes:] - num_decode_tokens, device)
-    return MambaInputs(query_start_loc=cam.query_start_loc, state_indices=state_indices,
-                       has_initial_state=has_initial, num_decodes=num_decodes,
-                       num_decode_tokens=num_decode_tokens, prefill_query_start_loc=prefill_qsl,
-                       num_reqs=cam.num_reqs)
+    return MambaInputs(query_start_loc=query_start_loc,
+                       state_indices=host_to_device(state_slots_cpu.astype(np.int64), device),
+                       has_initial_state=host_to_device(started, device), num_decodes=num_decodes,
+                       num_decode_tokens=num_decode_tokens,
+                       prefill_query_start_loc=host_to_device(qsl[num_decodes:] - num_decode_tokens, device),
+                       num_reqs=n)
 
 
 _BUILDERS: dict[type[KVCacheSpec], Callable] = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepRunner
+from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepRunner, StepTables
 from hybridkv.engine.request import (
     CompletionOutput,
     Request,
@@ -22,6 +22,7 @@ from hybridkv.engine.request import (
 from hybridkv.engine.sampler import SamplingTensors, logprobs_of, sample
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridkv.kv_groups.block_table import token_ranges
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
 from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.models.hybrid import HybridModel
@@ -68,6 +69,9 @@ class LLMEngine:
         self._steps = self._prompt_tokens = self._generated = 0
         # Largest request the pool can ever hold next to the per-step reserve.
         self._capacity_blocks = plan.num_blocks - 1 - plan.reserved_step_blocks
+        self._arange = np.arange(max_num_seqs, dtype=np.int64)     # a decode step's logits rows are 0..n-1
+        # plan group -> its attention table in the coordinator (None: a Mamba group)
+        self._table_of_group = [self.coordinator.table_index.get(g.group_id) for g in plan.groups]
 
     # -- requests ------------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -132,30 +136,30 @@ class LLMEngine:
         return self._process(batch, step, logits, only_finished=only_finished)
 
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
-        coord, reqs, sched = self.coordinator, batch.requests, self.scheduler
+        reqs, sched = batch.requests, self.scheduler
         new, computed, rows = batch.num_new_tokens, batch.num_computed, batch.rows
         n = len(reqs)
         seq_lens = computed + new
-        decode = n > 0 and int(new.sum()) == n and bool((seq_lens == sched.row_num_tokens[rows]).all())
+        decode = batch.decode or (n > 0 and int(new.sum()) == n
+                                  and bool((seq_lens == sched.row_num_tokens[rows]).all()))
         if decode:                                  # every request continues from its last token
             ids = sched.row_last_token[rows]
+            token_rows, positions = rows, computed
         else:
             ids = np.fromiter(itertools.chain.from_iterable(
                 r.token_ids[c:c + k] for r, c, k in zip(reqs, computed.tolist(), new.tolist(), strict=True)),
                 np.int64, int(new.sum()))
-        width = int(-(-seq_lens.max() // self.plan.block_size)) if self.plan.attention_groups else 1
-        tables = []
-        for group in self.plan.groups:
-            if group.spec.is_attention:       # (n, width) C-contiguous: a row gather per group
-                tables.append(coord.block_tables.np[coord.table_index[group.group_id]][rows, :width])
-            else:
-                tables.append(coord.state_slots(rows).astype(np.int32)[:, None])
+            owner, positions = token_ranges(computed, new)
+            token_rows = rows[owner]
+        tables = self._step_tables(rows, seq_lens, token_rows, positions)
         # Logits: the last token of requests that reach their end this step; every token of prompt
         # chunks whose request asked for prompt logprobs. (Decodes always reach their end.)
-        ends = np.cumsum(new)
         if decode and not self._num_prompt_logprob_requests:
+            if n > self._arange.shape[0]:
+                self._arange = np.arange(n, dtype=np.int64)
             return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                             logits_indices=ends - 1)
+                             logits_indices=self._arange[:n])
+        ends = np.cumsum(new)
         samples = seq_lens == sched.row_num_tokens[rows]
         wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
         lengths = np.where(wants, new, samples)
@@ -163,6 +167,29 @@ class LLMEngine:
         index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
                          logits_indices=index.astype(np.int64))
+
+    def _step_tables(self, rows: np.ndarray, seq_lens: np.ndarray, token_rows: np.ndarray,
+                     positions: np.ndarray) -> StepTables:
+        """The step's block tables and KV slots as the coordinator keeps them (batch ``rows`` (B,) reading
+        ``seq_lens`` keys; ``token_rows``, ``positions``: (T,) row and position of every query token)."""
+        coord = self.coordinator
+        tables: list[np.ndarray] = []
+        starts: list[np.ndarray | None] = []
+        slots: list[np.ndarray | None] = []
+        width = 1
+        if self.plan.attention_groups:
+            attn_tables, attn_starts, width = coord.step_tables(rows, seq_lens)
+            attn_slots = coord.block_tables.slot_mapping(token_rows, positions)      # (G, T)
+        for i in self._table_of_group:
+            if i is None:                                                     # Mamba: the working slot
+                tables.append(coord.state_slots(rows)[:, None])
+                starts.append(None)
+                slots.append(None)
+            else:
+                tables.append(attn_tables[i])
+                starts.append(attn_starts[i])
+                slots.append(attn_slots[i])
+        return StepTables(tables=tables, starts=starts, slots=slots, width=width)
 
     def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor, *,
                  only_finished: bool) -> list[RequestOutput]:
@@ -181,14 +208,16 @@ class LLMEngine:
                 self._record_prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
                                              logits[int(offsets[i]):int(offsets[i] + new[i])])
         else:
-            sample_rows = np.arange(sample_idx.size)
+            sample_rows = None          # the logits rows are the samplers, in order
 
         ends = computed + new
         self._prompt_tokens += int(np.maximum(np.minimum(ends, self.scheduler.row_num_prompt[batch.rows])
                                               - computed, 0).sum())
         if samplers:
             rows = batch.rows[sample_idx]
-            tokens = self._sample(samplers, rows, logits[torch.as_tensor(sample_rows, device=logits.device)])
+            picked = (logits[:sample_idx.size] if sample_rows is None
+                      else logits[torch.as_tensor(sample_rows, device=logits.device)])
+            tokens = self._sample(samplers, rows, picked)
             self.scheduler.append_tokens(rows, tokens)
         self.coordinator.commit_batch(batch.rows, ends)
 
@@ -213,14 +242,16 @@ class LLMEngine:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
-        st = SamplingTensors(
-            temperature=dev(knobs[:, 0]), top_k=dev(top_k), top_p=dev(knobs[:, 1]), min_p=dev(knobs[:, 2]),
-            seeds=dev(sched.row_seed[rows]),
-            counters=dev(sched.row_num_tokens[rows] - sched.row_num_prompt[rows]),   # outputs so far
-            needs_filtering=bool((top_k > 0).any() or (knobs[:, 1] < 1).any() or (knobs[:, 2] > 0).any()),
-            all_greedy=bool((knobs[:, 0] == 0).all()),
-        )
-        tokens = sample(logits, st)
+        if (knobs[:, 0] == 0).all():     # greedy batch: one argmax, no parameter tensors to ship
+            tokens = logits.argmax(-1)
+        else:
+            st = SamplingTensors(
+                temperature=dev(knobs[:, 0]), top_k=dev(top_k), top_p=dev(knobs[:, 1]), min_p=dev(knobs[:, 2]),
+                seeds=dev(sched.row_seed[rows]),
+                counters=dev(sched.row_num_tokens[rows] - sched.row_num_prompt[rows]),   # outputs so far
+                needs_filtering=bool((top_k > 0).any() or (knobs[:, 1] < 1).any() or (knobs[:, 2] > 0).any()),
+            )
+            tokens = sample(logits, st)
         asked = sched.row_logprobs[rows]
         want = bool((asked >= 0).any())
         if want:

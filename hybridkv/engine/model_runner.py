@@ -11,14 +11,15 @@ its own cache shard, with the same batch (``engine/executor.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs
+from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, default_buckets
 from hybridkv.forward_context import ForwardContext, forward_context
@@ -29,6 +30,37 @@ from hybridkv.models.hybrid import HybridModel
 from hybridkv.utils import format_bytes
 
 logger = logging.getLogger("hybridkv.engine")
+_max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepTables(Sequence[np.ndarray]):
+    """``StepBatch.block_tables`` as the engine hands them over, in the form the coordinator keeps them:
+    per plan group the rows the step reads, an early-freeing group's (sliding window, chunked local)
+    starting at its first live block (``starts[g]``, (num_reqs,) int32; None = column 0), and each
+    attention group's (num_tokens,) int64 KV slot mapping. ``ModelRunner`` reads these as they are: no
+    re-gather, no transform work. Indexing or iterating gives the plain logical tables of the StepBatch
+    contract, (num_reqs, width) each, built on demand (the tensor-parallel broadcast, any other reader)."""
+
+    tables: Sequence[np.ndarray]           # per group, (num_reqs, *) int32 from column starts[g]
+    starts: Sequence[np.ndarray | None]    # per group, (num_reqs,) int32 first logical block, or None
+    slots: Sequence[np.ndarray | None]     # per group, (num_tokens,) int64 (None for Mamba groups)
+    width: int                             # columns of the logical attention tables
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def __getitem__(self, group: int) -> np.ndarray:  # type: ignore[override]
+        table, start = self.tables[group], self.starts[group]
+        if start is None:
+            return table
+        rows, cols = np.nonzero(table)                   # a row's entries past its keys are null
+        out = np.zeros((table.shape[0], self.width), np.int32)
+        out[rows, start[rows] + cols] = table[rows, cols]
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[g] for g in range(len(self)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +68,7 @@ class StepBatch:
     """What the scheduler decided for one step, host side, requests in batch order (decodes first).
 
     ``block_tables[g]`` is group g's (num_reqs, width) table: block ids for attention groups (null 0),
-    the working state slot in column 0 for Mamba groups."""
+    the working state slot in column 0 for Mamba groups. The engine passes a ``StepTables``."""
 
     input_ids: np.ndarray                  # (num_tokens,) int64
     query_lens: np.ndarray                 # (num_reqs,) tokens computed this step
@@ -53,6 +85,38 @@ class StepBatch:
         q = self.query_lens.astype(np.int64)
         starts = np.cumsum(q) - q
         return np.arange(int(q.sum()), dtype=np.int64) + np.repeat(self.seq_lens - q - starts, q)
+
+
+class _DecodeConstants:
+    """What every decode step of ``n`` requests shares: query offsets 0..n (one query each), zero key
+    starts and the request index 0..n-1, as views of buffers grown to the largest batch seen, with their
+    device twins made once per device (and the views once per size). Shared by every step's CAMs, so
+    like all CAM arrays: never mutate."""
+
+    def __init__(self) -> None:
+        self._size = 0
+        self._views: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor, np.ndarray, torch.Tensor,
+                                                          np.ndarray]] = {}
+
+    def get(self, n: int, device: torch.device
+            ) -> tuple[np.ndarray, torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:
+        """(offsets (n+1,) int32, their device twin, zeros (n,) int32, their twin, arange (n,) int64)."""
+        views = self._views.get((n, device))
+        if views is None:
+            if n + 1 > self._size:
+                self._size = max(n + 1, 2 * self._size)
+                self._offsets = np.arange(self._size, dtype=np.int32)
+                self._zeros = np.zeros(self._size, np.int32)
+                self._index = np.arange(self._size, dtype=np.int64)
+                self._twins: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+                self._views = {}
+            twins = self._twins.get(device)
+            if twins is None:
+                twins = self._twins[device] = (host_to_device(self._offsets, device),
+                                               host_to_device(self._zeros, device))
+            views = self._views[(n, device)] = (self._offsets[:n + 1], twins[0][:n + 1], self._zeros[:n],
+                                                twins[1][:n], self._index[:n])
+        return views
 
 
 class StepRunner(Protocol):
@@ -92,6 +156,7 @@ class ModelRunner:
                 module.bind_cache(tensors[0][:, 0], tensors[0][:, 1])
             else:                                     # Mamba: one tensor per state
                 module.bind_cache(*tensors)
+        self._decode_constants = _DecodeConstants()
         self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs)
 
     def _capture_graphs(self, wanted: bool | None, max_num_seqs: int) -> DecodeGraphs | None:
@@ -129,40 +194,75 @@ class ModelRunner:
     def group_inputs(self, batch: StepBatch, device: torch.device) -> list[AttentionInputs | MambaInputs]:
         """Per plan group: its CAM from the batch, transformed by its builder, device twins on ``device``.
 
-        The batch-wide arrays (offsets, lengths, token -> request, positions) and their device twins are
-        made once; each group adds only its block table and slot mapping. The scheduler's output is
-        trusted here (``CommonAttentionMetadata.build`` is the checked path; HYBRIDKV_DEBUG validates)."""
-        q = batch.query_lens.astype(np.int32)
-        s = batch.seq_lens.astype(np.int32)
-        n, num_tokens = int(q.shape[0]), int(q.sum())
-        qsl = np.zeros(n + 1, np.int32)
-        np.cumsum(q, out=qsl[1:])
-        token_req = np.repeat(np.arange(n, dtype=np.int64), q)
-        positions = batch.positions()                                        # (num_tokens,) int64
-        zeros = np.zeros(n, np.int32)
-        shared = dict(query_start_loc=host_to_device(qsl, device), query_start_loc_cpu=qsl,
-                      seq_lens=host_to_device(s, device), seq_lens_cpu=s, num_computed_tokens_cpu=s - q,
-                      key_start=host_to_device(zeros, device), key_start_cpu=zeros, num_reqs=n,
-                      num_actual_tokens=num_tokens, max_query_len=int(q.max(initial=0)),
-                      max_seq_len=int(s.max(initial=0)))
+        The batch-wide arrays (offsets, lengths) and their device twins are made once; each group adds its
+        block table and slot mapping, which a ``StepTables`` batch brings ready (an early-freeing group's
+        rows already start at their first live block, so its transform finds nothing left to do). A
+        decode batch (one query per request) makes no offsets anew: they are views of
+        ``_DecodeConstants``. The scheduler's output is trusted here (``CommonAttentionMetadata.build`` is
+        the checked path; HYBRIDKV_DEBUG validates)."""
+        q, s = batch.query_lens, batch.seq_lens
+        n, num_tokens = int(q.shape[0]), int(batch.input_ids.shape[0])
+        s32 = s.astype(np.int32)
+        if n and num_tokens == n and _max(q) == 1:          # decode: n queries, one per request
+            qsl, qsl_dev, zeros, zeros_dev, token_req = self._decode_constants.get(n, device)
+            num_computed = s32 - 1
+            max_query_len = 1
+        else:
+            qsl = np.zeros(n + 1, np.int32)
+            np.cumsum(q, out=qsl[1:])
+            qsl_dev = host_to_device(qsl, device)
+            zeros = np.zeros(n, np.int32)
+            zeros_dev = host_to_device(zeros, device)
+            token_req = np.repeat(np.arange(n, dtype=np.int64), q)
+            num_computed = s32 - q.astype(np.int32)
+            max_query_len = int(_max(q)) if n else 0
+        max_seq_len = int(_max(s32)) if n else 0
+        to_dev = torch.from_numpy if device.type == "cpu" else partial(host_to_device, device=device)
+        s_dev = to_dev(s32)
+        prepared = batch.block_tables if isinstance(batch.block_tables, StepTables) else None
+        positions = None if prepared is not None else batch.positions()    # (num_tokens,) int64
         out: list[AttentionInputs | MambaInputs] = []
         debug = debug_enabled()
         index_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        for group, table in zip(self.plan.groups, batch.block_tables, strict=True):
+        for g, group in enumerate(self.plan.groups):
+            spec = group.spec
+            table = batch.block_tables[g] if prepared is None else prepared.tables[g]
+            if not spec.is_attention:                        # column 0: the working state slot
+                out.append(build_mamba_inputs(query_start_loc=qsl_dev, query_start_loc_cpu=qsl,
+                                              num_computed_tokens_cpu=num_computed, max_query_len=max_query_len,
+                                              state_slots_cpu=table[:, 0]))
+                continue
+            bs = spec.block_size
             table = np.ascontiguousarray(table, dtype=np.int32)
-            # A Mamba group's one "block" is its state slot, covering the whole sequence.
-            bs = group.spec.block_size if group.spec.is_attention else max(1, shared["max_seq_len"])
-            key = (bs, table.shape[1])
-            if key not in index_cache:          # attention groups share these: same positions, same width
-                index_cache[key] = (token_req * table.shape[1] + positions // bs, positions % bs)
-            flat, offset = index_cache[key]
-            slots = table.ravel().take(flat).astype(np.int64) * bs + offset
-            cam = CommonAttentionMetadata(block_table_tensor=host_to_device(table, device),
-                                          block_table_cpu=table, slot_mapping=host_to_device(slots, device),
-                                          block_size=bs, **shared)
+            if prepared is None:
+                key = (bs, table.shape[1])
+                if key not in index_cache:       # attention groups share these: same positions, same width
+                    assert positions is not None
+                    index_cache[key] = (token_req * table.shape[1] + positions // bs, positions % bs)
+                flat, offset = index_cache[key]
+                slots = np.multiply(table.ravel().take(flat), bs, dtype=np.int64)
+                slots += offset
+                start = None
+            else:
+                slots, start = prepared.slots[g], prepared.starts[g]
+            if start is None:
+                seq, seq_dev, computed, key_start, key_start_dev, max_seq = (
+                    s32, s_dev, num_computed, zeros, zeros_dev, max_seq_len)
+            else:                                            # relative to each row's first live block
+                key_start = start * bs
+                seq = s32 - key_start
+                computed = num_computed - key_start
+                seq_dev, key_start_dev = to_dev(seq), to_dev(key_start)
+                max_seq = int(_max(seq))
+            cam = CommonAttentionMetadata(
+                query_start_loc=qsl_dev, query_start_loc_cpu=qsl, seq_lens=seq_dev, seq_lens_cpu=seq,
+                num_computed_tokens_cpu=computed, key_start=key_start_dev, key_start_cpu=key_start,
+                block_table_tensor=to_dev(table), block_table_cpu=table,
+                slot_mapping=to_dev(slots), block_size=bs, num_reqs=n, num_actual_tokens=num_tokens,
+                max_query_len=max_query_len, max_seq_len=max_seq)
             if debug:
                 cam.validate()
-            out.append(build_group_inputs(group.spec, cam))
+            out.append(build_group_inputs(spec, cam))
         return out
 
     def _graph_eligible(self, batch: StepBatch) -> bool:

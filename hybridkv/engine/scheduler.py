@@ -25,6 +25,8 @@ import numpy as np
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
 
+_max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -48,6 +50,7 @@ class ScheduledBatch:
     num_new_tokens: np.ndarray    # (num_reqs,) tokens computed this step
     num_computed: np.ndarray      # (num_reqs,) tokens computed before this step
     preempted: list[Request] = field(default_factory=list)
+    decode: bool = False          # known pure decode: every request computes just its one remaining token
 
     @property
     def num_reqs(self) -> int:
@@ -161,22 +164,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray]:
-        """(requests, tokens to compute, coordinator rows, computed so far) for the running requests,
-        decodes first then by arrival, within ``budget``.
+    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes) for
+        the running requests, decodes first then by arrival, within ``budget``.
 
         Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
         running, rows = self.running, self.running_rows
         computed = self.coord.num_computed_at(rows)
         rem = self.row_num_tokens[rows] - computed
+        if rem.shape[0] <= budget and _max(rem) <= 1:      # all decodes, all fit (the steady state)
+            return list(running), rem, rows, computed, bool(np.count_nonzero(rem) == rem.shape[0])
         prefill = rem > 1
         if prefill.any() and not prefill.all():            # running is in arrival order: decodes first
             order = np.argsort(prefill, kind="stable")
             rem, rows, computed = rem[order], rows[order], computed[order]
             running = [running[i] for i in order.tolist()]
-        if not prefill.any() and rem.shape[0] <= budget:   # all decodes, all fit (the steady state)
-            return list(running), rem, rows, computed
         take = np.minimum(np.maximum(budget - (np.cumsum(rem) - rem), 0), rem)
         partial = np.flatnonzero((take > 0) & (take < rem))
         if partial.size and self.config.align_prefill_chunks:
@@ -184,8 +187,8 @@ class Scheduler:
             take[i] = self._chunk(int(computed[i]), int(rem[i]), int(take[i]))
         keep = take > 0
         if keep.all():
-            return list(running), take, rows, computed
-        return [running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep]
+            return list(running), take, rows, computed, False
+        return [running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -193,15 +196,16 @@ class Scheduler:
         chosen: list[Request] = []
         empty = np.zeros(0, np.int64)
         counts, rows, computed = empty, empty, empty
+        decode = False
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
         while self.running:
-            chosen, counts, rows, computed = self._running_step(budget)
+            chosen, counts, rows, computed, decode = self._running_step(budget)
             if self.coord.allocate_batch(rows, computed, counts):
                 break
             victim = self.running[-1]                       # the latest arrival
             self._preempt(victim)
             preempted.append(victim)
-            chosen, counts, rows, computed = [], empty, empty, empty
+            chosen, counts, rows, computed, decode = [], empty, empty, empty, False
         budget -= int(counts.sum())
         num_running = len(chosen)
         new_counts: list[int] = []
@@ -247,5 +251,6 @@ class Scheduler:
             rows = np.concatenate([rows, np.fromiter((r.kv_row for r in admitted), np.int64, len(admitted))])
             computed = np.concatenate([computed, np.asarray(new_computed, np.int64)])
             counts = np.concatenate([counts, np.asarray(new_counts, np.int64)])
+            decode = False
         return ScheduledBatch(requests=chosen, rows=rows, num_new_tokens=counts, num_computed=computed,
-                              preempted=preempted)
+                              preempted=preempted, decode=decode)

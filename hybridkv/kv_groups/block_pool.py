@@ -176,8 +176,10 @@ class BlockPool:
             plain = zero[~cached] if n_cached else zero
             self._stack[self._top:self._top + plain.size] = plain[::-1]
             self._top += plain.size
-        if n_cached:       # (dict.fromkeys + update: one C-level pass, order kept)
-            self._lru.update(dict.fromkeys((zero if not plain.size else zero[cached]).tolist()))
+        if n_cached:       # (item stores in a loop: ~2x faster than OrderedDict.update of a dict)
+            lru = self._lru
+            for b in (zero if not plain.size else zero[cached]).tolist():
+                lru[b] = None
 
     def touch(self, group_id: int, block_ids: Sequence[int]) -> None:
         """Take one more reference to cached blocks (a prefix hit), reviving free ones."""
@@ -197,10 +199,7 @@ class BlockPool:
         if k == 0:
             return
         gids = self._group_column(group_ids)                                      # (G, 1)
-        get = self._key_index.get
-        ent_list = [get(h, -1) for h in hashes]
-        n_new = ent_list.count(-1)
-        if n_new == k and len(set(hashes)) == k:
+        if self._key_index.keys().isdisjoint(hashes) and len(set(hashes)) == k:
             known = self._block_entry[block_ids]                             # (G, k)
             if np.maximum.reduce(known, axis=None) < 0 and np.minimum.reduce(block_ids, axis=None) > NULL_BLOCK:
                 # Fast path (every decode step): new keys, fresh non-null blocks, few numpy calls.
@@ -220,6 +219,9 @@ class BlockPool:
             for j in range(k):
                 self.cache_blocks(group_ids, hashes[j:j + 1], block_ids[:, j:j + 1])
             return
+        get = self._key_index.get
+        ent_list = [get(h, -1) for h in hashes]
+        n_new = ent_list.count(-1)
         entries = np.array(ent_list, np.int64)                                # (k,)
         new = entries < 0
         if n_new:

@@ -138,11 +138,15 @@ class MultiGroupBlockTable:
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
         self.device = torch.device(device)
-        self.np = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), np.int32)   # (G, R, C)
+        # (G*R*C + C,): the tables, then one row of nulls that a window starting in the last row may read.
+        size = num_groups * max_num_reqs * max_blocks_per_req
+        flat = np.zeros(size + max_blocks_per_req, np.int32)
+        self.np = flat[:size].reshape(num_groups, max_num_reqs, max_blocks_per_req)    # (G, R, C)
         host_t, self.tensor = _mirror(self.np, self.device, share_host_memory)
         if host_t is not self.tensor and self.device.type == "cuda":
-            self.np = host_t.pin_memory().numpy()
-        self._flat = self.np.reshape(-1)                                                # (G*R*C,)
+            flat = torch.from_numpy(flat).pin_memory().numpy()
+            self.np = flat[:size].reshape(num_groups, max_num_reqs, max_blocks_per_req)
+        self._flat = flat
         self._group_offsets = (np.arange(num_groups, dtype=np.int64)
                                * (max_num_reqs * max_blocks_per_req))[:, None]           # (G, 1)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)        # (R,) used columns, same in every group
@@ -186,11 +190,27 @@ class MultiGroupBlockTable:
             cols, self._device_cols = max(used, self._device_cols), used    # also re-null shrunk rows
             self.tensor[:, :num_rows, :cols].copy_(host[:, :num_rows, :cols], non_blocking=True)
 
+    def row_windows(self, groups: slice, rows: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+        """(len(groups), B, width) int32: in each of ``groups``, row ``rows[i]`` (B,) from column
+        ``start[i]`` on (``start[i] <= max_blocks_per_req``); entries past the row's last column are null.
+
+        One gather for all groups: each output row is a contiguous run of the flat tables, copied out of a
+        strided "sliding window" view (the trailing null row keeps the last window in bounds). Only a row
+        whose window crosses its row end (``start + width > max_blocks_per_req``) needs its tail nulled."""
+        C = self.max_blocks_per_req
+        first = self._group_offsets[groups] + (rows * C + start)                     # (G', B)
+        item = self._flat.itemsize
+        windows = np.ndarray((self._flat.size - width + 1, width), np.int32, self._flat, 0, (item, item))
+        out = windows[first]
+        if int(np.maximum.reduce(start, initial=0)) + width > C:
+            cross = np.flatnonzero(start + width > C)
+            out[:, cross] *= np.arange(width) < (C - start[cross])[:, None]
+        return out
+
     def slot_mapping(self, req_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """(G, T) int64 slots of tokens at ``positions`` (T,) in rows ``req_rows`` (T,), every group."""
         blk, off = np.divmod(positions, self.block_size)                                 # (T,) each
         idx = req_rows.astype(np.int64, copy=False) * self.max_blocks_per_req + blk + self._group_offsets
-        out = self._flat[idx].astype(np.int64)
-        out *= self.block_size
+        out = np.multiply(self._flat[idx], self.block_size, dtype=np.int64)
         out += off
         return out

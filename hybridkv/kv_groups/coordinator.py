@@ -96,8 +96,10 @@ class KVCacheCoordinator:
             max(n_attn, 1), max_num_reqs, cdiv(plan.max_model_len, bs), block_size=bs, device=device,
             share_host_memory=share_host_memory)
         self.managers: list[AttentionManager] = []
+        self._table_slices: list[slice] = []                # each manager's tables in block_tables
         start = 0
         for spec, gids in ordered:
+            self._table_slices.append(slice(start, start + len(gids)))
             self.managers.append(make_attention_manager(
                 spec, group_ids=gids, pool=self.pool, tables=self.block_tables.np[start:start + len(gids)]))
             start += len(gids)
@@ -182,6 +184,30 @@ class KVCacheCoordinator:
         """(n,) int32 entries of the request in an attention group (null = 0 for freed entries)."""
         row = self._rows[request_id]
         return self.block_tables.np[self.table_index[group_id], row, :self._num_cols[row]].copy()
+
+    def step_tables(self, rows: np.ndarray, seq_lens: np.ndarray
+                    ) -> tuple[list[np.ndarray], list[np.ndarray | None], int]:
+        """The block tables a step reads, per attention table (``table_index`` order): (B, *) int32 rows of
+        ``rows`` (B,) covering ``seq_lens`` (B,) keys, allocated for them; and the logical width
+        (the most blocks a row reads). An early-freeing kind's rows start at their first live block (its
+        (B,) int32 starts are returned, None for full attention): a step neither copies nor reads the
+        entries of blocks already freed, which are exactly the blocks the sliding-window and
+        local-attention transforms would drop."""
+        bs = self.block_size
+        need = (seq_lens + (bs - 1)) // bs                          # (B,) blocks each row reads
+        width = int(_max(need, initial=0))
+        tables: list[np.ndarray] = []
+        starts: list[np.ndarray | None] = []
+        for m, groups in zip(self.managers, self._table_slices, strict=True):
+            if m.frees_early:
+                start = m.num_skipped[rows]
+                live = int(_max(need - start, initial=0))
+                tables.extend(self.block_tables.row_windows(groups, rows, start, live))
+                starts.extend([start] * (groups.stop - groups.start))
+            else:
+                tables.extend(self.block_tables.np[groups][:, rows, :width])
+                starts.extend([None] * (groups.stop - groups.start))
+        return tables, starts, width
 
     def mamba_slot(self, request_id: str) -> int:
         """The request's working state slot (0 before its first allocate, or without Mamba groups)."""

@@ -103,6 +103,8 @@ def make_local_attention_virtual_batches(
     query's chunk to still be in the block table (``key_start <= chunk start``), otherwise ValueError.
     """
     chunk = _check_chunk(cam, attn_chunk_size)
+    if cam.num_reqs and cam.max_query_len == 1 and cam.num_actual_tokens == cam.num_reqs:
+        return _one_query_each(cam, chunk)
     req, qv, kv, lo, col0, nblk, one_each = _virtual_host(cam, chunk)
     if one_each:  # same requests, same query offsets (the decode hot path): reuse them, host and device
         if not col0.any():
@@ -125,6 +127,31 @@ def make_local_attention_virtual_batches(
         device=cam.device,
         causal=cam.causal,
     )
+
+
+def _one_query_each(cam: CommonAttentionMetadata, chunk: int) -> CommonAttentionMetadata:
+    """``make_local_attention_virtual_batches`` when every request has exactly one query (decodes): each is
+    its own virtual request, reading its chunk's keys up to the query. Few numpy calls: at batch 256 their
+    overhead, not the data, is the cost."""
+    bs, ks = cam.block_size, cam.key_start_cpu
+    aligned = not (np.bitwise_or.reduce(ks) & (chunk - 1)) if chunk & (chunk - 1) == 0 else not (ks % chunk).any()
+    if aligned and np.maximum.reduce(cam.seq_lens_cpu) <= chunk:  # each row starts at its query's chunk
+        return cam
+    a0 = ks + cam.num_computed_tokens_cpu  # absolute position of each query
+    into = a0 % chunk  # keys of its chunk before it
+    lo = a0 - into  # chunk start
+    col0 = floordiv(lo - ks, bs)
+    if np.minimum.reduce(col0) < 0:
+        raise ValueError(
+            "key_start_cpu: the block table starts after the first query's chunk "
+            "(trimmed with a window narrower than the chunk?); its keys are gone"
+        )
+    if not col0.any():
+        return cam
+    nblk = floordiv(into, bs)
+    nblk += 1
+    bt = gather_block_rows(cam.block_table_cpu, np.arange(cam.num_reqs), col0, nblk, int(np.maximum.reduce(nblk)))
+    return cam.with_keys(seq_lens_cpu=into + 1, key_start_cpu=lo, block_table_cpu=bt, num_computed_tokens_cpu=into)
 
 
 def make_local_attention_virtual_batches_device(

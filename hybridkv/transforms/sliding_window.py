@@ -40,23 +40,18 @@ def trim_sliding_window(cam: CommonAttentionMetadata, sliding_window: int) -> Co
     if sliding_window <= 0:
         raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
     bs = cam.block_size
-    nc = cam.num_computed_tokens_cpu  # relative position of each row's earliest query
-    drop = floordiv(np.maximum(nc - (int(sliding_window) - 1), 0), bs)  # whole blocks before its window
-    if cam.num_reqs == 0 or not drop.any():
+    # Keys before each row's earliest window (its earliest query sits at relative num_computed).
+    over = cam.num_computed_tokens_cpu - (int(sliding_window) - 1)
+    if cam.num_reqs == 0 or np.maximum.reduce(over) < bs:  # no row has a whole block to drop
         return cam
+    drop = floordiv(np.maximum(over, 0, out=over), bs)  # whole blocks before its window
     shift = drop * bs
     seq = cam.seq_lens_cpu - shift
     nblk = floordiv(seq + (bs - 1), bs)
-    width = int(nblk.max())
-    bt = gather_block_rows(cam.block_table_cpu, np.arange(cam.num_reqs), drop, nblk, width)
-    return CommonAttentionMetadata.from_host(
-        query_start_loc_cpu=cam.query_start_loc_cpu,
-        query_start_loc=cam.query_start_loc,
+    bt = gather_block_rows(cam.block_table_cpu, np.arange(cam.num_reqs), drop, nblk, int(np.maximum.reduce(nblk)))
+    return cam.with_keys(
         seq_lens_cpu=seq,
         key_start_cpu=cam.key_start_cpu + shift,
         block_table_cpu=bt,
-        slot_mapping=cam.slot_mapping,
-        block_size=bs,
-        device=cam.device,
-        causal=cam.causal,
+        num_computed_tokens_cpu=cam.num_computed_tokens_cpu - shift,
     )
