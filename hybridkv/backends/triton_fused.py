@@ -5,9 +5,9 @@ such launches, so their number, not their bytes, sets the step time.
 - ``add_rms_norm`` / ``rms_norm``: one program per row: optional post-norm of the branch output, residual
   multiplier, residual add, the next pre-norm; fp32 math with the reference's rounding points.
 - ``act_mul``: ``act(gate) * up`` over the packed gate|up projection (silu, gelu, gelu_tanh, relu2).
-- ``qk_rope_write_kv``: one program per (token, q head or kv head): q/k norm, RoPE (rotate-half or
-  interleaved, partial), post-RoPE norm or NoPE temperature, then q out and K/V into the paged cache
-  (negative slot: padding, not written).
+- ``qk_rope_write_kv``: one program per token, all its heads as one (heads, head_dim) tile: q/k norm, RoPE
+  (rotate-half or interleaved, partial), post-RoPE norm or NoPE temperature, then q out and K/V into the
+  paged cache (negative slot: padding, not written).
 - ``gated_rms_norm``: one program per (token, group): Mamba2's ``norm(y * silu(z))``.
 
 All grids depend on shapes only and nothing syncs, so they capture in CUDA graphs.
@@ -183,31 +183,19 @@ def act_mul_triton(x: torch.Tensor, *, activation: str, gated: bool = True, gate
 
 
 @triton.jit
-def _qk_rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_heads, eps, attn_scale, floor_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    QK_NORM: tl.constexpr, POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    is_q = h < num_heads
-    d = tl.arange(0, HEAD_DIM_P)
-    d_ok = d < HEAD_DIM
-    ty = q_out_ptr.dtype.element_ty
-    if is_q:
-        row_ptr = q_ptr + t * stride_qt + h * stride_qh
-        w_ptr = qw_ptr
-    else:
-        row_ptr = k_ptr + t * stride_kt + (h - num_heads) * stride_kh
-        w_ptr = kw_ptr
-    x = tl.load(row_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
+def _prep_heads(row_ptr, stride_h, n_heads, w_ptr, pos, inv_freq_ptr, eps, attn_scale, floor_scale, ty,
+                HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, ROT_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr, POST_NORM: tl.constexpr, GEMMA: tl.constexpr,
+                TEMPERATURE: tl.constexpr):
+    """One token's heads (HEADS_P, HEAD_DIM_P) as fp32 values already rounded to ``ty``: per-head norm, RoPE,
+    post-RoPE norm, temperature, in ``qk_rope_write_kv_ref``'s order and rounding."""
+    hh = tl.arange(0, HEADS_P)[:, None]
+    d = tl.arange(0, HEAD_DIM_P)[None, :]
+    ok = (hh < n_heads) & (d < HEAD_DIM)
+    ptrs = row_ptr + hh * stride_h
+    x = tl.load(ptrs + d, mask=ok, other=0.0).to(tl.float32)
     if ROT_DIM > 0:
-        rot = d < ROT_DIM
+        rot = ok & (d < ROT_DIM)
         if INTERLEAVED:
             partner = d ^ 1
             sign = tl.where(d % 2 == 0, -1.0, 1.0)
@@ -216,34 +204,58 @@ def _qk_rope_kv_kernel(
             partner = tl.where(d < ROT_DIM // 2, d + ROT_DIM // 2, d - ROT_DIM // 2)
             sign = tl.where(d < ROT_DIM // 2, -1.0, 1.0)
             fi = d % (ROT_DIM // 2)
-        xp = tl.load(row_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        xp = tl.load(ptrs + partner, mask=rot, other=0.0).to(tl.float32)
     if QK_NORM:
-        inv = 1.0 / tl.sqrt(tl.sum(tl.where(d_ok, x * x, 0.0), 0) / HEAD_DIM + eps)
-        x = _scale_weight(x * inv, w_ptr, d, d_ok, GEMMA, ty).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = _scale_weight(x * inv, w_ptr, d, d < HEAD_DIM, GEMMA, ty).to(tl.float32)
         if ROT_DIM > 0:
-            xp = _scale_weight(xp * inv, w_ptr, partner, rot, GEMMA, ty).to(tl.float32)
+            xp = _scale_weight(xp * inv, w_ptr, partner, d < ROT_DIM, GEMMA, ty).to(tl.float32)
     if ROT_DIM > 0:
-        theta = pos * tl.load(inv_freq_ptr + fi, mask=rot, other=0.0)
+        theta = pos * tl.load(inv_freq_ptr + fi, mask=d < ROT_DIM, other=0.0)
         roped = x * tl.cos(theta) + sign * xp * tl.sin(theta)
         x = tl.where(rot, roped.to(ty).to(tl.float32), x)
         if POST_NORM:
-            x = _normalize(x, d_ok, HEAD_DIM, eps).to(ty).to(tl.float32)
-    if is_q:
-        if TEMPERATURE:
-            scale = 1.0 + attn_scale * tl.log(1.0 + tl.floor((pos + 1.0) / floor_scale))
-            x = (x * scale).to(ty).to(tl.float32)
-        tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, x.to(ty), mask=d_ok)
-    else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            kh = h - num_heads
-            blk = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + d,
-                     x.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
-            v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=d_ok, other=0.0)
-            tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + d,
-                     v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+            x = (x * inv).to(ty).to(tl.float32)
+    if TEMPERATURE:
+        x = (x * (1.0 + attn_scale * tl.log(1.0 + tl.floor((pos + 1.0) / floor_scale)))).to(ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _qk_rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_heads, num_kv_heads, eps, attn_scale, floor_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, Q_HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr,
+    ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr, POST_NORM: tl.constexpr,
+    GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: all its q heads out, its k and v heads into the cache."""
+    t = tl.program_id(0).to(tl.int64)
+    ty = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    d = tl.arange(0, HEAD_DIM_P)[None, :]
+    q = _prep_heads(q_ptr + t * stride_qt, stride_qh, num_heads, qw_ptr, pos, inv_freq_ptr, eps, attn_scale,
+                    floor_scale, ty, Q_HEADS_P, HEAD_DIM, HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM,
+                    GEMMA, TEMPERATURE)
+    qh = tl.arange(0, Q_HEADS_P)[:, None]
+    tl.store(q_out_ptr + t * stride_ot + qh * stride_oh + d, q.to(ty), mask=(qh < num_heads) & (d < HEAD_DIM))
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        k = _prep_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, kw_ptr, pos, inv_freq_ptr, eps,
+                        attn_scale, floor_scale, ty, KV_HEADS_P, HEAD_DIM, HEAD_DIM_P, ROT_DIM, INTERLEAVED,
+                        QK_NORM, POST_NORM, GEMMA, False)
+        kh = tl.arange(0, KV_HEADS_P)[:, None]
+        ok = (kh < num_kv_heads) & (d < HEAD_DIM)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + d,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=ok, other=0.0)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + d,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def qk_rope_write_kv_triton(
@@ -283,16 +295,18 @@ def qk_rope_write_kv_triton(
     temperature = prep.rot_dim == 0 and prep.temperature_tuning is not None
     attn_scale, floor_scale = prep.temperature_tuning if temperature else (0.0, 1.0)
     dummy = positions
-    _qk_rope_kv_kernel[(n, heads + kv_heads)](
+    elems = _pow2(heads) * _pow2(d)
+    _qk_rope_kv_kernel[(n,)](
         q, k, v, positions, inv_freq if prep.rot_dim else dummy, q_norm_weight if norm else dummy,
         k_norm_weight if norm else dummy, out, k_cache, v_cache, slot_mapping,
-        heads, prep.eps, attn_scale, floor_scale,
+        heads, kv_heads, prep.eps, attn_scale, floor_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), ROT_DIM=prep.rot_dim, INTERLEAVED=prep.interleaved, QK_NORM=norm,
-        POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless", GEMMA=prep.gemma_norm,
-        TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1], num_warps=1 if d <= 128 else 2)
+        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), Q_HEADS_P=_pow2(heads), KV_HEADS_P=_pow2(kv_heads), ROT_DIM=prep.rot_dim,
+        INTERLEAVED=prep.interleaved, QK_NORM=norm, POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless",
+        GEMMA=prep.gemma_norm, TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=max(1, min(8, elems // 512)))
     return out
 
 

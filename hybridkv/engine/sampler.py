@@ -44,13 +44,10 @@ class SamplingTensors:
     seeds: torch.Tensor         # (batch,) int64
     counters: torch.Tensor      # (batch,) int64: index of the token being sampled in its sequence
     needs_filtering: bool       # any top-k / top-p / min-p in the batch
-    all_greedy: bool = False    # every row greedy: an argmax, no noise to draw
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """(batch, vocab) fp32 logits -> (batch,) sampled token ids."""
-    if params.all_greedy:
-        return logits.argmax(-1)
     greedy = params.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     if params.needs_filtering:
