@@ -1,44 +1,27 @@
 """Triton paged attention and KV write against the torch reference and the dense oracle.
 
-On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before the kernel module is imported; the interpreter decides at decoration time) at tiny sizes.
+On a machine without CUDA the kernels run under Triton's interpreter (``tests/_triton.py``) at tiny sizes.
 With CUDA, the same checks run compiled, plus bf16 checks marked ``gpu``.
 Skipped with a reason when triton is not importable.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
+from _cam_helpers import dense_attention, make_batch, poison_unreferenced
+from _triton import DEVICE, HAS_CUDA, gpu, kernel_module
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-from _cam_helpers import dense_attention, make_batch, poison_unreferenced  # noqa: E402
-
-from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
-from hybridkv.metadata import CommonAttentionMetadata  # noqa: E402
-from hybridkv.transforms import (  # noqa: E402
+from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref
+from hybridkv.metadata import CommonAttentionMetadata
+from hybridkv.transforms import (
     make_local_attention_virtual_batches,
     make_local_attention_virtual_batches_device,
     trim_sliding_window,
 )
 
-_MOD = "hybridkv.backends.triton_attention"
-if not _HAS_CUDA and _MOD in sys.modules:   # imported compiled earlier in this process: re-decorate
-    importlib.reload(sys.modules[_MOD])
-ta = importlib.import_module(_MOD)
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-gpu = pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device")
+ta = kernel_module("hybridkv.backends.triton_attention")
 
 
 def _random_spec(rng: np.random.Generator, max_reqs: int, max_len: int) -> tuple[list[int], list[int]]:
@@ -198,7 +181,7 @@ def test_backend_registry_entry():
     from hybridkv.backends.registry import _REGISTRY, get_backend
 
     assert _REGISTRY["triton"].factory is not None
-    if not _HAS_CUDA:
+    if not HAS_CUDA:
         with pytest.raises(RuntimeError, match="CUDA"):
             get_backend("triton", "cpu")
     else:

@@ -10,20 +10,11 @@ written, padding rows (slot -1) must not be written.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from _triton import DEVICE, HAS_CUDA, kernel_module
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-from hybridkv.layers.ops.fused_ref import (  # noqa: E402
+from hybridkv.layers.ops.fused_ref import (
     QKPrep,
     act_mul_ref,
     add_rms_norm_ref,
@@ -31,16 +22,11 @@ from hybridkv.layers.ops.fused_ref import (  # noqa: E402
     qk_rope_write_kv_ref,
     rms_norm_ref,
 )
-from hybridkv.layers.rotary import rope_inv_freq  # noqa: E402
-from hybridkv.models.config import Rope  # noqa: E402
+from hybridkv.layers.rotary import rope_inv_freq
+from hybridkv.models.config import Rope
 
-_MOD = "hybridkv.backends.triton_fused"
-if not _HAS_CUDA and _MOD in sys.modules:   # imported compiled earlier in this process: re-decorate
-    importlib.reload(sys.modules[_MOD])
-tf = importlib.import_module(_MOD)
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if _HAS_CUDA else [torch.float32]
+tf = kernel_module("hybridkv.backends.triton_fused")
+DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
 
 
 def _strided(t: torch.Tensor, extra: int = 5) -> torch.Tensor:

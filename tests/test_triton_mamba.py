@@ -1,9 +1,8 @@
 """Triton Mamba kernels (causal conv1d + update, Mamba2 SSD chunk scan + state update) against their
 torch reference twins, outputs AND in-place state slots.
 
-On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before
-the kernel modules are imported; the interpreter decides at decoration time) at tiny sizes. With CUDA the
-same checks run compiled, plus bf16 checks and a CUDA-graph capture check marked ``gpu``.
+On a machine without CUDA the kernels run under Triton's interpreter (``tests/_triton.py``) at tiny sizes.
+With CUDA the same checks run compiled, plus bf16 checks and a CUDA-graph capture check marked ``gpu``.
 
 Every batch is hostile: several requests of mixed lengths (0, 1, chunk multiples and not), with and
 without initial state, state slots shuffled with spare slots; unused slots and the slots of requests
@@ -13,35 +12,19 @@ without initial state hold NaN (the latter must never be read), outputs are NaN-
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _triton import DEVICE, gpu, kernel_module
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref
+from hybridkv.layers.ops.ssd_ref import ssd_chunk_scan_ref, ssd_state_update_ref
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref  # noqa: E402
-from hybridkv.layers.ops.ssd_ref import ssd_chunk_scan_ref, ssd_state_update_ref  # noqa: E402
-
-_MODS = ("hybridkv.backends.triton_conv1d", "hybridkv.backends.triton_ssd")
-if not _HAS_CUDA:   # imported compiled earlier in this process: re-decorate under the interpreter
-    for _m in _MODS:
-        if _m in sys.modules:
-            importlib.reload(sys.modules[_m])
-tc = importlib.import_module(_MODS[0])
-ts = importlib.import_module(_MODS[1])
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
-gpu = pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device")
+tc = kernel_module("hybridkv.backends.triton_conv1d")
+ts = kernel_module("hybridkv.backends.triton_ssd")
 NAN = float("nan")
 
 
