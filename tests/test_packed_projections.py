@@ -47,3 +47,24 @@ def test_a_moved_module_runs_unpacked() -> None:
     twin = build_model(_config(), seed=2).to(torch.float64)
     ids = list(range(5, 12))
     torch.testing.assert_close(reference_logits(model, ids), reference_logits(twin, ids))
+
+
+def test_mixed_biases_are_not_packed_and_modules_run_outside_a_step() -> None:
+    """Linears with and without a bias cannot share one GEMM: they stay unpacked. A module called on its
+    own (no step, no forward context) runs on the torch references (``current_ops``)."""
+    from torch import nn
+
+    from hybridkv.forward_context import current_ops
+    from hybridkv.layers.linear import PackedLinears
+    from hybridkv.layers.mlp import DenseMLP
+
+    assert not PackedLinears.can_pack(nn.Linear(8, 4, bias=True), nn.Linear(8, 4, bias=False))
+    assert not PackedLinears.can_pack(nn.Linear(8, 4), nn.Linear(6, 4))
+    assert current_ops().name == "torch"
+    torch.manual_seed(0)
+    mlp = DenseMLP(8, 12)
+    x = torch.randn(3, 8)
+    want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    mlp.fuse_projections()
+    assert mlp.packed is not None and mlp.packed.valid()
+    torch.testing.assert_close(mlp(x), want)
