@@ -24,8 +24,8 @@ from hybridkv.backends.triton_fused import _ACT_IDS, _activation
 
 __all__ = ["moe_experts_gemv"]
 
-# Tuned on an H100 (expert shapes 2048x2048 and 5120x8192, 1-8 rows): few output channels per program
-# keep enough programs in flight to saturate memory; 16 per program ran at half the bandwidth.
+# Tuned on an H100 (`benchmarks/gpu_sweeps.py moe-gemv`: expert shapes 2048x2048 and 5120x8192, 1-8 rows): few
+# output channels per program keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
 _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
 

@@ -1,0 +1,144 @@
+# ruff: noqa: B023  (the timed closures run inside the iteration that made them)
+"""Launch-configuration sweeps behind the Triton defaults (H100), each with its correctness check.
+
+    python benchmarks/gpu_sweeps.py decode-segments   # paged-attention decode: split-KV segments 1..64
+    python benchmarks/gpu_sweeps.py prefill-tiles     # paged-attention prefill: BLOCK_M x TILE x warps x stages
+    python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
+
+Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
+also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
+configuration against fp32 SDPA on the same dense K/V (``tests/test_moe.py`` checks the GEMVs' values).
+What ``docs/gpu.md`` quotes (session 12): decode segments stay as chosen; prefill d = 256 -> 128 x 64 x 8 warps,
+d <= 64 -> 128 x 128 x 4 warps; GEMVs 4 output channels per program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_attention import PagedBatch, graph_time_us  # noqa: E402
+
+
+def decode_segments() -> None:
+    from hybridkv.backends.triton_attention import launch_config, paged_attention_triton
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for h, kv, d, B, ctx in [(32, 8, 64, 32, 512), (32, 8, 64, 1, 512), (4, 1, 256, 32, 512), (4, 1, 256, 1, 512),
+                             (32, 8, 128, 32, 1024), (32, 8, 128, 32, 8192), (32, 8, 128, 128, 8192),
+                             (4, 1, 256, 32, 8192)]:
+        set_bytes = 2 * B * ctx * kv * d * 2
+        n_sets = int(min(64, max(1, math.ceil(4 * l2 / set_bytes))))
+        b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=B + ctx,
+                       n_sets=n_sets, poison=False)
+        outs = [torch.empty_like(q) for q in b.q]
+        res = []
+        for segs in (1, 2, 4, 8, 16, 32, 64):
+            fns = [lambda i=i, s=segs: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
+                                                               scale=b.scale, out=outs[i], num_segments=s)
+                   for i in range(n_sets)]
+            res.append(f"{segs}:{graph_time_us(fns, 100):.1f}")
+        cfg = launch_config(head_dim=d, group=h // kv, max_query_len=1)
+        progs = (B // cfg["BLOCK_Q"] + B) * kv
+        print(f"{h}/{kv}/{d} B={B} ctx={ctx} progs(seg1)={progs} bytes={set_bytes / 1e6:.1f}MB "
+              f"us by segments: {' '.join(res)}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def prefill_tiles() -> None:
+    from hybridkv.backends.triton_attention import launch_config, paged_attention_triton
+
+    for h, kv, d, S in [(32, 8, 64, 8192), (32, 8, 64, 2048), (32, 8, 128, 8192), (4, 1, 256, 8192),
+                        (4, 1, 256, 2048)]:
+        b = PagedBatch([S], [S], bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=S + d, n_sets=1)
+        kd, vd, g = b.k_dense[0][0], b.v_dense[0][0], h // kv
+        ref = F.scaled_dot_product_attention(
+            b.q[0].float().transpose(0, 1), kd.float().transpose(0, 1).repeat_interleave(g, 0),
+            vd.float().transpose(0, 1).repeat_interleave(g, 0), is_causal=True, scale=b.scale).transpose(0, 1)
+        qd, kdd, vdd = b.q[0].transpose(0, 1)[None], kd.transpose(0, 1)[None], vd.transpose(0, 1)[None]
+        t_sdpa = graph_time_us([lambda: F.scaled_dot_product_attention(qd, kdd, vdd, is_causal=True, enable_gqa=True,
+                                                                      scale=b.scale)], 10)
+        out = torch.empty_like(b.q[0])
+
+        def timed(config):
+            t = graph_time_us([lambda: paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0],
+                                                              scale=b.scale, out=out, config=config)], 10)
+            return t, ((out.float() - ref).norm() / ref.norm()).item()
+
+        print(f"{h}/{kv}/{d} S={S}: default {launch_config(head_dim=d, group=g, max_query_len=S)}; "
+              f"SDPA (flash, dense) {t_sdpa:.1f} us", flush=True)
+        t0, e0 = timed(None)
+        print(f"   default: {t0:.1f} us err {e0:.2e}")
+        res = []
+        for bm, tile, nw, ns in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            c = {"BLOCK_M": bm, "TILE": tile, "num_warps": nw, "num_stages": ns}
+            try:
+                res.append((*timed(c), c))
+            except Exception as e:  # noqa: BLE001  (out of shared memory / registers for this shape)
+                print(f"   skipped {c}: {type(e).__name__}")
+        for t, err, c in sorted(res, key=lambda r: r[0])[:5]:
+            print(f"   {t:.1f} us err {err:.2e} {c}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def moe_gemv() -> None:
+    import triton
+
+    from hybridkv.backends import triton_moe as tm
+    from hybridkv.layers.moe import Experts, moe_experts_grouped
+
+    dev = "cuda"
+    for dim, inter, E, rows in ((2048, 2048, 4, 1), (2048, 2048, 4, 8), (5120, 8192, 16, 1)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        gate, up = (torch.randn(E, inter, dim, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in "gu")
+        down = torch.randn(E, dim, inter, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        x = torch.randn(rows, dim, device=dev, dtype=torch.bfloat16, generator=g)
+        ids = torch.randint(0, E, (rows, 1), device=dev, generator=g)
+        w = torch.rand(rows, 1, device=dev, generator=g)
+        ex = Experts(gate=gate, up=up, down=down, activation="silu", scale_input=True)
+        nexp = len(set(ids.flatten().tolist()))
+        gu_bytes, d_bytes = nexp * 2 * inter * dim * 2, nexp * inter * dim * 2
+        t_grp = triton.testing.do_bench(lambda: moe_experts_grouped(x, ids, w, ex), warmup=20, rep=100)
+        print(f"dim {dim} inter {inter} E {E} rows {rows}: grouped path {t_grp * 1e3:.1f} us with launches "
+              f"({(gu_bytes + d_bytes) / t_grp / 1e6:.0f} GB/s)")
+        h = torch.empty(rows, inter, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(rows, dim, device=dev)
+        fi, fw = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+        res = []
+        for bn, bk, nw, ns in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)):
+            if not 256 <= bn * bk <= 16384:
+                continue
+            f1 = lambda: tm._gate_up_kernel[(rows, triton.cdiv(inter, bn))](  # noqa: E731
+                x, fi, fw, gate, up, h, dim, inter, 1, x.stride(0), gate.stride(0), gate.stride(1), up.stride(0),
+                up.stride(1), h.stride(0), ACT=0, GATED=True, SCALE_INPUT=True, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=nw, num_stages=ns)
+            f2 = lambda: tm._down_kernel[(rows, triton.cdiv(dim, bn))](  # noqa: E731
+                h, fi, fw, down, y, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+                SCALE_INPUT=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            res.append((triton.testing.do_bench(f1, warmup=5, rep=30), triton.testing.do_bench(f2, warmup=5, rep=30),
+                        (bn, bk, nw, ns)))
+        b1, b2 = min(res), min(res, key=lambda r: r[1])
+        print(f"  best gate_up {b1[0] * 1e3:.1f} us ({gu_bytes / b1[0] / 1e6:.0f} GB/s) cfg {b1[2]}; "
+              f"best down {b2[1] * 1e3:.1f} us ({d_bytes / b2[1] / 1e6:.0f} GB/s) cfg {b2[2]}")
+        for r in sorted(res, key=lambda r: r[0] + r[1])[:5]:
+            print(f"  sum-best {r[2]}: {r[0] * 1e3:.1f} + {r[1] * 1e3:.1f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep", choices=("decode-segments", "prefill-tiles", "moe-gemv"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_sweeps.py needs a CUDA device")
+    {"decode-segments": decode_segments, "prefill-tiles": prefill_tiles, "moe-gemv": moe_gemv}[args.sweep]()
+
+
+if __name__ == "__main__":
+    main()
