@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.forward_context import current_ops
+from hybridkv.backends.registry import KernelBackend
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -84,7 +84,7 @@ class Mamba2Layer(StateSlotMixer):
                                             state_indices=meta.state_indices, activation="silu")
             xs, B, C = self._split_xbc(xbc_d)
             y = be.ssd_state_update(ssm_states, xs, dt, A, B, C, state_indices=meta.state_indices, **ssm_kw)
-            return self._output(y, z)
+            return self._output(y, z, be)
         y = torch.empty(x.shape[0], self.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
         if nd:
             dec_idx = meta.state_indices[:nd]
@@ -101,19 +101,19 @@ class Mamba2Layer(StateSlotMixer):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        return self._output(y, z)
+        return self._output(y, z, be)
 
-    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def _output(self, y: torch.Tensor, z: torch.Tensor, be: KernelBackend) -> torch.Tensor:
         """y: (num_tokens, heads, head_dim) scan output, z: the gate -> out_proj(gated norm) (num_tokens, hidden)."""
         y = y.reshape(y.shape[0], self.intermediate_size)
         norm = self.norm
         if norm is not None and norm.spans_ranks:     # its group's sum of squares is all-reduced
             y = norm(y, z)
         else:
-            y = current_ops().gated_rms_norm(y, z, norm.weight if norm is not None else None,
-                                             n_groups=norm.n_groups if norm is not None else 1,
-                                             eps=norm.eps if norm is not None else 0.0,
-                                             norm_before_gate=norm is not None and norm.norm_before_gate)
+            y = be.gated_rms_norm(y, z, norm.weight if norm is not None else None,
+                                  n_groups=norm.n_groups if norm is not None else 1,
+                                  eps=norm.eps if norm is not None else 0.0,
+                                  norm_before_gate=norm is not None and norm.norm_before_gate)
         out = self.out_proj(y)                                              # (num_tokens, hidden_size)
         return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
 
