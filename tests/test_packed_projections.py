@@ -68,3 +68,29 @@ def test_mixed_biases_are_not_packed_and_modules_run_outside_a_step() -> None:
     mlp.fuse_projections()
     assert mlp.packed is not None and mlp.packed.valid()
     torch.testing.assert_close(mlp(x), want)
+
+
+def test_a_replaced_parameter_unpacks_and_packing_twice_changes_nothing() -> None:
+    model = build_model(_config(), seed=2)
+    model.fuse_projections()
+    attention = model.layers[0].mixer
+    packed = attention.packed
+    model.fuse_projections()                      # idempotent: the same packed tensors stay
+    assert attention.packed is packed and packed.valid()
+    with torch.no_grad():
+        attention.v_proj.weight = torch.nn.Parameter(attention.v_proj.weight * 2)
+    assert not attention.packed.valid()           # any replaced parameter, not only the first one
+    twin = build_model(_config(), seed=2)
+    with torch.no_grad():
+        twin.layers[0].mixer.v_proj.weight.mul_(2)
+    ids = list(range(4, 11))
+    torch.testing.assert_close(reference_logits(model, ids), reference_logits(twin, ids))
+
+
+def test_a_mamba2_model_built_under_inference_mode_runs() -> None:
+    """Parameters made under ``torch.inference_mode`` have no version counter: Mamba2's cached -exp(A_log)
+    must not need one."""
+    with torch.inference_mode():
+        model = build_model(_config(), seed=3)
+        logits = reference_logits(model, list(range(3, 12)))
+    assert torch.isfinite(logits).all()

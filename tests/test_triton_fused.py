@@ -135,7 +135,7 @@ def test_qk_rope_write_kv(dtype, name) -> None:
     prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
     q, k, v = (t.view(n, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
-    positions = torch.tensor([0, 5, 9, 17, 3000, 12], device=DEVICE)
+    positions = torch.tensor([0, 5, 9, 17, 3000, 987654], device=DEVICE)     # RoPE angles up to ~1e6 rad
     slots = torch.tensor([1, 6, -1, 13, 19, 2], device=DEVICE)   # one padding row
     inv_freq = rope_inv_freq(rope, prep.rot_dim).to(DEVICE) if rope is not None else None
     qw = (torch.randn(d, generator=g) * 0.3 + 1).to(DEVICE, dtype)
@@ -244,3 +244,22 @@ def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm) -> None:
                   cuda_graphs=False)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate([ids, ids[:5]], params, use_tqdm=False)]
     assert outs["fused"] == outs["torch"]
+
+
+def test_norms_with_a_wider_weight_round_like_the_reference() -> None:
+    """An fp16 input with an fp32 weight: the reference rounds the normalised value to fp16, then scales in
+    the promoted dtype (fp32); the kernels do the same (fp16 rounds correctly under the interpreter too)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 40, generator=g).to(DEVICE, torch.float16)
+    w = (torch.randn(40, generator=g) * 0.3 + 1).to(DEVICE)
+    out = tf.rms_norm_triton(x, w, eps=1e-6)
+    ref = rms_norm_ref(x, w, eps=1e-6)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    z = torch.randn(4, 40, generator=g).to(DEVICE, torch.float16)
+    out = tf.gated_rms_norm_triton(x, z, w, n_groups=2)
+    ref = gated_rms_norm_ref(x, z, w, n_groups=2)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="post-norm weight"):
+        tf.add_rms_norm_triton(x, x, weight=None, eps=1e-6, delta_weight=w)

@@ -43,13 +43,13 @@ def _normalize(x, mask, n, eps):
 
 
 @triton.jit
-def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, OUT_TY: tl.constexpr):
-    """The RMSNorm weight step, rounded as ``rms_norm_ref``: Gemma (normed * (1 + w)).to(dtype), plain
-    w * normed.to(dtype)."""
+def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, IN_TY: tl.constexpr, OUT_TY: tl.constexpr):
+    """The RMSNorm weight step, rounded as ``rms_norm_ref`` for an input of dtype IN_TY: Gemma
+    (normed * (1 + w)).to(IN_TY), plain w * normed.to(IN_TY) in OUT_TY (the promotion of IN_TY and w's)."""
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:
-        return (normed * (1.0 + w)).to(OUT_TY)
-    return (normed.to(OUT_TY).to(tl.float32) * w).to(OUT_TY)
+        return (normed * (1.0 + w)).to(IN_TY)
+    return (normed.to(IN_TY).to(tl.float32) * w).to(OUT_TY)
 
 
 @triton.jit
@@ -68,15 +68,19 @@ def _add_rms_norm_kernel(
         d_ty = delta_ptr.dtype.element_ty
         d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA_W:
-            d = _scale_weight(_normalize(d, mask, n, eps), dw_ptr, offs, mask, GEMMA, d_ty).to(tl.float32)
+            d = _scale_weight(_normalize(d, mask, n, eps), dw_ptr, offs, mask, GEMMA, d_ty, d_ty).to(tl.float32)
         if HAS_SCALE:
             d = (d * scale).to(d_ty).to(tl.float32)
         r = (r + d).to(res_ty)
         tl.store(res_out_ptr + row * stride_ro + offs, r, mask=mask)
     if HAS_NORM:
         out_ty = out_ptr.dtype.element_ty
-        x = r.to(out_ty).to(tl.float32)
-        y = _scale_weight(_normalize(x, mask, n, eps), w_ptr, offs, mask, GEMMA, out_ty)
+        if HAS_DELTA:  # noqa: SIM108  (a static branch; the norm reads the residual in the weight dtype, else x)
+            in_ty = w_ptr.dtype.element_ty
+        else:
+            in_ty = res_ptr.dtype.element_ty
+        x = r.to(in_ty).to(tl.float32)
+        y = _scale_weight(_normalize(x, mask, n, eps), w_ptr, offs, mask, GEMMA, in_ty, out_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
@@ -95,6 +99,9 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: 
     _rows(residual, "add_rms_norm residual")
     if delta.shape != residual.shape:
         raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}")
+    if delta_weight is not None and delta_weight.dtype != delta.dtype:
+        raise ValueError(f"add_rms_norm: the post-norm weight ({delta_weight.dtype}) must have the branch "
+                         f"output's dtype ({delta.dtype})")
     rows, n = residual.shape
     res_out = torch.empty_like(residual)
     out = torch.empty(rows, n, dtype=weight.dtype, device=residual.device) if weight is not None else res_out
@@ -207,11 +214,15 @@ def _prep_heads(row_ptr, stride_h, n_heads, w_ptr, pos, inv_freq_ptr, eps, attn_
         xp = tl.load(ptrs + partner, mask=rot, other=0.0).to(tl.float32)
     if QK_NORM:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = _scale_weight(x * inv, w_ptr, d, d < HEAD_DIM, GEMMA, ty).to(tl.float32)
+        x = _scale_weight(x * inv, w_ptr, d, d < HEAD_DIM, GEMMA, ty, ty).to(tl.float32)
         if ROT_DIM > 0:
-            xp = _scale_weight(xp * inv, w_ptr, partner, d < ROT_DIM, GEMMA, ty).to(tl.float32)
+            xp = _scale_weight(xp * inv, w_ptr, partner, d < ROT_DIM, GEMMA, ty, ty).to(tl.float32)
     if ROT_DIM > 0:
-        theta = pos * tl.load(inv_freq_ptr + fi, mask=d < ROT_DIM, other=0.0)
+        theta = pos * tl.load(inv_freq_ptr + fi, mask=d < ROT_DIM, other=0.0)     # fp32, as the reference
+        # Reduce to [-pi, pi] in fp64 first: the angle reaches ~1e6 rad at long contexts, where a fast sin/cos
+        # would be wrong; the reduced fp32 angle has the same sin/cos to ~1e-7.
+        t64 = theta.to(tl.float64)
+        theta = (t64 - 6.283185307179586 * tl.floor(t64 * 0.15915494309189535 + 0.5)).to(tl.float32)
         roped = x * tl.cos(theta) + sign * xp * tl.sin(theta)
         x = tl.where(rot, roped.to(ty).to(tl.float32), x)
         if POST_NORM:
@@ -287,6 +298,8 @@ def qk_rope_write_kv_triton(
     norm = prep.qk_norm == "rms"
     if norm and (q_norm_weight is None or k_norm_weight is None):
         raise ValueError("qk_rope_write_kv: qk_norm='rms' needs q_norm_weight and k_norm_weight")
+    if norm and not q_norm_weight.dtype == k_norm_weight.dtype == q.dtype == k.dtype:
+        raise ValueError("qk_rope_write_kv: q/k and their norm weights must share one dtype")
     if prep.rot_dim and inv_freq is None:
         raise ValueError("qk_rope_write_kv: RoPE needs inv_freq")
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
@@ -319,6 +332,7 @@ def _gated_rms_norm_kernel(
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
     ty = out_ptr.dtype.element_ty
+    in_ty = y_ptr.dtype.element_ty
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
     gate = z / (1.0 + tl.exp(-z))
@@ -329,7 +343,7 @@ def _gated_rms_norm_kernel(
         out = (w * _normalize(y, mask, group_size, eps) * gate).to(ty)
     else:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        out = (_normalize(y * gate, mask, group_size, eps).to(ty).to(tl.float32) * w).to(ty)
+        out = (_normalize(y * gate, mask, group_size, eps).to(in_ty).to(tl.float32) * w).to(ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
@@ -344,7 +358,9 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     groups = n_groups if weight is not None else max(1, dim // 1024)
     while dim % groups:     # without a norm any split works: keep blocks <= ~1024 channels
         groups += 1
-    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    plain = weight is not None and not norm_before_gate
+    out_dtype = torch.promote_types(y.dtype, weight.dtype) if plain else y.dtype   # as the reference's
+    out = torch.empty(rows, dim, dtype=out_dtype, device=y.device)
     if rows:
         block = _pow2(dim // groups)
         _gated_rms_norm_kernel[(rows, groups)](

@@ -60,6 +60,8 @@ class AttentionLayer(nn.Module):
 
     def fuse_projections(self) -> None:
         """Pack q/k/v into one weight (views keep the parameters): one GEMM per step instead of three."""
+        if self.packed is not None and self.packed.valid():
+            return                                  # already packed: packing again would move the weights
         if PackedLinears.can_pack(self.q_proj, self.k_proj, self.v_proj):
             self.packed = PackedLinears(self.q_proj, self.k_proj, self.v_proj)
 

@@ -67,8 +67,8 @@ class PackedLinears:
     """Several linears that read the same input (q|k|v, gate|up) as one GEMM. Their weights (and biases) are
     copied into one tensor and each linear's parameters become views of it: no extra memory, the same
     ``state_dict``, and in-place weight loads still land in the packed tensor. A move of the module
-    (``.to``) replaces the parameters and breaks the views; ``valid`` then says so and callers run the
-    linears one by one."""
+    (``.to``) or a replaced parameter breaks the views; ``valid`` then says so and callers run the linears one
+    by one."""
 
     def __init__(self, *linears: nn.Linear) -> None:
         with torch.no_grad():
@@ -82,7 +82,11 @@ class PackedLinears:
                 if has_bias:
                     lin.bias = nn.Parameter(self.bias[start:start + size], requires_grad=lin.bias.requires_grad)
                 start += size
-        self._first = linears[0]
+        self._linears = linears
+        self._ptrs = self._pointers()
+
+    def _pointers(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for lin in self._linears for p in (lin.weight, lin.bias) if p is not None)
 
     @staticmethod
     def can_pack(*linears: nn.Linear) -> bool:
@@ -93,7 +97,8 @@ class PackedLinears:
                    for lin in linears)
 
     def valid(self) -> bool:
-        return self._first.weight.data_ptr() == self.weight.data_ptr()
+        """Every parameter still a view of the packed tensors (a few pointer compares per call)."""
+        return self._pointers() == self._ptrs
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: (num_tokens, in_features) -> each linear's output, as column views of one GEMM's result."""

@@ -63,7 +63,7 @@ class Mamba2Layer(StateSlotMixer):
             mup = torch.cat([torch.full((n,), float(m))
                              for n, m in zip(sizes, cfg.zxbcdt_multipliers, strict=True)])
         self.register_buffer("mup_vector", mup, persistent=False)
-        self._A_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._A_cache: tuple[tuple[int, int | None], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
@@ -118,8 +118,10 @@ class Mamba2Layer(StateSlotMixer):
         return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
 
     def _A(self) -> torch.Tensor:
-        """-exp(A_log) in fp32 (heads,), computed once per version of ``A_log`` (a weight load bumps it)."""
-        key = (self.A_log._version, self.A_log.data_ptr())
+        """-exp(A_log) in fp32 (heads,), computed once per storage and version of ``A_log`` (an in-place weight
+        load bumps the version; an inference tensor has none, so only a new storage refreshes it)."""
+        a_log = self.A_log
+        key = (a_log.data_ptr(), None if a_log.is_inference() else a_log._version)
         if self._A_cache is None or self._A_cache[0] != key:
             with torch.no_grad():
                 self._A_cache = (key, -torch.exp(self.A_log.float()))

@@ -37,6 +37,8 @@ class DenseMLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """Pack gate/up into one weight (views keep the parameters): one GEMM instead of two."""
+        if self.packed is not None and self.packed.valid():
+            return                                  # already packed: packing again would move the weights
         if self.gate_proj is not None and PackedLinears.can_pack(self.gate_proj, self.up_proj):
             self.packed = PackedLinears(self.gate_proj, self.up_proj)
 

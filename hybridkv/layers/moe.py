@@ -35,6 +35,7 @@ logged once per (device, dtype, impl).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -159,6 +160,7 @@ def grouped_mm_is_fast(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
+@functools.cache
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

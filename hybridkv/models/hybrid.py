@@ -148,7 +148,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings
-        # Each residual add runs with the norm after it (and the branch's post-norm) as one backend op.
+        # The mixer's residual add runs with its post-norm and the FFN's pre-norm as one backend op; the FFN's add
+        # with its post-norm (the next layer's pre-norm is that layer's own launch).
         ops = current_ops()
         normed = None
         if self.mixer is not None:
@@ -406,8 +407,9 @@ def save_model(model: HybridModel, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=1))
-    # Packed projections (``fuse_projections``) are views of one tensor; safetensors wants each on its own.
-    state = {k: v.clone() if v._base is not None else v.contiguous() for k, v in model.state_dict().items()}
+    # Packed projections (``fuse_projections``) are views into one storage; saved as tensors of their own.
+    state = {k: v.clone() if v.untyped_storage().nbytes() > v.numel() * v.element_size() else v.contiguous()
+             for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_NAME))
