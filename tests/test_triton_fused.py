@@ -2,8 +2,9 @@
 (``layers/ops/fused_ref.py``): table-driven over every variant a layer uses.
 
 On a machine without CUDA the kernels run under Triton's interpreter in fp32 (tight tolerances: only the
-order of the fp32 sums differs). With CUDA the same tables run compiled, plus bf16: the kernel's error
-against an fp32 truth must stay within twice the bf16 reference's own error (flash-attention's test rule).
+order of the fp32 sums differs) and fp16 (where every rounding point shows). With CUDA the same tables run
+compiled, plus bf16. In low precision the kernel's error against an fp32 truth must stay within twice the
+reference's own error (flash-attention's test rule).
 Inputs are strided views like the real call sites' ``split`` outputs; caches are NaN outside the slots
 written, padding rows (slot -1) must not be written.
 """
@@ -26,7 +27,8 @@ from hybridkv.layers.rotary import rope_inv_freq
 from hybridkv.models.config import Rope
 
 tf = kernel_module("hybridkv.backends.triton_fused")
-DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
+# fp16 on the CPU checks the rounding points (the interpreter rounds fp16 as torch does, but not bf16).
+DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
 
 
 def _strided(t: torch.Tensor, extra: int = 5) -> torch.Tensor:
