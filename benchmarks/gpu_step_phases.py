@@ -33,6 +33,16 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
+def ms_per_call(fn, n: int) -> float:
+    """Mean ms of ``n`` back-to-back calls, device synced before and after."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
 def measure(eng, family: str, batch: int) -> str:
     from hybridkv import SamplingParams
 
@@ -44,20 +54,10 @@ def measure(eng, family: str, batch: int) -> str:
         eng.step()
     for _ in range(3):
         eng.step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        eng.step()
-    sync()
-    step = (time.perf_counter() - t0) / 20 * 1e3
+    step = ms_per_call(eng.step, 20)
     graphs = eng.runner.graphs
     graph, _, _ = graphs._graphs[graphs.bucket_for(batch)]
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        graph.replay()
-    sync()
-    replay = (time.perf_counter() - t0) / 50 * 1e3
+    replay = ms_per_call(graph.replay, 50)
     owners = {"scheduler": eng.scheduler, "engine": eng, "runner": eng.runner, "coordinator": eng.coordinator}
     spent: dict[str, float] = {}
 
@@ -73,12 +73,7 @@ def measure(eng, family: str, batch: int) -> str:
 
     for owner, name in PHASES:
         setattr(owners[owner], name, timed(name, getattr(owners[owner], name)))
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        eng.step()
-    sync()
-    total = (time.perf_counter() - t0) / 10 * 1e3
+    total = ms_per_call(eng.step, 10)
     for owner, name in PHASES:
         delattr(owners[owner], name)
     while eng.has_unfinished:
