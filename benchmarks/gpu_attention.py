@@ -51,6 +51,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def device_meta() -> dict:
+    """What a GPU benchmark's JSON records about where it ran: device, SMs, L2, versions, commit, time."""
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
+            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+            "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def print_table(title: str, cols: list[str], rows: list[list]) -> None:
     try:
         from rich.console import Console
@@ -396,12 +406,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "gpu_attention.json"))
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
-    import triton
 
-    props = torch.cuda.get_device_properties(0)
-    meta = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
-            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
-            "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = device_meta()
     copy_bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
     sweep = args.sweep or args.sweep_only
@@ -425,11 +431,11 @@ def main() -> None:
         print_table("sweep: best configs", ["kind", "shape", "B", "len", "config", "µs"],
                     [[*k, {c: v[c] for c in ("BLOCK_M", "TILE", "num_warps", "num_stages", "segments") if c in v},
                       fmt(v["us"])] for k, v in best.items()])
-    print_table(f"prefill (causal) on {props.name}", ["shape", "B", "S", "ours µs", "ours TFLOP/s", "SDPA µs",
+    print_table(f"prefill (causal) on {meta['device']}", ["shape", "B", "S", "ours µs", "ours TFLOP/s", "SDPA µs",
                                                       "SDPA TFLOP/s"],
                 [[r["shape"], r["batch"], r["seq"], fmt(r["us"]), fmt(r["TFLOP/s"]), fmt(r["us_sdpa"]),
                   fmt(r["sdpa_TFLOP/s"])] for r in pre])
-    print_table(f"decode on {props.name}; copy bw {copy_bw / 1e9:.0f} GB/s",
+    print_table(f"decode on {meta['device']}; copy bw {copy_bw / 1e9:.0f} GB/s",
                 ["shape", "B", "ctx", "seg", "ours µs (graph)", "eager µs", "SDPA µs", "ref µs", "ours GB/s",
                  "% copy", "SDPA % copy"],
                 [[r["shape"], r["batch"], r["ctx"], r["segments"], fmt(r["us_graph"]), fmt(r["us_eager"]),

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_attention import copy_bandwidth, eager_time_us, fmt, git_commit, graph_time_us, print_table  # noqa: E402
+from gpu_attention import copy_bandwidth, device_meta, eager_time_us, fmt, graph_time_us, print_table  # noqa: E402
 
 from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
 from hybridkv.backends.triton_ssd import (  # noqa: E402
@@ -446,12 +446,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "gpu_mamba.json"))
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
-    import triton
 
-    props = torch.cuda.get_device_properties(0)
-    meta = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
-            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
-            "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = device_meta()
     copy_bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
     torch.cuda.empty_cache()
@@ -479,12 +475,12 @@ def main() -> None:
                     [[*k, {c: v[c] for c in ("CHUNK", "BLOCK_P", "BLOCK_T", "BLOCK_D", "num_warps", "num_stages")
                            if c in v},
                       fmt(v["us"])] for k, v in best.items()])
-    print_table(f"prefill on {props.name}; copy bw {copy_bw / 1e9:.0f} GB/s",
+    print_table(f"prefill on {meta['device']}; copy bw {copy_bw / 1e9:.0f} GB/s",
                 ["op", "shape", "reqs x seq", "ours µs", "Mtok/s", "GB/s", "% copy", "ref µs", "speedup"],
                 [[r["op"], r["shape"], f"{r['reqs']} x {r['seq']}", fmt(r["us"]), fmt(r["Mtok/s"], 2),
                   fmt(r["GB/s"], 0), fmt(r["pct_copy_bw"]), fmt(r["us_ref"], 0), fmt(r["us_ref"] / r["us"])]
                  for r in pre])
-    print_table(f"decode on {props.name}; copy bw {copy_bw / 1e9:.0f} GB/s",
+    print_table(f"decode on {meta['device']}; copy bw {copy_bw / 1e9:.0f} GB/s",
                 ["op", "shape", "B", "ours µs (graph)", "eager µs", "ref µs", "MB moved", "GB/s", "% copy"],
                 [[r["op"], r["shape"], r["batch"], fmt(r["us_graph"]), fmt(r["us_eager"]), fmt(r["us_ref"], 0),
                   fmt(r["bytes"] / 1e6, 2), fmt(r["GB/s"], 0), fmt(r["pct_copy_bw"])] for r in dec])
