@@ -65,7 +65,8 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         t3 = time.perf_counter_ns()
         for req in batch.requests:         # what the engine does per request: append the sampled token
             req.token_ids.append(1)
-        sched.append_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
+        sched.add_sampled(batch.rows)
+        sched.set_last_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
         coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)
         t4 = time.perf_counter_ns()
         for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):

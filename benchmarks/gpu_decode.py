@@ -9,11 +9,15 @@ Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layer
 shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head),
 Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers) and NemotronH-like (Mamba2 +
 attention + relu² MLPs). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager``
-never. The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built from its config, saved with
-``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME weights, dtype (bf16) and batch.
+never; ``triton:sync`` turns asynchronous scheduling off (host work of a step no longer under the device's
+work of the step before). The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built
+from its config, saved with ``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME
+weights, dtype (bf16) and batch.
 
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
-the decode steps (prefill excluded: hybridkv steps are timed one by one, HF as generate(1 + N) - generate(1)).
+the decode steps (prefill excluded: hybridkv steps are timed one by one, from one step's return to the next, HF
+as generate(1 + N) - generate(1)). Host % = the host's schedule + step batch + metadata + commit time per step
+as a share of the step (with asynchronous scheduling it runs while the device works).
 Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read + Mamba state bytes read
 and written per step) / copy
 bandwidth (measured here). A short torch.profiler trace of batch-1 decode steps gives GPU busy time vs
@@ -193,8 +197,10 @@ def sync(device) -> None:
 
 
 def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
-    """Add the prompts, step the engine; time every step; decode steps = those where every request gets
-    one more token after its first."""
+    """Add the prompts, step the engine; time every step from the previous step's return (no sync in
+    between: with asynchronous scheduling the host prepares a step while the device runs the one before,
+    and ``step`` returns once the tokens of the step before are on the host); decode steps = those where
+    every request gets one more token after its first."""
     from hybridkv.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -205,13 +211,13 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
         eng.add_request(f"{base}-{i}.0", p, params)
     times, tokens = [], {}
     host_times = []
+    sync(device)
+    t0 = time.perf_counter()
     while eng.has_unfinished:
-        sync(device)
         host.total = 0.0
-        t0 = time.perf_counter()
         outs = eng.step()
-        sync(device)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt, t0 = t1 - t0, t1
         lens = [len(o.outputs[0].token_ids) for o in outs]
         if len(outs) == len(prompts) and min(lens) >= 2:
             times.append(dt)
@@ -345,7 +351,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--backends", default="triton,triton:eager",
-                    help="comma list of backend[:eager]; ':eager' turns CUDA graphs off")
+                    help="comma list of backend[:mode[+mode]]; mode 'eager' turns CUDA graphs off, 'sync' "
+                         "asynchronous scheduling")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
@@ -384,13 +391,16 @@ def main() -> None:
         hf.save_pretrained(tmp)
         ctx_end = args.prompt + args.steps
         for variant in args.backends.split(","):
-            backend, _, mode = variant.partition(":")       # "triton:eager" = no CUDA graphs
+            backend, _, mode = variant.partition(":")       # "triton:eager+sync": no CUDA graphs, no async
+            modes = set(mode.split("+"))
             llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend,
                       max_model_len=max(ctx_end, args.prefill) + 64, max_num_seqs=max(batches) + 1,
                       enable_prefix_caching=False,
                       max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory="4GiB",
-                      cuda_graphs=False if mode == "eager" else None)
+                      cuda_graphs=False if "eager" in modes else None,
+                      async_scheduling=False if "sync" in modes else None)
             graphs = "graphs" if getattr(llm.engine.runner, "graphs", None) is not None else "eager"
+            graphs += ", async" if llm.engine.async_scheduling else ", sync"
             for B in batches:
                 rng = np.random.default_rng(B)   # the same prompts for every backend
                 prompts = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(B)]
@@ -423,13 +433,14 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
                 profiles[f"{family}/{variant}"] = profile_steps(llm, prompts[0], device)
-            if mode != "eager" and args.prefill:
+            main_variant = not modes & {"eager", "sync"}      # prefill and logits: once per backend
+            if main_variant and args.prefill:
                 p = prefill_rate(llm, active_weight_bytes(hf, config, 1), args.prefill, device)
                 p.update(family=family, engine=f"hybridkv ({backend})", matmul_tflops=mm / 1e12,
                          pct_matmul=100 * p["tflops"] * 1e12 / mm)
                 prefill_rows.append(p)
                 print(p, flush=True)
-            if mode != "eager":
+            if main_variant:
                 logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
                                                args.check_len))
             del llm

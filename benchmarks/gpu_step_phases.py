@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU path: the step, the captured graph replayed alone, and the
 step split into phases with a device sync around each (schedule, step batch, execute = host inputs + pack +
-replay, sample = argmax + token copy, KV commit).
+replay, sample = argmax, finish = reading the sampled tokens back + stop checks, KV commit).
 
     python benchmarks/gpu_step_phases.py [--families llama4,gemma3,mamba2,nemotronh] [--batches 1,32]
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_decode import hf_config  # noqa: E402
 
 PHASES = (("scheduler", "schedule"), ("engine", "_step_batch"), ("runner", "execute"), ("engine", "_sample"),
-          ("coordinator", "commit_batch"))
+          ("engine", "_finish"), ("coordinator", "commit_batch"))
 
 
 def sync() -> None:

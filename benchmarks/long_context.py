@@ -61,7 +61,8 @@ def admitted(config: HybridConfig, *, context: int, budget: int, max_seqs: int, 
         done = ends == sched.row_num_tokens[batch.rows]            # reached its end: "samples" a token
         for i in np.flatnonzero(done).tolist():
             batch.requests[i].token_ids.append(1)
-        sched.append_tokens(batch.rows[done], np.ones(int(done.sum()), np.int64))
+        sched.add_sampled(batch.rows[done])
+        sched.set_last_tokens(batch.rows[done], np.ones(int(done.sum()), np.int64))
         coord.commit_batch(batch.rows, ends)
         most = max(most, len(sched.running))
         for req in [r for r in batch.requests if r.num_output_tokens >= params.max_tokens]:

@@ -94,7 +94,9 @@ def test_step_tables_equal_the_rebuild(data: st.DataObject, bs: int, window: int
             assert isinstance(a, AttentionInputs | MambaInputs)
             assert_same(a, b, f"group {g} ({llm.plan.groups[g].spec.kind})")
         logits = torch.from_numpy(rng.standard_normal((len(step.logits_indices), VOCAB)).astype(np.float32))
-        engine._process(batch, step, logits, only_finished=True)
+        launched = engine._launch(batch, step, logits)
+        engine._commit(batch, skip_finished=False)
+        engine._finish(launched, only_finished=True)
     assert coord.num_requests == 0
     assert {"full", "sliding_window", "chunked_local", "mamba"} <= kinds
 

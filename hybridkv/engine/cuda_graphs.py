@@ -6,7 +6,7 @@ batch-size bucket and replayed. What changes from step to step lives in persiste
 the captured kernels read:
 
     int64 buffer: input ids (B,) | positions (B,) | per attention group: slot mapping (B,) | per Mamba
-                  group: state slot (B,)
+                  group: state slot (B,) | sources of pending input ids (B,)
     int32 buffer: per attention group: seq_lens (B,) | block table (B, width)
 
 The host side is the eager one: the same per-group CAMs and transforms run on host arrays (zero-copy CPU
@@ -35,6 +35,7 @@ import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
@@ -82,7 +83,7 @@ class _Layout:
                                    max_model_len=plan.max_model_len) for i in attention)
         b = max_batch
         return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths,
-                       i64_size=b * (2 + len(attention) + len(mamba)),
+                       i64_size=b * (3 + len(attention) + len(mamba)),
                        i32_size=b * len(attention) + b * sum(widths))
 
     # int64 fields
@@ -98,6 +99,10 @@ class _Layout:
 
     def state_slots(self, buf: torch.Tensor, m: int, n: int) -> torch.Tensor:
         start = self.max_batch * (2 + len(self.attention) + m)
+        return buf[start:start + n]
+
+    def sources(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        start = self.max_batch * (2 + len(self.attention) + len(self.mamba))
         return buf[start:start + n]
 
     # int32 fields
@@ -210,10 +215,10 @@ class DecodeGraphs:
             lay.state_slots(h64, m, b)[n:] = _NULL_SLOT
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, inputs: Sequence[AttentionInputs | MambaInputs],
-            ) -> torch.Tensor:
+            *, sources: np.ndarray | None = None, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Replay for a decode batch whose host-side per-group ``inputs`` (plan group order, built on the
         CPU) were made by the eager builders; returns fp32 logits (num_reqs, vocab_size), valid until the
-        next replay."""
+        next replay. ``sources`` (B,) >= 0 takes those input ids from ``prev_tokens`` on the device."""
         n = int(input_ids.shape[0])
         b = self.bucket_for(n)
         assert b is not None
@@ -237,10 +242,16 @@ class DecodeGraphs:
             built = inputs[gi]
             assert isinstance(built, MambaInputs)
             lay.state_slots(h64, m, n)[:] = built.state_indices.numpy()
+        if sources is not None:
+            lay.sources(h64, n)[:] = sources
         self._fill_padding(n)
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
         self._copied.record()
+        if sources is not None:
+            assert prev_tokens is not None
+            ids = lay.ids(self._dev64, n)
+            ids.copy_(take_pending(ids, lay.sources(self._dev64, n), prev_tokens))
         graph, logits, _ = self._graphs[b]
         graph.replay()
         return logits[:n]

@@ -13,10 +13,10 @@ import torch
 
 from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepRunner, StepTables
 from hybridkv.engine.request import (
+    PENDING_TOKEN,
     CompletionOutput,
     Request,
     RequestOutput,
-    RequestStatus,
     TokenLogprob,
 )
 from hybridkv.engine.sampler import SamplingTensors, logprobs_of, sample
@@ -44,10 +44,36 @@ class EngineStats:
     prefix_query_tokens: int
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its sampled tokens reach the host
+    later (``tokens_on_host``). Each sampler holds a ``PENDING_TOKEN`` at ``positions`` until then."""
+
+    batch: ScheduledBatch
+    samplers: list[Request]                # requests that sampled, in logits-row order
+    rows: np.ndarray                       # (S,) their coordinator rows at launch
+    positions: np.ndarray                  # (S,) index of each one's new token in its token_ids
+    tokens: torch.Tensor                   # (S,) int64 on the device: the next step's input ids
+    host: torch.Tensor                     # (S,) int64 host copy, filled asynchronously on CUDA
+    ready: torch.cuda.Event | None         # recorded after the copy (None: already on the host)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (chosen, top values, top ids)
+
+    def tokens_on_host(self) -> np.ndarray:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.numpy()
+
+
 class LLMEngine:
+    """``async_scheduling``: schedule and prepare step N+1 while the device runs step N (the sampled
+    tokens of step N feed step N+1 on the device and reach the host one step later); outputs then lag
+    one step, and a request that stops on a token computes one more step that is thrown away. None = on
+    for an in-process runner on CUDA, where the host's work per step would otherwise leave the GPU idle."""
+
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
-                 seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None) -> None:
+                 seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None,
+                 async_scheduling: bool | None = None) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -72,6 +98,14 @@ class LLMEngine:
         self._arange = np.arange(max_num_seqs, dtype=np.int64)     # a decode step's logits rows are 0..n-1
         # plan group -> its attention table in the coordinator (None: a Mamba group)
         self._table_of_group = [self.coordinator.table_index.get(g.group_id) for g in plan.groups]
+        in_process = isinstance(self.runner, ModelRunner)
+        if async_scheduling and not in_process:
+            raise ValueError("async_scheduling needs the in-process model runner (not tensor parallelism yet)")
+        self.async_scheduling = (in_process and self.runner.device.type == "cuda") if async_scheduling is None \
+            else async_scheduling
+        logger.info("asynchronous scheduling %s", "on" if self.async_scheduling else "off")
+        self._inflight: _Launched | None = None
+        self._pinned: list[torch.Tensor] = []        # two alternating host buffers for sampled tokens (CUDA)
 
     # -- requests ------------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -107,6 +141,7 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
+        req.drop_pending()
         self._forget(req)
         return True
 
@@ -116,26 +151,44 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
         """Schedule, run the model, sample; returns an output for every request that advanced (streaming),
-        or with ``only_finished`` for those that finished this step (building an output copies all of a
-        request's tokens, which a non-streaming caller would throw away every step)."""
+        or with ``only_finished`` for those that finished (building an output copies all of a request's
+        tokens, which a non-streaming caller would throw away every step).
+
+        With asynchronous scheduling the outputs are those of the previous step: this step is scheduled,
+        built and queued on the device first, then the previous step's tokens are read (the device is
+        busy meanwhile) and its requests advance."""
         batch = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
+            if prev is not None:            # what is left waits for its last tokens: drain
+                return self._finish(prev, only_finished=only_finished)[0]
             if self.scheduler.has_unfinished:
                 raise RuntimeError("the scheduler made no progress: no request fits the KV cache")
             return []
         self._steps += 1
         src, dst = self.coordinator.take_state_copies()
         self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
-        step = self._step_batch(batch)
-        logits = self.runner.execute(step)
-        return self._process(batch, step, logits, only_finished=only_finished)
+        step = self._step_batch(batch, prev)
+        launched = self._launch(batch, step, self.runner.execute(step))
+        outputs: list[RequestOutput] = []
+        stopped = False
+        if prev is not None:
+            outputs, stopped = self._finish(prev, only_finished=only_finished)
+        self._commit(batch, skip_finished=stopped)
+        if self.async_scheduling:
+            self._inflight = launched
+        else:
+            outputs += self._finish(launched, only_finished=only_finished)[0]
+        return outputs
 
-    def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
+    def _step_batch(self, batch: ScheduledBatch, prev: _Launched | None = None) -> StepBatch:
+        """The runner's view of ``batch``; a token still on its way from ``prev`` (the step in flight)
+        is taken from ``prev.tokens`` on the device."""
         reqs, sched = batch.requests, self.scheduler
         new, computed, rows = batch.num_new_tokens, batch.num_computed, batch.rows
         n = len(reqs)
@@ -152,13 +205,21 @@ class LLMEngine:
             owner, positions = token_ranges(computed, new)
             token_rows = rows[owner]
         tables = self._step_tables(rows, seq_lens, token_rows, positions)
+        sources = None
+        if prev is not None:                # a row's last token may be one ``prev`` sampled
+            pending = sched.row_pending[token_rows]
+            if not decode:                  # only the last token of a row can be pending
+                pending = np.where(positions == sched.row_num_tokens[token_rows] - 1, pending, -1)
+            if np.count_nonzero(pending >= 0):
+                sources = pending
+        device_ids = {} if sources is None else dict(input_sources=sources, prev_tokens=prev.tokens)
         # Logits: the last token of requests that reach their end this step; every token of prompt
         # chunks whose request asked for prompt logprobs. (Decodes always reach their end.)
         if decode and not self._num_prompt_logprob_requests:
             if n > self._arange.shape[0]:
                 self._arange = np.arange(n, dtype=np.int64)
             return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                             logits_indices=self._arange[:n])
+                             logits_indices=self._arange[:n], **device_ids)
         ends = np.cumsum(new)
         samples = seq_lens == sched.row_num_tokens[rows]
         wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
@@ -166,7 +227,7 @@ class LLMEngine:
         starts = np.where(wants, ends - new, ends - 1)
         index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                         logits_indices=index.astype(np.int64))
+                         logits_indices=index.astype(np.int64), **device_ids)
 
     def _step_tables(self, rows: np.ndarray, seq_lens: np.ndarray, token_rows: np.ndarray,
                      positions: np.ndarray) -> StepTables:
@@ -191,12 +252,12 @@ class LLMEngine:
                 slots.append(attn_slots[i])
         return StepTables(tables=tables, starts=starts, slots=slots, width=width)
 
-    def _process(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor, *,
-                 only_finished: bool) -> list[RequestOutput]:
-        reqs = batch.requests
+    def _launch(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor) -> _Launched:
+        """Sample on the device for the requests that reach their end this step and start copying the
+        tokens to the host; each sampler gets a ``PENDING_TOKEN`` until ``_finish`` reads its token."""
+        reqs, sched = batch.requests, self.scheduler
         new, computed = batch.num_new_tokens, batch.num_computed
-        # Requests that reach their end this step sample; their logits rows come in batch order.
-        samples = computed + new == self.scheduler.row_num_tokens[batch.rows]
+        samples = computed + new == sched.row_num_tokens[batch.rows]
         sample_idx = np.flatnonzero(samples)
         samplers = reqs if sample_idx.size == len(reqs) else [reqs[i] for i in sample_idx.tolist()]
         if self._num_prompt_logprob_requests:        # logits rows of prompt chunks come first per request
@@ -209,32 +270,91 @@ class LLMEngine:
                                              logits[int(offsets[i]):int(offsets[i] + new[i])])
         else:
             sample_rows = None          # the logits rows are the samplers, in order
-
-        ends = computed + new
-        self._prompt_tokens += int(np.maximum(np.minimum(ends, self.scheduler.row_num_prompt[batch.rows])
+        self._prompt_tokens += int(np.maximum(np.minimum(computed + new, sched.row_num_prompt[batch.rows])
                                               - computed, 0).sum())
-        if samplers:
-            rows = batch.rows[sample_idx]
-            picked = (logits[:sample_idx.size] if sample_rows is None
-                      else logits[torch.as_tensor(sample_rows, device=logits.device)])
-            tokens = self._sample(samplers, rows, picked)
-            self.scheduler.append_tokens(rows, tokens)
-        self.coordinator.commit_batch(batch.rows, ends)
-
-        outputs = []
+        rows = batch.rows[sample_idx]
+        picked = (logits[:sample_idx.size] if sample_rows is None
+                  else logits[torch.as_tensor(sample_rows, device=logits.device)])
+        tokens, logprobs = self._sample(rows, picked)
+        positions = sched.row_num_tokens[rows].copy()
+        sched.add_sampled(rows)
         for r in samplers:
-            self._check_stop(r)
-        for r in reqs:
-            if r.finished:
-                self.scheduler.finish(r)
-                self._forget(r)
-            if r.finished or not only_finished:
-                outputs.append(self.make_output(r))
-        return outputs
+            r.token_ids.append(PENDING_TOKEN)
+            r.num_pending += 1
+        host, ready = self._to_host(tokens)
+        return _Launched(batch=batch, samplers=samplers, rows=rows, positions=positions, tokens=tokens,
+                         host=host, ready=ready, logprobs=logprobs)
 
-    def _sample(self, reqs: list[Request], rows: np.ndarray, logits: torch.Tensor) -> np.ndarray:
-        """Samples one token per request (coordinator ``rows``, (B,)), appends it, and returns them ((B,)
-        int64). The per-row parameters come from the scheduler's arrays: no loop over requests."""
+    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the device-to-host copy of a step's tokens: into one of two pinned buffers (the other may
+        still hold the step in flight), with an event to wait on; on the CPU the tokens are the copy."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        n = tokens.shape[0]
+        if not self._pinned or self._pinned[0].shape[0] < n:
+            size = max(n, self.scheduler.config.max_num_seqs)
+            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()
+        host = self._pinned[0][:n]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _commit(self, batch: ScheduledBatch, *, skip_finished: bool) -> None:
+        """Register what the step computed (its input tokens are all known by now). ``skip_finished``:
+        some requests finished since it was scheduled (a stop token of the step before) and have released
+        their cache; they are left out."""
+        rows, ends = batch.rows, batch.num_computed + batch.num_new_tokens
+        if skip_finished:
+            alive = np.fromiter((not r.finished for r in batch.requests), bool, len(batch.requests))
+            rows, ends = rows[alive], ends[alive]
+        self.coordinator.commit_batch(rows, ends)
+
+    def _finish(self, launched: _Launched, *, only_finished: bool) -> tuple[list[RequestOutput], bool]:
+        """Put a launched step's tokens in place, check stops, finish requests. Returns the outputs and
+        whether any request finished."""
+        tokens = launched.tokens_on_host()
+        toks = tokens.tolist()
+        lp = None if launched.logprobs is None else [t.tolist() for t in launched.logprobs]
+        sched = self.scheduler
+        stopped: list[Request] = []
+        gone = []                           # samplers whose row is no longer theirs
+        for i, (r, p, tok) in enumerate(zip(launched.samplers, launched.positions.tolist(), toks, strict=True)):
+            if r.finished:                  # stopped a step earlier, or aborted: the token is dropped
+                gone.append(i)
+                continue
+            r.token_ids[p] = tok
+            r.num_pending -= 1
+            self._generated += 1
+            if lp is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                r.logprobs.append(TokenLogprob(token_id=tok, logprob=lp[0][i],
+                                               top=tuple(zip(lp[2][i][:k], lp[1][i][:k], strict=True))))
+            if r.kv_row < 0:                # preempted while its token was on its way
+                gone.append(i)
+            if self._stops(r, tok, p + 1):
+                stopped.append(r)
+        if gone:
+            keep = np.ones(len(toks), bool)
+            keep[gone] = False
+            sched.set_last_tokens(launched.rows[keep], tokens[keep])
+        else:
+            sched.set_last_tokens(launched.rows, tokens)
+        for r in stopped:
+            r.drop_pending()
+            sched.finish(r)
+            self._forget(r)
+        if only_finished:
+            return [self.make_output(r) for r in stopped], bool(stopped)
+        done = set(stopped)
+        return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
+
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), and
+        the logprobs asked for. The per-row parameters come from the scheduler's arrays: no loop over
+        requests."""
         device, sched = logits.device, self.scheduler
         knobs = sched.row_sampling[rows]                                   # (B, 3): temperature, top_p, min_p
         top_k = sched.row_top_k[rows]
@@ -253,19 +373,9 @@ class LLMEngine:
             )
             tokens = sample(logits, st)
         asked = sched.row_logprobs[rows]
-        want = bool((asked >= 0).any())
-        if want:
-            top = int(asked.max())
-            chosen, values, ids = (t.tolist() for t in logprobs_of(logits, tokens, top))
-        tokens = tokens.cpu().numpy().astype(np.int64, copy=False)
-        self._generated += len(reqs)
-        for i, (r, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
-            r.token_ids.append(tok)
-            if want and r.params.logprobs is not None:
-                k = r.params.logprobs
-                r.logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
-                                               top=tuple(zip(ids[i][:k], values[i][:k], strict=True))))
-        return tokens
+        if not (asked >= 0).any():
+            return tokens, None
+        return tokens, logprobs_of(logits, tokens, int(asked.max()))
 
     def _record_prompt_logprobs(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
         """Logits at prompt position p predict token p + 1."""
@@ -281,19 +391,19 @@ class LLMEngine:
             r.prompt_logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
                                                   top=tuple(zip(ids[i], values[i], strict=True))))
 
-    def _check_stop(self, r: Request) -> None:
-        p, tok = r.params, r.token_ids[-1]
+    def _stops(self, r: Request, tok: int, known: int) -> bool:
+        """Whether ``tok``, the request's ``known``-th token, ends it (sets ``finish_reason``)."""
+        p = r.params
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             r.finish_reason = "stop"
         elif p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_token_ids)
+            text = self.tokenizer.decode(r.token_ids[r.num_prompt_tokens:known])
             if any(s in text for s in p.stop):
                 r.finish_reason = "stop"
-        if r.finish_reason is None and (r.num_output_tokens >= p.max_tokens
-                                        or r.num_tokens >= self.plan.max_model_len):
+        if r.finish_reason is None and (known - r.num_prompt_tokens >= p.max_tokens
+                                        or known >= self.plan.max_model_len):
             r.finish_reason = "length"
-        if r.finish_reason is not None:
-            r.status = RequestStatus.FINISHED
+        return r.finish_reason is not None
 
     def make_output(self, r: Request) -> RequestOutput:
         text = None

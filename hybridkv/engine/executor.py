@@ -66,6 +66,8 @@ class TensorParallelExecutor:
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step on every rank; returns rank 0's fp32 logits (num_outputs, vocab_size)."""
         self._check_usable()
+        if batch.input_sources is not None:
+            raise ValueError("tensor-parallel steps take host input ids only (asynchronous scheduling is off)")
         try:
             self.ctx.check_alive()
             header, payload = pack_step(batch.input_ids, batch.query_lens, batch.seq_lens, batch.block_tables,

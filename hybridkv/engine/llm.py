@@ -137,6 +137,8 @@ class LLM:
     and the constructor does not return on ranks > 0 (they serve steps and exit when rank 0 shuts down).
     ``distributed_timeout`` (seconds) bounds every collective of a step: a dead or stuck rank is an error,
     not a hang. ``cuda_graphs``: replay captured decode steps (None = on when the device and backend allow it).
+    ``async_scheduling``: prepare step N+1 on the host while the device runs step N (None = on CUDA without
+    tensor parallelism; ``LLMEngine`` says what changes).
     With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
     the other ranks (done at exit otherwise)."""
 
@@ -146,7 +148,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
                  backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout: float = 600.0,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None) -> None:
         dev = _resolve_device(device)
         self._executor: TensorParallelExecutor | None = None
         ctx = None
@@ -213,7 +215,7 @@ class LLM:
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
                                 backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner,
-                                cuda_graphs=cuda_graphs)
+                                cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
         self._next_id = 0
 
     def shutdown(self) -> None:

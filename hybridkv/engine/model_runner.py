@@ -22,6 +22,7 @@ import torch
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, default_buckets
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
@@ -68,13 +69,18 @@ class StepBatch:
     """What the scheduler decided for one step, host side, requests in batch order (decodes first).
 
     ``block_tables[g]`` is group g's (num_reqs, width) table: block ids for attention groups (null 0),
-    the working state slot in column 0 for Mamba groups. The engine passes a ``StepTables``."""
+    the working state slot in column 0 for Mamba groups. The engine passes a ``StepTables``.
+
+    With asynchronous scheduling some input tokens are still on the device, sampled by the step in
+    flight: ``input_sources[t] >= 0`` takes token t from ``prev_tokens`` (an in-process runner only)."""
 
     input_ids: np.ndarray                  # (num_tokens,) int64
     query_lens: np.ndarray                 # (num_reqs,) tokens computed this step
     seq_lens: np.ndarray                   # (num_reqs,) tokens known after this step (computed + new)
     block_tables: Sequence[np.ndarray]     # per group, (num_reqs, width) int32
     logits_indices: np.ndarray             # (num_outputs,) token indices whose logits are returned
+    input_sources: np.ndarray | None = None   # (num_tokens,) int64 index into prev_tokens, -1 = input_ids
+    prev_tokens: torch.Tensor | None = None   # (S,) int64 on the device
 
     @property
     def num_reqs(self) -> int:
@@ -279,8 +285,12 @@ class ModelRunner:
         if self._graph_eligible(batch):
             assert self.graphs is not None
             inputs = self.group_inputs(batch, torch.device("cpu"))
-            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.positions(), inputs)
+            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.positions(), inputs,
+                                   sources=batch.input_sources, prev_tokens=batch.prev_tokens)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
+        if batch.input_sources is not None:
+            assert batch.prev_tokens is not None
+            ids = take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
         positions = host_to_device(batch.positions(), self.device)
         with forward_context(self.build_context(batch)):
             hidden = self.model(ids, positions)

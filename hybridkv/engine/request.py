@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from hybridkv.engine.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1
+"""Stands in ``Request.token_ids`` for a sampled token still on its way from the device (asynchronous
+scheduling); never hashed, decoded or returned: the engine replaces it before any of those can see it."""
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -60,7 +64,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
-    stop_text: str = ""                         # decoded text checked against stop strings
+    num_pending: int = 0                        # trailing PENDING_TOKENs: sampled, not yet on the host
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -68,15 +72,27 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The outputs known on the host (pending tokens excluded)."""
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the scheduler counts, pending ones included."""
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    def drop_pending(self) -> None:
+        """Forget tokens still on their way (the request finished or was aborted before they arrived)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def finished(self) -> bool:

@@ -69,8 +69,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Per coordinator row of a running request: tokens known and the last one (a decode's input).
-        # ``append_tokens`` keeps them current, so a step reads them with one gather, never a loop over
-        # requests; the computed counts live in the coordinator (``num_computed_at``).
+        # ``add_sampled`` / ``set_last_tokens`` keep them current, so a step reads them with one gather,
+        # never a loop over requests; the computed counts live in the coordinator (``num_computed_at``).
         self.row_num_tokens = np.zeros(coordinator.max_num_reqs, np.int64)
         self.row_last_token = np.zeros(coordinator.max_num_reqs, np.int64)
         self.row_num_prompt = np.zeros(coordinator.max_num_reqs, np.int64)
@@ -81,6 +81,11 @@ class Scheduler:
         self.row_top_k = np.zeros(R, np.int64)
         self.row_seed = np.zeros(R, np.int64)
         self.row_logprobs = np.full(R, -1, np.int64)          # -1: none asked
+        # Asynchronous scheduling: the length at which a request finishes whatever it samples (max_tokens or
+        # max_model_len), so one whose last token is still on its way is not scheduled again; and where a
+        # row's last token sits in the in-flight step's sampled tokens (-1: on the host).
+        self.row_final = np.zeros(R, np.int64)
+        self.row_pending = np.full(R, -1, np.int64)
         self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
 
     # -- queue management --------------------------------------------------------------------------
@@ -102,10 +107,14 @@ class Scheduler:
         return None
 
     def finish(self, request: Request) -> None:
-        """Called by the engine once a running request has finished: frees its cache."""
-        self.running.remove(request)
-        self._running_rows = None
-        self.coord.free(request.request_id)
+        """Called by the engine once a request has finished: frees its cache. A request preempted while
+        its last token was on its way finishes from the waiting queue."""
+        if request.status is RequestStatus.PREEMPTED:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._running_rows = None
+            self.coord.free(request.request_id)
         request.status = RequestStatus.FINISHED
 
     @property
@@ -139,12 +148,20 @@ class Scheduler:
         self.row_seed[row] = req.seed
         self.row_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.row_last_token[row] = req.token_ids[-1]
+        self.row_final[row] = min(req.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
+        self.row_pending[row] = -1
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         self._running_rows = None
 
-    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """The engine sampled ``tokens`` (B,) for the running requests at coordinator ``rows`` (B,)."""
+    def add_sampled(self, rows: np.ndarray) -> None:
+        """The engine sampled one token on the device for each of the running requests at coordinator
+        ``rows`` (B,), in that order: counted now, their values known after ``set_last_tokens``."""
         self.row_num_tokens[rows] += 1
+        self.row_pending.fill(-1)
+        self.row_pending[rows] = np.arange(rows.shape[0])
+
+    def set_last_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """The values (B,) of the tokens ``add_sampled`` counted for ``rows`` (B,)."""
         self.row_last_token[rows] = tokens
 
     @property
@@ -172,9 +189,12 @@ class Scheduler:
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
         running, rows = self.running, self.running_rows
         computed = self.coord.num_computed_at(rows)
-        rem = self.row_num_tokens[rows] - computed
-        if rem.shape[0] <= budget and _max(rem) <= 1:      # all decodes, all fit (the steady state)
-            return list(running), rem, rows, computed, bool(np.count_nonzero(rem) == rem.shape[0])
+        known = self.row_num_tokens[rows]
+        rem = known - computed
+        # A request whose last sampled token is still on its way and ends it has nothing left to run.
+        rem[(known >= self.row_final[rows]) & (known > self.row_num_prompt[rows])] = 0
+        if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
+            return list(running), rem, rows, computed, True        # all decodes, all fit (the steady state)
         prefill = rem > 1
         if prefill.any() and not prefill.all():            # running is in arrival order: decodes first
             order = np.argsort(prefill, kind="stable")

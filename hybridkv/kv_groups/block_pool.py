@@ -168,18 +168,16 @@ class BlockPool:
                 zero = zero[np.sort(first)]
             if zero.size == 0:
                 return
-        cached = self._block_entry[zero] >= 0
-        n_cached = np.count_nonzero(cached)
-        if n_cached == zero.size:
-            plain = zero[:0]
-        else:
-            plain = zero[~cached] if n_cached else zero
+        entries = self._block_entry[zero]
+        if np.minimum.reduce(entries) < 0:      # blocks without a key go on the plain stack
+            keyed = entries >= 0
+            plain = zero[~keyed]
             self._stack[self._top:self._top + plain.size] = plain[::-1]
             self._top += plain.size
-        if n_cached:       # (item stores in a loop: ~2x faster than OrderedDict.update of a dict)
-            lru = self._lru
-            for b in (zero if not plain.size else zero[cached]).tolist():
-                lru[b] = None
+            zero = zero[keyed]
+        lru = self._lru    # keyed ones to the LRU (item stores in a loop: ~2x faster than OrderedDict.update)
+        for b in zero.tolist():
+            lru[b] = None
 
     def touch(self, group_id: int, block_ids: Sequence[int]) -> None:
         """Take one more reference to cached blocks (a prefix hit), reviving free ones."""
