@@ -17,7 +17,8 @@ weights, dtype (bf16) and batch.
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
 the decode steps (prefill excluded: hybridkv steps are timed one by one, from one step's return to the next, HF
 as generate(1 + N) - generate(1)). Host % = the host's schedule + step batch + metadata + commit time per step
-as a share of the step (with asynchronous scheduling it runs while the device works).
+as a share of the step (with asynchronous scheduling it runs while the device works); exposed host % = (step −
+the captured graph replayed alone) / step: what the host adds to the device's time.
 Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read + Mamba state bytes read
 and written per step) / copy
 bandwidth (measured here). A short torch.profiler trace of batch-1 decode steps gives GPU busy time vs
@@ -191,6 +192,21 @@ def prefill_rate(llm, weight_bytes_per_token: int, n_tokens: int, device) -> dic
     return {"tokens": n_tokens, "ms": best * 1e3, "tok_s": n_tokens / best, "tflops": flops / best / 1e12}
 
 
+def replay_ms(llm, batch: int) -> float | None:
+    """Mean ms of the batch's captured decode graph replayed back to back: the device's time for a step
+    with no host work at all (None without CUDA graphs)."""
+    graphs = getattr(llm.engine.runner, "graphs", None)
+    if graphs is None:
+        return None
+    graph = graphs._graphs[graphs.bucket_for(batch)][0]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(30):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 30 * 1e3
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -209,17 +225,17 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
     base = f"b{time.monotonic_ns()}"
     for i, p in enumerate(prompts):
         eng.add_request(f"{base}-{i}.0", p, params)
+    reqs = list(eng._requests.values())[-len(prompts):]
     times, tokens = [], {}
     host_times = []
     sync(device)
     t0 = time.perf_counter()
     while eng.has_unfinished:
         host.total = 0.0
-        outs = eng.step()
+        outs = eng.step(only_finished=True)      # as LLM.generate: no streamed outputs to build
         t1 = time.perf_counter()
         dt, t0 = t1 - t0, t1
-        lens = [len(o.outputs[0].token_ids) for o in outs]
-        if len(outs) == len(prompts) and min(lens) >= 2:
+        if not outs and min(r.num_output_tokens for r in reqs) >= 2:
             times.append(dt)
             host_times.append(host.total)
         for o in outs:
@@ -415,6 +431,9 @@ def main() -> None:
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
                        "x_floor": step / floor if floor == floor else float("nan"),
                        "host_ms": host * 1e3, "host_fraction": host / step}
+                replay = replay_ms(llm, B)
+                if replay is not None:          # what the step adds to the device's own time: exposed host work
+                    row.update(replay_ms=replay, exposed_host_fraction=max(step * 1e3 - replay, 0.0) / (step * 1e3))
                 if not args.no_hf and variant == args.backends.split(",")[0]:
                     h = run_hf(hf, prompts, args.steps, device)
                     hstep = h["decode_time"] / args.steps
@@ -468,11 +487,12 @@ def main() -> None:
                         [[k["name"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:.1f}"]
                          for k in p["top_kernels"]])
     print_table(f"decode on {meta['device']} (prompt {args.prompt}, {args.steps} steps; copy bw {bw / 1e9:.0f} GB/s)",
-                ["family", "params", "engine", "B", "step ms", "tok/s", "floor ms", "x floor", "host %", "vs HF",
-                 "greedy = HF", "greedy = 1st backend"],
+                ["family", "params", "engine", "B", "step ms", "tok/s", "floor ms", "x floor", "host %",
+                 "exposed host %", "vs HF", "greedy = HF", "greedy = 1st backend"],
                 [[r["family"], f"{r['params'] / 1e9:.2f}B", r["engine"], r["batch"], f"{r['step_ms']:.2f}",
                   f"{r['tok_s']:.0f}", f"{r['floor_ms']:.3f}", f"{r['x_floor']:.1f}",
                   f"{100 * r['host_fraction']:.1f}" if "host_fraction" in r else "",
+                  f"{100 * r['exposed_host_fraction']:.1f}" if "exposed_host_fraction" in r else "",
                   f"{r.get('speedup_vs_hf', float('nan')):.2f}x", r.get("greedy_first8_match_hf", ""),
                   r.get("greedy_first8_match_first_backend", "")]
                  for r in rows])

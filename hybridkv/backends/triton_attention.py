@@ -341,8 +341,8 @@ def paged_attention_triton(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_ref``. ``out``: optional (num_tokens, num_heads, head_dim)
-    destination; ``num_segments``: split-KV factor (default: chosen from the grid size; under CUDA-graph
-    capture only from shapes, so a replay with longer sequences stays correct); ``config``: overrides of
+    destination; ``num_segments``: split-KV factor (default: chosen from the grid size and
+    ``cam.max_seq_len``, which must bound every seq_len); ``config``: overrides of
     ``launch_config`` entries (benchmark sweeps)."""
     _check(q, k_cache, v_cache, cam, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
@@ -368,10 +368,10 @@ def paged_attention_triton(
             progs = n_qblocks * num_kv_heads
             target = 2 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
             if progs < target:
-                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-target // progs)))
-                if not torch.cuda.is_current_stream_capturing():   # host max: fine outside graphs
-                    tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
-                    num_segments = max(1, min(num_segments, _next_pow2(-(-tiles // 2))))
+                # No more segments than half the key tiles of the longest row: ``max_seq_len`` bounds every
+                # seq_len (a captured graph's is the widest row its buffers hold, so replays stay correct).
+                tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
+                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-target // progs)), _next_pow2(-(-tiles // 2)))
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)

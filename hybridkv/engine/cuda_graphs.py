@@ -9,10 +9,13 @@ the captured kernels read:
                   group: state slot (B,) | sources of pending input ids (B,)
     int32 buffer: per attention group: seq_lens (B,) | block table (B, width)
 
-The host side is the eager one: the same per-group CAMs and transforms run on host arrays (zero-copy CPU
-tensors), and their results are packed into pinned twins of those buffers; one copy per buffer moves
-them, then the graph of the smallest bucket >= the batch replays. Only decode batches run this way (one
-new token per request, every request continuing, logits for every row); anything else runs eagerly.
+The host side packs pinned twins of those buffers (``pack_host``, numpy only, so testable without a GPU);
+one copy per buffer moves them, then the graph of the smallest bucket >= the batch replays. The engine's
+``StepTables`` are packed directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no
+builder, which at 13 groups were most of a step's host work); any other block tables go through the
+eager path's per-group CAMs and builders on host arrays, whose results are the same by construction
+(``tests/test_decode_packing.py`` holds the two equal). Only decode batches run this way (one new token per
+request, every request continuing, logits for every row); anything else runs eagerly.
 
 A decode batch has one query per request, so every group kind has the same shape: sliding-window
 trimming shifts a row's table and shortens its seq_len, local attention's virtual batch is the request
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -38,13 +42,17 @@ from hybridkv.backends.registry import KernelBackend
 from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
-from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.models.hybrid import HybridModel
+from hybridkv.transforms.block_rows import floordiv, gather_block_rows
 
 logger = logging.getLogger("hybridkv.engine")
 
 _NULL_SLOT = 0
+_max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
+_Buf = TypeVar("_Buf", torch.Tensor, np.ndarray)     # a flat buffer: device, pinned host, or its numpy view
+_Rule = tuple[str, int, int]    # an attention group's decode transform: (spec kind, block_size, window or chunk or 0)
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -72,8 +80,11 @@ class _Layout:
     attention: tuple[int, ...]           # plan group indices of attention groups
     mamba: tuple[int, ...]               # plan group indices of Mamba groups
     widths: tuple[int, ...]              # block-table width per attention group
+    rules: tuple[_Rule, ...]             # decode transform per attention group
+    table_starts: tuple[int, ...]        # offset of each attention group's table in the int32 buffer
     i64_size: int
     i32_size: int
+    column0: np.ndarray = field(compare=False, repr=False)   # (attention, B) int64: each table row's offset
 
     @staticmethod
     def make(plan: KVCachePlan, max_batch: int) -> _Layout:
@@ -81,39 +92,182 @@ class _Layout:
         mamba = tuple(i for i, g in enumerate(plan.groups) if not g.spec.is_attention)
         widths = tuple(table_width(plan.groups[i].spec, block_size=plan.groups[i].spec.block_size,
                                    max_model_len=plan.max_model_len) for i in attention)
+        rules = tuple(_rule(plan.groups[i].spec) for i in attention)
         b = max_batch
-        return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths,
-                       i64_size=b * (3 + len(attention) + len(mamba)),
-                       i32_size=b * len(attention) + b * sum(widths))
+        w = np.array(widths, np.int64)
+        starts = b * (len(attention) + np.cumsum(w) - w)            # (attention,) where each table begins
+        return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths, rules=rules,
+                       table_starts=tuple(starts.tolist()), i64_size=b * (3 + len(attention) + len(mamba)),
+                       i32_size=b * len(attention) + b * sum(widths),
+                       column0=starts[:, None] + w[:, None] * np.arange(b))
 
     # int64 fields
-    def ids(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def ids(self, buf: _Buf, n: int) -> _Buf:
         return buf[:n]
 
-    def positions(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def positions(self, buf: _Buf, n: int) -> _Buf:
         return buf[self.max_batch:self.max_batch + n]
 
-    def slots(self, buf: torch.Tensor, a: int, n: int) -> torch.Tensor:
+    def slots(self, buf: _Buf, a: int, n: int) -> _Buf:
         start = self.max_batch * (2 + a)
         return buf[start:start + n]
 
-    def state_slots(self, buf: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    def state_slots(self, buf: _Buf, m: int, n: int) -> _Buf:
         start = self.max_batch * (2 + len(self.attention) + m)
         return buf[start:start + n]
 
-    def sources(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def sources(self, buf: _Buf, n: int) -> _Buf:
         start = self.max_batch * (2 + len(self.attention) + len(self.mamba))
         return buf[start:start + n]
 
     # int32 fields
-    def seq_lens(self, buf: torch.Tensor, a: int, n: int) -> torch.Tensor:
+    def seq_lens(self, buf: _Buf, a: int, n: int) -> _Buf:
         start = self.max_batch * a
         return buf[start:start + n]
 
-    def table(self, buf: torch.Tensor, a: int, n: int) -> torch.Tensor:
+    def table(self, buf: _Buf, a: int, n: int) -> _Buf:
+        b, w, start = self.max_batch, self.widths[a], self.table_starts[a]
+        return buf[start:start + b * w].reshape(b, w)[:n]
+
+    # every group's field at once, (groups, B)
+    def all_slots(self, buf: _Buf) -> _Buf:
         b = self.max_batch
-        start = b * len(self.attention) + b * sum(self.widths[:a])
-        return buf[start:start + b * self.widths[a]].reshape(b, self.widths[a])[:n]
+        return buf[2 * b:(2 + len(self.attention)) * b].reshape(len(self.attention), b)
+
+    def all_state_slots(self, buf: _Buf) -> _Buf:
+        b, a = self.max_batch, len(self.attention)
+        return buf[(2 + a) * b:(2 + a + len(self.mamba)) * b].reshape(len(self.mamba), b)
+
+    def all_seq_lens(self, buf: _Buf) -> _Buf:
+        return buf[:len(self.attention) * self.max_batch].reshape(len(self.attention), self.max_batch)
+
+
+def _rule(spec: KVCacheSpec) -> _Rule:
+    if isinstance(spec, SlidingWindowSpec):
+        return (spec.kind, spec.block_size, spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return (spec.kind, spec.block_size, spec.attention_chunk_size)
+    return (spec.kind, spec.block_size, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeTables:
+    """A decode batch's tables in the engine's ``StepTables`` form (rows as the coordinator keeps them, each
+    query's KV slot ready): ``pack_host`` packs them with no CAM and no builder."""
+
+    seq_lens: np.ndarray                   # (n,) keys each request reads; its one query sits at seq_len - 1
+    tables: Sequence[np.ndarray]           # per plan group, (n, *) int32 from column starts[g]; Mamba: slot in col 0
+    starts: Sequence[np.ndarray | None]    # per plan group, (n,) int32 first logical block, None = column 0
+    slots: Sequence[np.ndarray | None]     # per plan group, (n,) int64 KV slot of each query (None for Mamba)
+
+
+def _decode_rows(rule: _Rule, s: np.ndarray, start: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+    """What a group's builder makes of a decode batch (one query per row, at s - 1) whose rows start at
+    block ``start``: (seq_lens (n,) from the kept table's first key; the kept table's first column in the
+    given rows (n,), or None = the rows as they are; blocks kept per row (n,); the kept width). Mirrors
+    ``trim_sliding_window`` and ``_one_query_each`` (transforms/), down to when they keep the table as is."""
+    kind, bs, span = rule
+    key_start = 0 if start is None else start * bs
+    if kind == SlidingWindowSpec.kind:              # drop whole blocks before the query's window [s - W, s)
+        seq = s - key_start
+        over = seq - span                           # keys before the window
+        if _max(over) < bs:
+            return seq, None, None, 0
+        drop = floordiv(np.maximum(over, 0), bs)
+        seq -= drop * bs
+        nblk = floordiv(seq + (bs - 1), bs)
+        return seq, drop, nblk, int(_max(nblk))
+    if kind == ChunkedLocalAttentionSpec.kind:      # the request from its query's chunk start on
+        into = (s - 1) % span                       # keys of the chunk before the query
+        col0 = floordiv(s - 1 - into - key_start, bs)
+        if np.minimum.reduce(col0) < 0:
+            raise ValueError("CUDA graphs: a chunked-local row starts after its query's chunk; its keys are gone")
+        into += 1
+        if not col0.any():
+            return into, None, None, 0
+        nblk = floordiv(into + (bs - 1), bs)
+        return into, col0, nblk, int(_max(nblk))
+    return s - key_start, None, None, 0             # full attention: every key from the row's start
+
+
+def _put_attention(lay: _Layout, h64: np.ndarray, h32: np.ndarray, a: int, n: int, slots: np.ndarray,
+                   seq_lens: np.ndarray, table: np.ndarray) -> None:
+    """Attention group ``a``'s rows 0..n: slots (n,), seq_lens (n,), table (n, w): its first w columns."""
+    width = table.shape[1]
+    if width > lay.widths[a]:
+        raise RuntimeError(f"CUDA graphs: group {lay.attention[a]} table width {width} > {lay.widths[a]}")
+    lay.slots(h64, a, n)[:] = slots
+    lay.seq_lens(h32, a, n)[:] = seq_lens
+    lay.table(h32, a, n)[:, :width] = table
+
+
+def _pack_tables(lay: _Layout, h64: np.ndarray, h32: np.ndarray, step: DecodeTables, n: int) -> None:
+    """Every group's fields straight from ``step``. Groups of one kind share their rows' starts (the same
+    array: the coordinator keeps them per manager), so each (kind, start) computes its lengths once."""
+    s = step.seq_lens.astype(np.int32)
+    rows = np.arange(n)
+    kept: dict[tuple[_Rule, int], tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]] = {}
+    for a, gi in enumerate(lay.attention):
+        rule, start, table = lay.rules[a], step.starts[gi], step.tables[gi]
+        key = (rule, id(start))
+        if key not in kept:
+            kept[key] = _decode_rows(rule, s, start)
+        seq, col0, nblk, width = kept[key]
+        if col0 is not None:
+            table = gather_block_rows(table, rows, col0, nblk, width)
+        slots = step.slots[gi]
+        assert slots is not None
+        _put_attention(lay, h64, h32, a, n, slots, seq, table)
+    for m, gi in enumerate(lay.mamba):
+        lay.state_slots(h64, m, n)[:] = step.tables[gi][:, 0]
+
+
+def _pack_built(lay: _Layout, h64: np.ndarray, h32: np.ndarray,
+                inputs: Sequence[AttentionInputs | MambaInputs], n: int) -> None:
+    """Every group's fields from the eager builders' host-side results (plan group order)."""
+    for a, gi in enumerate(lay.attention):
+        built = inputs[gi]
+        assert isinstance(built, AttentionInputs)
+        cam = built.cam
+        if cam.num_reqs != n:
+            raise RuntimeError(f"CUDA graphs: group {gi} has {cam.num_reqs} rows for {n} decode requests")
+        _put_attention(lay, h64, h32, a, n, built.slot_mapping.numpy(), cam.seq_lens_cpu, cam.block_table_cpu)
+    for m, gi in enumerate(lay.mamba):
+        built = inputs[gi]
+        assert isinstance(built, MambaInputs)
+        lay.state_slots(h64, m, n)[:] = built.state_indices.numpy()
+
+
+def fill_padding(lay: _Layout, h64: np.ndarray, h32: np.ndarray, n: int, stop: int) -> None:
+    """Rows n..stop of every field: token 0 at position 0, one key in the null block, no KV write, the
+    null state slot."""
+    b = lay.max_batch
+    h64[:2 * b].reshape(2, b)[:, n:stop] = 0
+    lay.all_slots(h64)[:, n:stop] = -1
+    lay.all_seq_lens(h32)[:, n:stop] = 1
+    h32[lay.column0[:, n:stop]] = 0
+    lay.all_state_slots(h64)[:, n:stop] = _NULL_SLOT
+
+
+def pack_host(lay: _Layout, h64: np.ndarray, h32: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
+              inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *,
+              sources: np.ndarray | None = None, stale: int | None = None) -> None:
+    """The host buffers (numpy views of the layout's int64 / int32 buffers) for a decode batch of
+    n = len(input_ids) requests: ids and positions (n,), every group's fields from ``inputs``, ``sources``
+    (n,) when given, and padding in rows n..: ``stale`` = the rows a previous packing filled (those past it
+    are padding already; None = any row may be stale). Columns past a row's table keep what they held: no
+    kernel reads them."""
+    n = int(input_ids.shape[0])
+    h64[:n] = input_ids
+    lay.positions(h64, n)[:] = positions
+    if isinstance(inputs, DecodeTables):
+        _pack_tables(lay, h64, h32, inputs, n)
+    else:
+        _pack_built(lay, h64, h32, inputs, n)
+    if sources is not None:
+        lay.sources(h64, n)[:] = sources
+    fill_padding(lay, h64, h32, n, lay.max_batch if stale is None else stale)
 
 
 class DecodeGraphs:
@@ -136,12 +290,13 @@ class DecodeGraphs:
         self._arange = torch.arange(lay.max_batch + 1, dtype=torch.int32, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
+        self._rows = 0                          # rows the last replay packed (those past it are padding)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        self._fill_padding(0)                           # every row padding: warm-ups write no KV, no state
+        fill_padding(self.layout, self._np64, self._np32, 0, self.layout.max_batch)  # warm-ups: no KV, no state
         self._dev64.copy_(self._host64)
         self._dev32.copy_(self._host32)
         for b in reversed(self.buckets):
@@ -181,7 +336,8 @@ class DecodeGraphs:
                 key_start_cpu=np.zeros(b, np.int32), block_table_tensor=table,
                 block_table_cpu=np.zeros(tuple(table.shape), np.int32), slot_mapping=lay.slots(d64, a, b),
                 block_size=spec.block_size, num_reqs=b, num_actual_tokens=b, max_query_len=1,
-                max_seq_len=self.plan.max_model_len)
+                # every row packed fits the table width (checked per step): a bound the kernels may size by
+                max_seq_len=min(lay.widths[a] * spec.block_size, self.plan.max_model_len))
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
             built = AttentionInputs(cam=cam, slot_mapping=cam.slot_mapping, sliding_window=window)
             inputs.update(dict.fromkeys(group.layer_names, built))
@@ -201,50 +357,19 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _fill_padding(self, n: int) -> None:
-        """Rows n.. of every field: token 0 at position 0, one key in the null block, no KV write, the
-        null state slot."""
-        lay, h64, h32, b = self.layout, self._np64, self._np32, self.layout.max_batch
-        h64[n:b] = 0
-        h64[b + n:2 * b] = 0
-        for a in range(len(lay.attention)):
-            lay.slots(h64, a, b)[n:] = -1
-            lay.seq_lens(h32, a, b)[n:] = 1
-            lay.table(h32, a, b)[n:, 0] = 0
-        for m in range(len(lay.mamba)):
-            lay.state_slots(h64, m, b)[n:] = _NULL_SLOT
-
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, inputs: Sequence[AttentionInputs | MambaInputs],
-            *, sources: np.ndarray | None = None, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay for a decode batch whose host-side per-group ``inputs`` (plan group order, built on the
-        CPU) were made by the eager builders; returns fp32 logits (num_reqs, vocab_size), valid until the
-        next replay. ``sources`` (B,) >= 0 takes those input ids from ``prev_tokens`` on the device."""
+    def run(self, input_ids: np.ndarray, positions: np.ndarray,
+            inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *, sources: np.ndarray | None = None,
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for a decode batch of (n,) ``input_ids`` at (n,) ``positions``, its groups' fields from
+        ``inputs`` (``pack_host``); returns fp32 logits (n, vocab_size), valid until the next replay.
+        ``sources`` (n,) >= 0 takes those input ids from ``prev_tokens`` on the device."""
         n = int(input_ids.shape[0])
         b = self.bucket_for(n)
         assert b is not None
-        lay, h64, h32 = self.layout, self._np64, self._np32
+        lay = self.layout
         self._copied.synchronize()
-        h64[:n] = input_ids
-        lay.positions(h64, n)[:] = positions
-        for a, gi in enumerate(lay.attention):
-            built = inputs[gi]
-            assert isinstance(built, AttentionInputs)
-            cam = built.cam
-            if cam.num_reqs != n:
-                raise RuntimeError(f"CUDA graphs: group {gi} has {cam.num_reqs} rows for {n} decode requests")
-            lay.slots(h64, a, n)[:] = built.slot_mapping.numpy()
-            lay.seq_lens(h32, a, n)[:] = cam.seq_lens_cpu
-            width = cam.block_table_cpu.shape[1]
-            if width > lay.widths[a]:
-                raise RuntimeError(f"CUDA graphs: group {gi} table width {width} > {lay.widths[a]}")
-            lay.table(h32, a, n)[:, :width] = cam.block_table_cpu
-        for m, gi in enumerate(lay.mamba):
-            built = inputs[gi]
-            assert isinstance(built, MambaInputs)
-            lay.state_slots(h64, m, n)[:] = built.state_indices.numpy()
-        if sources is not None:
-            lay.sources(h64, n)[:] = sources
-        self._fill_padding(n)
+        pack_host(lay, self._np64, self._np32, input_ids, positions, inputs, sources=sources, stale=self._rows)
+        self._rows = n
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
         self._copied.record()

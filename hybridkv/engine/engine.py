@@ -416,7 +416,7 @@ class LLMEngine:
         completion = CompletionOutput(index=0, token_ids=tuple(r.output_token_ids), text=text,
                                       finish_reason=r.finish_reason,
                                       logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None)
-        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=tuple(r.prompt_token_ids),
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                              outputs=(completion,), finished=r.finished,
                              prompt_logprobs=(tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None
                                               else None))

@@ -21,7 +21,7 @@ import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
-from hybridkv.engine.cuda_graphs import DecodeGraphs, default_buckets
+from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
 from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -276,7 +276,16 @@ class ModelRunner:
         n = batch.num_reqs
         return (self.graphs is not None and 0 < n <= self.graphs.buckets[-1]
                 and batch.input_ids.shape[0] == n and batch.logits_indices.shape[0] == n
-                and bool((batch.seq_lens > 1).all()))
+                and _max(batch.query_lens) == 1 and bool((batch.seq_lens > 1).all()))
+
+    def graph_inputs(self, batch: StepBatch) -> DecodeTables | list[AttentionInputs | MambaInputs]:
+        """What ``DecodeGraphs.run`` packs for a graph-eligible ``batch``: the engine's ``StepTables`` as
+        they are (packed with a few numpy ops per group), else the eager path's host-side group inputs."""
+        tables = batch.block_tables
+        if isinstance(tables, StepTables):
+            return DecodeTables(seq_lens=batch.seq_lens, tables=tables.tables, starts=tables.starts,
+                                slots=tables.slots)
+        return self.group_inputs(batch, torch.device("cpu"))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:
@@ -284,9 +293,9 @@ class ModelRunner:
         tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
         if self._graph_eligible(batch):
             assert self.graphs is not None
-            inputs = self.group_inputs(batch, torch.device("cpu"))
-            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.positions(), inputs,
-                                   sources=batch.input_sources, prev_tokens=batch.prev_tokens)
+            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1,
+                                   self.graph_inputs(batch), sources=batch.input_sources,
+                                   prev_tokens=batch.prev_tokens)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         if batch.input_sources is not None:
             assert batch.prev_tokens is not None

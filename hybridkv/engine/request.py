@@ -66,9 +66,13 @@ class Request:
     num_preemptions: int = 0
     num_pending: int = 0                        # trailing PENDING_TOKENs: sampled, not yet on the host
 
+    def __post_init__(self) -> None:
+        # Every streamed output carries the prompt: one tuple made once, not a copy per step.
+        self._prompt = tuple(self.token_ids[:self.num_prompt_tokens])
+
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self._prompt
 
     @property
     def output_token_ids(self) -> list[int]:
