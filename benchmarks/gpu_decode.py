@@ -193,18 +193,36 @@ def prefill_rate(llm, weight_bytes_per_token: int, n_tokens: int, device) -> dic
 
 
 def replay_ms(llm, batch: int) -> float | None:
-    """Mean ms of the batch's captured decode graph replayed back to back: the device's time for a step
-    with no host work at all (None without CUDA graphs)."""
-    graphs = getattr(llm.engine.runner, "graphs", None)
+    """Mean ms of the batch's captured decode graph replayed back to back on the step's own inputs (call it
+    between two decode steps): the device's time for a step with no host work at all (None without CUDA
+    graphs). What the replays write (Mamba states, the step's KV slots) is restored afterwards."""
+    eng = llm.engine
+    graphs = getattr(eng.runner, "graphs", None)
     if graphs is None:
         return None
     graph = graphs._graphs[graphs.bucket_for(batch)][0]
     torch.cuda.synchronize()
+    lay, caches, bs = graphs.layout, eng.runner.caches, llm.plan.block_size
+    saved = [(s, s.clone()) for g in llm.plan.mamba_groups for name in g.layer_names for s in caches[name]]
+    for a, gi in enumerate(lay.attention):        # (num_blocks, 2, block_size, kv_heads, dim) at the step's slots
+        slots = lay.slots(graphs._dev64, a, batch)
+        slots = slots[slots >= 0]
+        blk, off = slots // bs, slots % bs
+        saved += [((t, blk, off), t[blk, :, off].clone()) for name in llm.plan.groups[gi].layer_names
+                  for t in caches[name]]
     t0 = time.perf_counter()
     for _ in range(30):
         graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / 30 * 1e3
+    ms = (time.perf_counter() - t0) / 30 * 1e3
+    for target, copy in saved:
+        if isinstance(target, tuple):
+            t, blk, off = target
+            t[blk, :, off] = copy
+        else:
+            target.copy_(copy)
+    torch.cuda.synchronize()
+    return ms
 
 
 def sync(device) -> None:
@@ -228,6 +246,7 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
     reqs = list(eng._requests.values())[-len(prompts):]
     times, tokens = [], {}
     host_times = []
+    replay = None
     sync(device)
     t0 = time.perf_counter()
     while eng.has_unfinished:
@@ -236,13 +255,19 @@ def run_hybridkv(llm, prompts: list[list[int]], steps: int, device) -> dict:
         t1 = time.perf_counter()
         dt, t0 = t1 - t0, t1
         if not outs and min(r.num_output_tokens for r in reqs) >= 2:
+            if len(eng.scheduler.running) < len(prompts):
+                raise RuntimeError(f"only {len(eng.scheduler.running)} of {len(prompts)} requests fit the cache at "
+                                   "once: raise --kv-memory")
             times.append(dt)
             host_times.append(host.total)
+            if replay is None and len(times) == steps // 2:       # mid-run: the graph's inputs are a real step's
+                replay = replay_ms(llm, len(prompts)) or float("nan")
+                t0 = time.perf_counter()
         for o in outs:
             tokens[o.request_id] = o.outputs[0].token_ids
     host.restore()
     ordered = [tokens[f"{base}-{i}.0"] for i in range(len(prompts))]
-    return {"step_times": times, "host_times": host_times, "tokens": ordered}
+    return {"step_times": times, "host_times": host_times, "tokens": ordered, "replay_ms": replay}
 
 
 class _HostTimer:
@@ -370,6 +395,7 @@ def main() -> None:
                     help="comma list of backend[:mode[+mode]]; mode 'eager' turns CUDA graphs off, 'sync' "
                          "asynchronous scheduling")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--kv-memory", default="4GiB", help="KV cache + Mamba state budget (64 Mamba2 requests need more)")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
@@ -412,7 +438,7 @@ def main() -> None:
             llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend,
                       max_model_len=max(ctx_end, args.prefill) + 64, max_num_seqs=max(batches) + 1,
                       enable_prefix_caching=False,
-                      max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory="4GiB",
+                      max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory=args.kv_memory,
                       cuda_graphs=False if "eager" in modes else None,
                       async_scheduling=False if "sync" in modes else None)
             graphs = "graphs" if getattr(llm.engine.runner, "graphs", None) is not None else "eager"
@@ -431,8 +457,8 @@ def main() -> None:
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
                        "x_floor": step / floor if floor == floor else float("nan"),
                        "host_ms": host * 1e3, "host_fraction": host / step}
-                replay = replay_ms(llm, B)
-                if replay is not None:          # what the step adds to the device's own time: exposed host work
+                replay = r["replay_ms"]
+                if replay is not None and replay == replay:   # what the step adds to the device's time
                     row.update(replay_ms=replay, exposed_host_fraction=max(step * 1e3 - replay, 0.0) / (step * 1e3))
                 if not args.no_hf and variant == args.backends.split(",")[0]:
                     h = run_hf(hf, prompts, args.steps, device)
