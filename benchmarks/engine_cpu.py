@@ -5,13 +5,17 @@ transforms), model excluded, for N decoding requests over 4 groups (full, slidin
 
 Requests are placed in the decode phase directly (their prompts registered with the coordinator
 without running the model), then each timed step does exactly what ``LLMEngine.step`` does on the
-host, with a fixed token standing in for sampling. Prints a table and writes
+host, with a fixed token standing in for sampling. "metadata" is the eager path's per-group CAMs and
+transforms (the CPU engine's); "graph_packing" is what a CUDA decode step does instead (the step tables
+packed into the captured graph's buffers, here host arrays of that layout); "total" and "total_graphs"
+add schedule, step batch and commit to each. Prints a table and writes
 ``benchmarks/results/engine_cpu.json``. Target (issue 6): <= 300 µs per step at 256 requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -24,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.engine.cuda_graphs import _Layout, pack_host
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.json"
@@ -54,7 +59,12 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         coord.commit(req.request_id, num_computed_tokens=n - 1)
         sched.mark_running(req)
 
-    timings = {"schedule": [], "step_batch": [], "metadata": [], "commit": [], "total": []}
+    # A CUDA decode step packs the same tables into the captured graph's buffers instead of building CAMs:
+    # timed here on host arrays shaped like that layout (no CUDA needed).
+    lay = _Layout.make(llm.plan, num_requests)
+    h64, h32 = np.zeros(lay.i64_size, np.int64), np.zeros(lay.i32_size, np.int32)
+    timings = {"schedule": [], "step_batch": [], "metadata": [], "graph_packing": [], "commit": [], "total": [],
+               "total_graphs": []}
     for _ in range(steps):
         t0 = time.perf_counter_ns()
         batch = sched.schedule()
@@ -63,13 +73,18 @@ def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
         t2 = time.perf_counter_ns()
         engine.runner.build_context(step)
         t3 = time.perf_counter_ns()
+        pack_host(lay, h64, h32, step.input_ids, step.seq_lens - 1, engine.runner.graph_inputs(step),
+                  stale=num_requests)
+        t4 = time.perf_counter_ns()
         for req in batch.requests:         # what the engine does per request: append the sampled token
             req.token_ids.append(1)
         sched.add_sampled(batch.rows)
         sched.set_last_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
         coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)
-        t4 = time.perf_counter_ns()
-        for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+        t5 = time.perf_counter_ns()
+        common = (t1 - t0) + (t2 - t1) + (t5 - t4)
+        for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, common + t3 - t2,
+                                        common + t4 - t3), strict=True):
             timings[key].append(value / 1000)
         assert batch.num_reqs == num_requests
     return {key: statistics.median(values) for key, values in timings.items()}
@@ -81,7 +96,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    rows = {n: measure(n, args.context, args.steps) for n in args.requests}
+    rows = {}
+    for n in args.requests:
+        gc.collect()            # the previous size's engine is garbage: not left for the timed steps to scan
+        rows[n] = measure(n, args.context, args.steps)
 
     table = Table(title=f"host cost per decode step (µs, median of {args.steps}; model excluded)")
     table.add_column("requests", justify="right")

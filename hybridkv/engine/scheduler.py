@@ -86,6 +86,7 @@ class Scheduler:
         # row's last token sits in the in-flight step's sampled tokens (-1: on the host).
         self.row_final = np.zeros(R, np.int64)
         self.row_pending = np.full(R, -1, np.int64)
+        self._arange = np.arange(R, dtype=np.int64)
         self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
 
     # -- queue management --------------------------------------------------------------------------
@@ -148,7 +149,9 @@ class Scheduler:
         self.row_seed[row] = req.seed
         self.row_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.row_last_token[row] = req.token_ids[-1]
-        self.row_final[row] = min(req.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
+        # (at least one output: a prompt of max_model_len tokens still samples one)
+        self.row_final[row] = max(min(req.num_prompt_tokens + p.max_tokens, self.config.max_model_len),
+                                  req.num_prompt_tokens + 1)
         self.row_pending[row] = -1
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         self._running_rows = None
@@ -158,7 +161,7 @@ class Scheduler:
         ``rows`` (B,), in that order: counted now, their values known after ``set_last_tokens``."""
         self.row_num_tokens[rows] += 1
         self.row_pending.fill(-1)
-        self.row_pending[rows] = np.arange(rows.shape[0])
+        self.row_pending[rows] = self._arange[:rows.shape[0]]
 
     def set_last_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """The values (B,) of the tokens ``add_sampled`` counted for ``rows`` (B,)."""
@@ -191,8 +194,9 @@ class Scheduler:
         computed = self.coord.num_computed_at(rows)
         known = self.row_num_tokens[rows]
         rem = known - computed
-        # A request whose last sampled token is still on its way and ends it has nothing left to run.
-        rem[(known >= self.row_final[rows]) & (known > self.row_num_prompt[rows])] = 0
+        done = known >= self.row_final[rows]      # its last sampled token is on its way: nothing left to run
+        if np.count_nonzero(done):
+            rem[done] = 0
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
             return list(running), rem, rows, computed, True        # all decodes, all fit (the steady state)
         prefill = rem > 1
