@@ -3,6 +3,7 @@ oracle of prefix-cache hits and of what each kind must keep live."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -126,3 +127,17 @@ def apply_copies(states: dict[int, Any], src: np.ndarray, dst: np.ndarray) -> No
     vals = [states.get(int(s)) for s in src]
     for d, v in zip(dst.tolist(), vals, strict=True):
         states[d] = v
+
+
+def add_random_requests(engine: Any, rng: np.random.Generator, *, vocab: int, count: int, max_tokens: int) -> None:
+    """``count`` greedy requests sharing a random prefix, added to an ``LLMEngine``; those a tight cache can
+    never hold are skipped (the engine rejects them)."""
+    from hybridkv import SamplingParams
+    from hybridkv.engine.engine import RequestError
+
+    prefix = rng.integers(1, vocab, int(rng.integers(0, 12))).tolist()
+    for i in range(count):
+        prompt = prefix + rng.integers(1, vocab, int(rng.integers(1, 30))).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, max_tokens)), ignore_eos=True)
+        with contextlib.suppress(RequestError):
+            engine.add_request(str(i), prompt, params)

@@ -12,7 +12,6 @@ entries), which the engine never produces but the builders handle: the trim and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -21,14 +20,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv import LLM, SamplingParams
+from hybridkv import LLM
 from hybridkv.engine.cuda_graphs import DecodeTables, _Layout, fill_padding, pack_host
-from hybridkv.engine.engine import RequestError
 from hybridkv.engine.model_runner import StepBatch, StepTables
 from hybridkv.kv_groups.plan import plan_kv_cache
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
+from tests._kv_helpers import add_random_requests
 
 VOCAB = 23
 CPU = torch.device("cpu")
@@ -133,12 +132,7 @@ def test_step_table_packing_equals_the_cam_packing(data: st.DataObject, bs: int,
         return torch.from_numpy(rng.standard_normal((len(step.logits_indices), VOCAB)).astype(np.float32))
 
     runner.execute = execute
-    prefix = rng.integers(1, VOCAB, int(rng.integers(0, 12))).tolist()
-    for i in range(data.draw(st.integers(1, 9))):
-        prompt = prefix + rng.integers(1, VOCAB, int(rng.integers(1, 30))).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 100)), ignore_eos=True)
-        with contextlib.suppress(RequestError):            # longer than a tight cache can ever hold
-            engine.add_request(str(i), prompt, params)
+    add_random_requests(engine, rng, vocab=VOCAB, count=data.draw(st.integers(1, 9)), max_tokens=100)
     while engine.has_unfinished:
         engine.step(only_finished=True)
     assert engine.coordinator.num_requests == 0

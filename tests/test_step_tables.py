@@ -14,7 +14,6 @@ The model never runs: logits are random, so sampling picks arbitrary tokens.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -22,12 +21,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv import LLM, SamplingParams
+from hybridkv import LLM
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
-from hybridkv.engine.engine import RequestError
 from hybridkv.engine.model_runner import StepBatch, StepTables
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
+from tests._kv_helpers import add_random_requests
 
 VOCAB = 23
 CPU = torch.device("cpu")
@@ -66,12 +65,7 @@ def test_step_tables_equal_the_rebuild(data: st.DataObject, bs: int, window: int
               enable_prefix_caching=caching, kv_cache_memory=(24 << 10) if tight else (1 << 20))
     engine, coord, runner = llm.engine, llm.engine.coordinator, llm.engine.runner
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    prefix = rng.integers(1, VOCAB, int(rng.integers(0, 12))).tolist()
-    for i in range(data.draw(st.integers(1, 7))):
-        prompt = prefix + rng.integers(1, VOCAB, int(rng.integers(1, 30))).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 90)), ignore_eos=True)
-        with contextlib.suppress(RequestError):            # longer than a tight cache can ever hold
-            engine.add_request(str(i), prompt, params)
+    add_random_requests(engine, rng, vocab=VOCAB, count=data.draw(st.integers(1, 7)), max_tokens=90)
     kinds = set()
     while engine.has_unfinished:
         batch = engine.scheduler.schedule()
