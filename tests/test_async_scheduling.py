@@ -55,14 +55,16 @@ def make_llm(model, *, async_scheduling: bool, **kw) -> LLM:
 def summary(outs) -> list[tuple]:
     """What a user sees, logprob values apart (``logprob_values``)."""
     def ids(lps):
-        return None if lps is None else [(lp.token_id, [t for t, _ in lp.top]) for lp in lps]
-    return [(o.error, [(c.token_ids, c.finish_reason, c.text, ids(c.logprobs)) for c in o.outputs]) for o in outs]
+        return None if lps is None else [lp and (lp.token_id, [t for t, _ in lp.top]) for lp in lps]
+    return [(o.error, ids(o.prompt_logprobs), [(c.token_ids, c.finish_reason, c.text, ids(c.logprobs))
+                                               for c in o.outputs]) for o in outs]
 
 
 def logprob_values(outs) -> np.ndarray:
     """A different batch composition moves these by float rounding: compared with a tolerance."""
-    return np.array([v for o in outs for c in o.outputs for lp in c.logprobs or ()
-                     for v in (lp.logprob, *(x for _, x in lp.top))], np.float64)
+    lps = [lp for o in outs for lp in (o.prompt_logprobs or ()) if lp is not None]
+    lps += [lp for o in outs for c in o.outputs for lp in c.logprobs or ()]
+    return np.array([v for lp in lps for v in (lp.logprob, *(x for _, x in lp.top))], np.float64)
 
 
 def assert_all_free(llm: LLM) -> None:
@@ -81,7 +83,7 @@ def test_async_equals_sync(model, seed: int, budget: int, tight: bool, caching: 
     prompts, params = [], []
     for _ in range(int(rng.integers(1, 9))):
         prompts.append(prefix + rng.integers(2, VOCAB, int(rng.integers(1, 20))).tolist())
-        kind = int(rng.integers(0, 4))
+        kind = int(rng.integers(0, 5))
         common = dict(max_tokens=int(rng.integers(1, 40)), stop_token_ids=rng.integers(2, VOCAB, 2).tolist())
         if kind == 0:
             params.append(SamplingParams(temperature=0.0, **common))
@@ -90,9 +92,11 @@ def test_async_equals_sync(model, seed: int, budget: int, tight: bool, caching: 
                                          **common))
         elif kind == 2:
             params.append(SamplingParams(temperature=0.0, stop=[f"w{int(rng.integers(2, VOCAB))}"], **common))
-        else:
+        elif kind == 3:
             params.append(SamplingParams(temperature=1.0, seed=int(rng.integers(0, 99)), n=2, ignore_eos=True,
                                          **common))
+        else:
+            params.append(SamplingParams(temperature=0.0, prompt_logprobs=2, **common))
     memory = ((20_000 if budget <= 16 else 24_000) if tight else 1 << 20)     # tight: preemptions
     runs, values = [], []
     for mode in (False, True):
@@ -140,6 +144,20 @@ def test_outputs_lag_one_step_and_stream_in_order(model) -> None:
     assert seen == list(sync[0].outputs[0].token_ids)
     assert engine.stats().steps == 3             # the last token is never fed back: no fourth step
     assert_all_free(llm)
+
+
+def test_streamed_prompt_logprobs_arrive_with_their_step(model) -> None:
+    """A chunked prompt's logprobs stream chunk by chunk in the same outputs as with synchronous scheduling."""
+    prompt = [(3 * i) % (VOCAB - 2) + 2 for i in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    seen = []
+    for mode in (False, True):
+        llm = make_llm(model, async_scheduling=mode, max_num_batched_tokens=8)
+        seen.append([(len(o.outputs[0].token_ids), len(o.prompt_logprobs or ()))
+                     for o in llm.generate_stream([prompt], params)])
+    assert seen[0] == seen[1] and seen[0][-1] == (3, 20)
+    one = make_llm(model, async_scheduling=True).generate([[5]], params, use_tqdm=False)[0]
+    assert one.prompt_logprobs == (None,)
 
 
 def test_abort_while_a_step_is_in_flight(model) -> None:

@@ -45,6 +45,17 @@ class EngineStats:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
+class _PromptLogprobs:
+    """One request's prompt logprobs of a step, still on the device (positions ``first``.. predict
+    ``targets``)."""
+
+    request: Request
+    first: int
+    targets: list[int]
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]     # (chosen, top values, top ids)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class _Launched:
     """A step whose forward and sampling are queued on the device; its sampled tokens reach the host
     later (``tokens_on_host``). Each sampler holds a ``PENDING_TOKEN`` at ``positions`` until then."""
@@ -57,6 +68,7 @@ class _Launched:
     host: torch.Tensor                     # (S,) int64 host copy, filled asynchronously on CUDA
     ready: torch.cuda.Event | None         # recorded after the copy (None: already on the host)
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (chosen, top values, top ids)
+    prompt_logprobs: list[_PromptLogprobs]  # of this step's prompt chunks, recorded with its tokens
 
     def tokens_on_host(self) -> np.ndarray:
         if self.ready is not None:
@@ -172,9 +184,14 @@ class LLMEngine:
             return []
         self._steps += 1
         src, dst = self.coordinator.take_state_copies()
-        self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
-        step = self._step_batch(batch, prev)
-        launched = self._launch(batch, step, self.runner.execute(step))
+        try:
+            self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
+            step = self._step_batch(batch, prev)
+            logits = self.runner.execute(step)
+        except BaseException:
+            self._inflight = prev       # its tokens stay readable; this step's tokens were never committed
+            raise
+        launched = self._launch(batch, step, logits)
         outputs: list[RequestOutput] = []
         stopped = False
         if prev is not None:
@@ -260,14 +277,17 @@ class LLMEngine:
         samples = computed + new == sched.row_num_tokens[batch.rows]
         sample_idx = np.flatnonzero(samples)
         samplers = reqs if sample_idx.size == len(reqs) else [reqs[i] for i in sample_idx.tolist()]
+        prompt_logprobs = []
         if self._num_prompt_logprob_requests:        # logits rows of prompt chunks come first per request
             wants = np.array([r.params.prompt_logprobs is not None for r in reqs], bool)
             lengths = np.where(wants, new, samples)
             offsets = np.cumsum(lengths) - lengths
             sample_rows = (offsets + lengths - 1)[sample_idx]
             for i in np.flatnonzero(wants).tolist():
-                self._record_prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
-                                             logits[int(offsets[i]):int(offsets[i] + new[i])])
+                chunk = self._prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
+                                              logits[int(offsets[i]):int(offsets[i] + new[i])])
+                if chunk is not None:
+                    prompt_logprobs.append(chunk)
         else:
             sample_rows = None          # the logits rows are the samplers, in order
         self._prompt_tokens += int(np.maximum(np.minimum(computed + new, sched.row_num_prompt[batch.rows])
@@ -283,7 +303,7 @@ class LLMEngine:
             r.num_pending += 1
         host, ready = self._to_host(tokens)
         return _Launched(batch=batch, samplers=samplers, rows=rows, positions=positions, tokens=tokens,
-                         host=host, ready=ready, logprobs=logprobs)
+                         host=host, ready=ready, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the device-to-host copy of a step's tokens: into one of two pinned buffers (the other may
@@ -317,6 +337,9 @@ class LLMEngine:
         tokens = launched.tokens_on_host()
         toks = tokens.tolist()
         lp = None if launched.logprobs is None else [t.tolist() for t in launched.logprobs]
+        for chunk in launched.prompt_logprobs:
+            if not chunk.request.finished:            # (aborted meanwhile)
+                self._record_prompt_logprobs(chunk)
         sched = self.scheduler
         stopped: list[Request] = []
         gone = []                           # samplers whose row is no longer theirs
@@ -377,17 +400,25 @@ class LLMEngine:
             return tokens, None
         return tokens, logprobs_of(logits, tokens, int(asked.max()))
 
-    def _record_prompt_logprobs(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
-        """Logits at prompt position p predict token p + 1."""
-        if start == 0:
-            r.prompt_logprobs = [None]
+    @staticmethod
+    def _prompt_logprobs(r: Request, start: int, n: int, logits: torch.Tensor) -> _PromptLogprobs | None:
+        """A prompt chunk's logprobs on the device: logits at prompt position p predict token p + 1."""
         end = min(start + n, r.num_prompt_tokens - 1)       # positions whose next token is a prompt token
-        if end <= start:
-            return
-        targets = torch.as_tensor(r.token_ids[start + 1:end + 1], device=logits.device)
-        k = r.params.prompt_logprobs or 0
-        chosen, values, ids = (t.tolist() for t in logprobs_of(logits[: end - start], targets, k))
-        for i, tok in enumerate(targets.tolist()):
+        targets = r.token_ids[start + 1:end + 1] if end > start else []
+        if start and not targets:
+            return None
+        values = logprobs_of(logits[:len(targets)], torch.as_tensor(targets, dtype=torch.int64,
+                                                                     device=logits.device),
+                             r.params.prompt_logprobs or 0)
+        return _PromptLogprobs(request=r, first=start, targets=targets, values=values)
+
+    @staticmethod
+    def _record_prompt_logprobs(chunk: _PromptLogprobs) -> None:
+        r = chunk.request
+        if chunk.first == 0:
+            r.prompt_logprobs = [None]              # nothing predicts the first prompt token
+        chosen, values, ids = (t.tolist() for t in chunk.values)
+        for i, tok in enumerate(chunk.targets):
             r.prompt_logprobs.append(TokenLogprob(token_id=tok, logprob=chosen[i],
                                                   top=tuple(zip(ids[i], values[i], strict=True))))
 
