@@ -202,7 +202,9 @@ def test_async_equals_sync_on_the_gpu(graphs: bool) -> None:
     gpu_model = build_model(config(), seed=3, device=torch.device("cuda"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, int(rng.integers(3, 30))).tolist() for _ in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[7])
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1)] * 2 + \
+        [SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=24)]
     outs = []
     for mode in (False, True):
         llm = LLM(gpu_model, device="cuda", backend="triton", block_size=4, max_num_seqs=8, kv_cache_memory=1 << 22,

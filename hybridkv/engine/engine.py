@@ -44,6 +44,12 @@ class EngineStats:
     prefix_query_tokens: int
 
 
+def _start_copy(values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Logprob tensors on their way to the host: the copies are queued before the step's token copy, whose
+    event ``_finish`` waits on (reading device tensors there would wait for the next step as well)."""
+    return tuple(t.to("cpu", non_blocking=True) if t.is_cuda else t for t in values)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _PromptLogprobs:
     """One request's prompt logprobs of a step, still on the device (positions ``first``.. predict
@@ -52,7 +58,7 @@ class _PromptLogprobs:
     request: Request
     first: int
     targets: list[int]
-    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]     # (chosen, top values, top ids)
+    values: tuple[torch.Tensor, ...]      # (chosen, top values, top ids), copying to the host
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -67,7 +73,7 @@ class _Launched:
     tokens: torch.Tensor                   # (S,) int64 on the device: the next step's input ids
     host: torch.Tensor                     # (S,) int64 host copy, filled asynchronously on CUDA
     ready: torch.cuda.Event | None         # recorded after the copy (None: already on the host)
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # (chosen, top values, top ids)
+    logprobs: tuple[torch.Tensor, ...] | None   # (chosen, top values, top ids), copying to the host
     prompt_logprobs: list[_PromptLogprobs]  # of this step's prompt chunks, recorded with its tokens
 
     def tokens_on_host(self) -> np.ndarray:
@@ -374,7 +380,7 @@ class LLMEngine:
         return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), and
         the logprobs asked for. The per-row parameters come from the scheduler's arrays: no loop over
         requests."""
@@ -398,7 +404,7 @@ class LLMEngine:
         asked = sched.row_logprobs[rows]
         if not (asked >= 0).any():
             return tokens, None
-        return tokens, logprobs_of(logits, tokens, int(asked.max()))
+        return tokens, _start_copy(logprobs_of(logits, tokens, int(asked.max())))
 
     @staticmethod
     def _prompt_logprobs(r: Request, start: int, n: int, logits: torch.Tensor) -> _PromptLogprobs | None:
@@ -410,7 +416,7 @@ class LLMEngine:
         values = logprobs_of(logits[:len(targets)], torch.as_tensor(targets, dtype=torch.int64,
                                                                      device=logits.device),
                              r.params.prompt_logprobs or 0)
-        return _PromptLogprobs(request=r, first=start, targets=targets, values=values)
+        return _PromptLogprobs(request=r, first=start, targets=targets, values=_start_copy(values))
 
     @staticmethod
     def _record_prompt_logprobs(chunk: _PromptLogprobs) -> None:
