@@ -67,14 +67,18 @@ def _tol(dtype: torch.dtype, impl: str = "") -> dict[str, float]:
     return dict(atol=2e-5, rtol=1e-5) if impl == "gemv" else dict(atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("impl", FAST)
-def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.dtype) -> None:
-    """The whole layer (router, latent projections, shared expert) with each expert implementation."""
+def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.dtype, packed: bool) -> None:
+    """The whole layer (router, latent projections, shared expert) with each expert implementation; packed:
+    gate|up as one tensor (``fuse_projections``), which the fast paths project with once."""
     _skip_interpreted_bf16(impl, dtype)
     dev = _device(impl)
     layer = _layer(name, dtype).to(dev)
+    if packed:
+        layer.fuse_projections()
     for num_tokens in (1, 3, 17, 64):
         x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)).to(dev, dtype)
         with torch.no_grad():
@@ -174,3 +178,23 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "grouped"
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100
     assert choose_impl("auto", Fake(torch.bfloat16, 16), ids(16), experts) == "padded"
+
+
+def test_packed_gate_up_keeps_the_parameters() -> None:
+    """Packing makes gate and up views of one tensor (same values, same ``state_dict``), twice is once, and a
+    moved layer runs unpacked."""
+    layer = _layer("mixtral", torch.float32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.fuse_projections()
+    packed = layer.experts().gate_up
+    assert packed is not None and packed.shape == (6, 32, HIDDEN)
+    assert layer.gate_proj.data_ptr() == packed.data_ptr()
+    layer.fuse_projections()
+    assert layer.experts().gate_up is packed
+    after = layer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    layer.to(torch.float64)
+    assert layer.experts().gate_up is None
+    ungated = _layer("nemotron", torch.float32)
+    ungated.fuse_projections()
+    assert ungated.experts().gate_up is None                                  # not gated: nothing to pack

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -69,6 +70,7 @@ class Experts:
     down: torch.Tensor
     activation: str
     scale_input: bool
+    gate_up: torch.Tensor | None = None      # (E, 2 * inter, dim) whose halves ``gate`` and ``up`` are views of
 
     @property
     def num_experts(self) -> int:
@@ -77,6 +79,9 @@ class Experts:
     def mlp(self, x: torch.Tensor, proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """down(act(gate(x)) * up(x)) (or down(act(up(x))) when not gated) with ``proj(x, W)`` = x @ W^T
         for whichever batching the caller uses."""
+        if self.gate_up is not None:              # one projection for both, then the fused act x up
+            h = current_ops().act_mul(proj(x, self.gate_up), activation=self.activation)
+            return proj(h, self.down)
         act = get_activation(self.activation)
         up = proj(x, self.up)
         h = act(proj(x, self.gate)) * up if self.gate is not None else act(up)
@@ -236,6 +241,30 @@ class MoEFeedForward(nn.Module):
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
+        self._gate_up: tuple[torch.Tensor, tuple[int, int]] | None = None    # (packed, its views' pointers)
+
+    def fuse_projections(self) -> None:
+        """Pack the routed experts' gate and up into one (E, 2 * inter, dim) tensor whose halves become the
+        parameters (no extra memory, the same ``state_dict``): one grouped GEMM instead of two, and the
+        fused act x up after it."""
+        if self.gate_proj is None or self._packed_gate_up() is not None:
+            return
+        if self.gate_proj.dtype != self.up_proj.dtype or self.gate_proj.device != self.up_proj.device:
+            return
+        inter = self.up_proj.shape[1]
+        with torch.no_grad():
+            packed = torch.cat([self.gate_proj, self.up_proj], dim=1)
+            self.gate_proj = nn.Parameter(packed[:, :inter], requires_grad=self.gate_proj.requires_grad)
+            self.up_proj = nn.Parameter(packed[:, inter:], requires_grad=self.up_proj.requires_grad)
+        self._gate_up = (packed, (self.gate_proj.data_ptr(), self.up_proj.data_ptr()))
+
+    def _packed_gate_up(self) -> torch.Tensor | None:
+        """The packed gate|up while both parameters are still its views (a move or a replaced parameter
+        breaks them: then the experts run unpacked)."""
+        if self._gate_up is None or self.gate_proj is None:
+            return None
+        packed, ptrs = self._gate_up
+        return packed if (self.gate_proj.data_ptr(), self.up_proj.data_ptr()) == ptrs else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
@@ -266,7 +295,7 @@ class MoEFeedForward(nn.Module):
 
     def experts(self) -> Experts:
         return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, activation=self.cfg.activation,
-                       scale_input=self.cfg.router == "sigmoid_input")
+                       scale_input=self.cfg.router == "sigmoid_input", gate_up=self._packed_gate_up())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
