@@ -198,3 +198,27 @@ def test_packed_gate_up_keeps_the_parameters() -> None:
     ungated = _layer("nemotron", torch.float32)
     ungated.fuse_projections()
     assert ungated.experts().gate_up is None                                  # not gated: nothing to pack
+
+
+@pytest.mark.parametrize("impl", ["grouped", "padded"])
+def test_packed_experts_run_on_the_backend_act_mul(impl: str) -> None:
+    """With gate|up packed, act x up is the step backend's op; the Triton kernel takes rows, so the padded
+    path's (E, T, 2 * inter) is flattened for it (the torch reference would take any shape)."""
+    import dataclasses
+
+    from hybridkv.backends.registry import torch_backend
+    from hybridkv.forward_context import ForwardContext, forward_context
+    from tests._triton import kernel_module
+
+    tf = kernel_module("hybridkv.backends.triton_fused")
+    layer = _layer("llama4", torch.float32)
+    layer.fuse_projections()
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    backend = dataclasses.replace(torch_backend(), act_mul=tf.act_mul_triton)
+    with torch.no_grad():
+        set_moe_impl(layer, "ref")
+        want = layer(x)
+        set_moe_impl(layer, impl)
+        with forward_context(ForwardContext(inputs={}, backend=backend)):
+            got = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -80,8 +80,9 @@ class Experts:
         """down(act(gate(x)) * up(x)) (or down(act(up(x))) when not gated) with ``proj(x, W)`` = x @ W^T
         for whichever batching the caller uses."""
         if self.gate_up is not None:              # one projection for both, then the fused act x up
-            h = current_ops().act_mul(proj(x, self.gate_up), activation=self.activation)
-            return proj(h, self.down)
+            gate_up = proj(x, self.gate_up)       # (rows, 2 * inter), or (E, rows, 2 * inter) for bmm
+            h = current_ops().act_mul(gate_up.reshape(-1, gate_up.shape[-1]), activation=self.activation)
+            return proj(h.view(*gate_up.shape[:-1], -1), self.down)
         act = get_activation(self.activation)
         up = proj(x, self.up)
         h = act(proj(x, self.gate)) * up if self.gate is not None else act(up)
