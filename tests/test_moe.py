@@ -208,12 +208,12 @@ def test_packed_experts_run_on_the_backend_act_mul(impl: str) -> None:
 
     from hybridkv.backends.registry import torch_backend
     from hybridkv.forward_context import ForwardContext, forward_context
-    from tests._triton import kernel_module
+    from tests._triton import DEVICE, kernel_module
 
     tf = kernel_module("hybridkv.backends.triton_fused")
-    layer = _layer("llama4", torch.float32)
+    layer = _layer("llama4", torch.float32).to(DEVICE)
     layer.fuse_projections()
-    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     backend = dataclasses.replace(torch_backend(), act_mul=tf.act_mul_triton)
     with torch.no_grad():
         set_moe_impl(layer, "ref")
