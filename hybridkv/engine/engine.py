@@ -52,8 +52,8 @@ def _start_copy(values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _PromptLogprobs:
-    """One request's prompt logprobs of a step, still on the device (positions ``first``.. predict
-    ``targets``)."""
+    """One request's prompt logprobs of a step, on their way to the host with the step's tokens (positions
+    ``first``.. predict ``targets``)."""
 
     request: Request
     first: int
@@ -408,7 +408,7 @@ class LLMEngine:
 
     @staticmethod
     def _prompt_logprobs(r: Request, start: int, n: int, logits: torch.Tensor) -> _PromptLogprobs | None:
-        """A prompt chunk's logprobs on the device: logits at prompt position p predict token p + 1."""
+        """A prompt chunk's logprobs, copying to the host: logits at prompt position p predict token p + 1."""
         end = min(start + n, r.num_prompt_tokens - 1)       # positions whose next token is a prompt token
         targets = r.token_ids[start + 1:end + 1] if end > start else []
         if start and not targets:
