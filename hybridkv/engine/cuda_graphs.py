@@ -46,6 +46,8 @@ from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, Sli
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.models.hybrid import HybridModel
 from hybridkv.transforms.block_rows import floordiv, gather_block_rows
+from hybridkv.transforms.local_attention import query_chunk_columns
+from hybridkv.transforms.sliding_window import window_drop
 
 logger = logging.getLogger("hybridkv.engine")
 
@@ -166,23 +168,20 @@ def _decode_rows(rule: _Rule, s: np.ndarray, start: np.ndarray | None
     """What a group's builder makes of a decode batch (one query per row, at s - 1) whose rows start at
     block ``start``: (seq_lens (n,) from the kept table's first key; the kept table's first column in the
     given rows (n,), or None = the rows as they are; blocks kept per row (n,); the kept width). Mirrors
-    ``trim_sliding_window`` and ``_one_query_each`` (transforms/), down to when they keep the table as is."""
+    ``trim_sliding_window`` and ``_one_query_each`` (transforms/), down to when they keep the table as is,
+    with their arithmetic (``window_drop``, ``query_chunk_columns``)."""
     kind, bs, span = rule
     key_start = 0 if start is None else start * bs
     if kind == SlidingWindowSpec.kind:              # drop whole blocks before the query's window [s - W, s)
         seq = s - key_start
-        over = seq - span                           # keys before the window
-        if _max(over) < bs:
+        drop = window_drop(seq - 1, span, bs)
+        if drop is None:
             return seq, None, None, 0
-        drop = floordiv(np.maximum(over, 0), bs)
         seq -= drop * bs
         nblk = floordiv(seq + (bs - 1), bs)
         return seq, drop, nblk, int(_max(nblk))
     if kind == ChunkedLocalAttentionSpec.kind:      # the request from its query's chunk start on
-        into = (s - 1) % span                       # keys of the chunk before the query
-        col0 = floordiv(s - 1 - into - key_start, bs)
-        if np.minimum.reduce(col0) < 0:
-            raise ValueError("CUDA graphs: a chunked-local row starts after its query's chunk; its keys are gone")
+        into, col0 = query_chunk_columns(s - 1, key_start, span, bs)
         into += 1
         if not col0.any():
             return into, None, None, 0

@@ -129,6 +129,20 @@ def make_local_attention_virtual_batches(
     )
 
 
+def query_chunk_columns(query_pos: np.ndarray, key_start: np.ndarray | int, chunk: int, block_size: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """For one query per row at absolute ``query_pos`` (n,) in a table starting at ``key_start``: (keys of its
+    chunk before it (n,), the table column where its chunk starts (n,))."""
+    into = query_pos % chunk
+    col0 = floordiv(query_pos - into - key_start, block_size)
+    if np.minimum.reduce(col0) < 0:
+        raise ValueError(
+            "key_start_cpu: the block table starts after the first query's chunk "
+            "(trimmed with a window narrower than the chunk?); its keys are gone"
+        )
+    return into, col0
+
+
 def _one_query_each(cam: CommonAttentionMetadata, chunk: int) -> CommonAttentionMetadata:
     """``make_local_attention_virtual_batches`` when every request has exactly one query (decodes): each is
     its own virtual request, reading its chunk's keys up to the query. Few numpy calls: at batch 256 their
@@ -137,15 +151,8 @@ def _one_query_each(cam: CommonAttentionMetadata, chunk: int) -> CommonAttention
     aligned = not (np.bitwise_or.reduce(ks) & (chunk - 1)) if chunk & (chunk - 1) == 0 else not (ks % chunk).any()
     if aligned and np.maximum.reduce(cam.seq_lens_cpu) <= chunk:  # each row starts at its query's chunk
         return cam
-    a0 = ks + cam.num_computed_tokens_cpu  # absolute position of each query
-    into = a0 % chunk  # keys of its chunk before it
-    lo = a0 - into  # chunk start
-    col0 = floordiv(lo - ks, bs)
-    if np.minimum.reduce(col0) < 0:
-        raise ValueError(
-            "key_start_cpu: the block table starts after the first query's chunk "
-            "(trimmed with a window narrower than the chunk?); its keys are gone"
-        )
+    into, col0 = query_chunk_columns(ks + cam.num_computed_tokens_cpu, ks, chunk, bs)
+    lo = ks + cam.num_computed_tokens_cpu - into  # chunk start
     if not col0.any():
         return cam
     nblk = floordiv(into, bs)

@@ -28,6 +28,15 @@ from hybridkv.transforms.block_rows import floordiv, gather_block_rows
 __all__ = ["trim_sliding_window"]
 
 
+def window_drop(num_computed: np.ndarray, sliding_window: int, block_size: int) -> np.ndarray | None:
+    """Whole blocks before each row's window (its earliest query at ``num_computed`` (n,), relative to the
+    row's key_start), or None when no row has one to drop."""
+    over = num_computed - (sliding_window - 1)           # keys before the earliest query's window
+    if np.maximum.reduce(over) < block_size:
+        return None
+    return floordiv(np.maximum(over, 0, out=over), block_size)
+
+
 def trim_sliding_window(cam: CommonAttentionMetadata, sliding_window: int) -> CommonAttentionMetadata:
     """Drop each row's leading blocks that lie wholly outside the window of all its queries.
 
@@ -40,11 +49,9 @@ def trim_sliding_window(cam: CommonAttentionMetadata, sliding_window: int) -> Co
     if sliding_window <= 0:
         raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
     bs = cam.block_size
-    # Keys before each row's earliest window (its earliest query sits at relative num_computed).
-    over = cam.num_computed_tokens_cpu - (int(sliding_window) - 1)
-    if cam.num_reqs == 0 or np.maximum.reduce(over) < bs:  # no row has a whole block to drop
+    drop = window_drop(cam.num_computed_tokens_cpu, int(sliding_window), bs) if cam.num_reqs else None
+    if drop is None:
         return cam
-    drop = floordiv(np.maximum(over, 0, out=over), bs)  # whole blocks before its window
     shift = drop * bs
     seq = cam.seq_lens_cpu - shift
     nblk = floordiv(seq + (bs - 1), bs)
