@@ -1,7 +1,8 @@
 """Host-side cost of one engine step (schedule + KV coordinator + step batch + per-group metadata and
-transforms), model excluded, for N decoding requests over 4 groups (full, sliding, chunked, Mamba).
+transforms), model excluded, for N decoding requests over 4 groups (full, sliding, chunked, Mamba), or
+the 3 attention groups alone (``--no-mamba``).
 
-    python benchmarks/engine_cpu.py [--requests 64 256] [--context 2048] [--steps 200]
+    python benchmarks/engine_cpu.py [--requests 64 256] [--context 2048] [--steps 200] [--no-mamba]
 
 Requests are placed in the decode phase directly (their prompts registered with the coordinator
 without running the model), then each timed step does exactly what ``LLMEngine.step`` does on the
@@ -9,7 +10,8 @@ host, with a fixed token standing in for sampling. "metadata" is the eager path'
 transforms (the CPU engine's); "graph_packing" is what a CUDA decode step does instead (the step tables
 packed into the captured graph's buffers, here host arrays of that layout); "total" and "total_graphs"
 add schedule, step batch and commit to each. Prints a table and writes
-``benchmarks/results/engine_cpu.json``. Target (issue 6): <= 300 µs per step at 256 requests.
+``benchmarks/results/engine_cpu.json`` (``engine_cpu_no_mamba.json``). Target
+(issue 6): <= 300 µs per step at 256 requests.
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.json"
 
 
-def bench_config(context: int) -> HybridConfig:
+def bench_config(context: int, *, mamba: bool = True) -> HybridConfig:
     attn = dict(num_heads=2, num_kv_heads=1, head_dim=8)
-    mixers = (Mamba2(num_heads=2, head_dim=8, state_size=8), Attention(sliding_window=1024, **attn),
-              Attention(attention_chunk_size=1024, **attn), Attention(**attn))
+    mixers = (Attention(sliding_window=1024, **attn), Attention(attention_chunk_size=1024, **attn), Attention(**attn))
+    if mamba:
+        mixers = (Mamba2(num_heads=2, head_dim=8, state_size=8), *mixers)
     return HybridConfig(vocab_size=128, hidden_size=16, max_position_embeddings=context + 1024, dtype="float32",
                         layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=16)) for m in mixers))
 
 
-def measure(num_requests: int, context: int, steps: int) -> dict[str, float]:
-    llm = LLM(bench_config(context), device="cpu", max_num_seqs=num_requests, kv_cache_memory=1 << 30,
+def measure(num_requests: int, context: int, steps: int, *, mamba: bool = True) -> dict[str, float]:
+    llm = LLM(bench_config(context, mamba=mamba), device="cpu", max_num_seqs=num_requests, kv_cache_memory=1 << 30,
               max_num_batched_tokens=max(2048, num_requests))
     engine, coord, sched = llm.engine, llm.engine.coordinator, llm.engine.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
@@ -95,13 +98,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--no-mamba", action="store_true",
+                        help="3 attention groups only: every decode block is hashed and registered for prefix "
+                             "caching (with Mamba, only blocks up to the last state checkpoint are)")
     args = parser.parse_args()
     rows = {}
     for n in args.requests:
         gc.collect()            # the previous size's engine is garbage: not left for the timed steps to scan
-        rows[n] = measure(n, args.context, args.steps)
+        rows[n] = measure(n, args.context, args.steps, mamba=not args.no_mamba)
 
-    table = Table(title=f"host cost per decode step (µs, median of {args.steps}; model excluded)")
+    groups = "3 attention groups" if args.no_mamba else "4 groups"
+    table = Table(title=f"host cost per decode step, {groups} (µs, median of {args.steps}; model excluded)")
     table.add_column("requests", justify="right")
     for key in next(iter(rows.values())):
         table.add_column(key, justify="right")
@@ -111,9 +118,10 @@ def main() -> None:
     Console().print(table)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "commit": commit,
-                                   "context": args.context, "us_per_step": {str(k): v for k, v in rows.items()}},
-                                  indent=1))
+    out = RESULTS.with_name("engine_cpu_no_mamba.json") if args.no_mamba else RESULTS
+    out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "commit": commit,
+                               "groups": groups, "context": args.context,
+                               "us_per_step": {str(k): v for k, v in rows.items()}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ as generate(1 + N) - generate(1)). Host % = the host's schedule + step batch + m
 as a share of the step (with asynchronous scheduling it runs while the device works); exposed host % = (step −
 the captured graph replayed alone) / step: what the host adds to the device's time.
 Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read + Mamba state bytes read
-and written per step) / copy
-bandwidth (measured here). A short torch.profiler trace of batch-1 decode steps gives GPU busy time vs
-wall time and the top kernels, which explains the gap (launch-bound vs kernel-bound).
+and written per step) / copy bandwidth (measured here). A short torch.profiler trace of batch-1
+(``--profile-batch``) decode steps gives GPU busy time vs wall time and the top kernels, which explains the gap
+(launch-bound vs kernel-bound).
 ``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless).
 """
 
@@ -317,8 +317,9 @@ def run_hf(model, prompts: list[list[int]], steps: int, device) -> dict:
     return {"decode_time": max(tn - t1, 1e-9), "tokens": out[:, ids.shape[1]:].tolist()}
 
 
-def profile_steps(llm, prompt: list[int], device, nsteps: int = 8) -> dict:
-    """GPU kernel time vs wall time over ``nsteps`` batch-1 decode steps, and the top kernels."""
+def profile_steps(llm, prompts: list[list[int]], device, nsteps: int = 8) -> dict:
+    """GPU kernel time vs wall time over ``nsteps`` decode steps of a batch of ``prompts``, and the top
+    kernels."""
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -326,9 +327,11 @@ def profile_steps(llm, prompt: list[int], device, nsteps: int = 8) -> dict:
     from hybridkv.engine.sampling_params import SamplingParams
 
     eng = llm.engine
-    eng.add_request("prof.0", prompt, SamplingParams(temperature=0.0, max_tokens=nsteps + 4, ignore_eos=True))
-    eng.step()  # prefill
-    eng.step()
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"prof.{i}", prompt, SamplingParams(temperature=0.0, max_tokens=nsteps + 4, ignore_eos=True))
+    budget = eng.scheduler.config.max_num_batched_tokens
+    for _ in range(-(-sum(map(len, prompts)) // budget) + 2):     # the prefill chunks, then into decode
+        eng.step()
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -350,7 +353,7 @@ def profile_steps(llm, prompt: list[int], device, nsteps: int = 8) -> dict:
     return {"wall_ms_per_step": wall / nsteps * 1e3, "gpu_busy_ms_per_step": gpu_us / nsteps / 1e3,
             "kernels_per_step": launches / nsteps,
             "top_kernels": [{"name": k[0][:80], "us_per_step": k[1] / nsteps, "calls_per_step": k[2] / nsteps}
-                            for k in kern[:8]]}
+                            for k in kern[:12]]}
 
 
 _HF32: dict = {}
@@ -398,6 +401,7 @@ def main() -> None:
     ap.add_argument("--kv-memory", default="4GiB", help="KV cache + Mamba state budget (64 Mamba2 requests need more)")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
+    ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     ap.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = ap.parse_args()
@@ -477,7 +481,9 @@ def main() -> None:
                 rows.append(row)
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
-                profiles[f"{family}/{variant}"] = profile_steps(llm, prompts[0], device)
+                rng = np.random.default_rng(args.profile_batch)
+                prompts = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(args.profile_batch)]
+                profiles[f"{family}/{variant}"] = profile_steps(llm, prompts, device)
             main_variant = not modes & {"eager", "sync"}      # prefill and logits: once per backend
             if main_variant and args.prefill:
                 p = prefill_rate(llm, active_weight_bytes(hf, config, 1), args.prefill, device)
@@ -507,7 +513,8 @@ def main() -> None:
                       f"{r['tflops']:.0f}", f"{r['pct_matmul']:.0f}"] for r in prefill_rows])
     for key, p in profiles.items():
         if p:
-            print_table(f"batch-1 decode profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU busy "
+            print_table(f"batch-{args.profile_batch} decode profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, "
+                        f"GPU busy "
                         f"{p['gpu_busy_ms_per_step']:.2f} ms/step, {p['kernels_per_step']:.0f} kernels/step",
                         ["kernel", "µs/step", "calls/step"],
                         [[k["name"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:.1f}"]

@@ -2,8 +2,10 @@
 """Launch-configuration sweeps behind the Triton defaults (H100), each with its correctness check.
 
     python benchmarks/gpu_sweeps.py decode-segments   # paged-attention decode: split-KV segments 1..64
+    python benchmarks/gpu_sweeps.py decode-tiles      # paged-attention decode: TILE x warps x stages x segments
     python benchmarks/gpu_sweeps.py prefill-tiles     # paged-attention prefill: BLOCK_M x TILE x warps x stages
     python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
+    python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
 also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
@@ -49,6 +51,36 @@ def decode_segments() -> None:
         progs = (B // cfg["BLOCK_Q"] + B) * kv
         print(f"{h}/{kv}/{d} B={B} ctx={ctx} progs(seg1)={progs} bytes={set_bytes / 1e6:.1f}MB "
               f"us by segments: {' '.join(res)}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def decode_tiles() -> None:
+    from hybridkv.backends.triton_attention import paged_attention_triton
+
+    for h, kv, d, B, ctx in [(4, 1, 256, 1, 544), (4, 1, 256, 32, 544), (32, 8, 64, 1, 544), (32, 8, 64, 32, 544)]:
+        b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=B + ctx,
+                       n_sets=8, poison=False)
+        outs = [torch.empty_like(q) for q in b.q]
+        want = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
+        default = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
+                                                                    scale=b.scale, out=outs[i]) for i in range(8)], 100)
+        res = []
+        for tile, nw, ns, segs in itertools.product((16, 32, 64), (2, 4, 8), (2,), (None, 8, 16, 32)):
+            cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
+            try:
+                got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,
+                                             num_segments=segs)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                t = graph_time_us([lambda i=i: paged_attention_triton(
+                    b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale, out=outs[i], config=cfg,
+                    num_segments=segs) for i in range(8)], 100)
+                res.append((t, err, (tile, nw, ns, segs)))
+            except Exception as e:  # noqa: BLE001  (a config out of resources)
+                print(f"   skipped {(tile, nw, ns, segs)}: {type(e).__name__}")
+        print(f"{h}/{kv}/{d} B={B} ctx={ctx}: default {default:.1f} us; best (TILE, warps, stages, segments):",
+              flush=True)
+        for t, err, c in sorted(res)[:6]:
+            print(f"   {t:.1f} us err {err:.1e} {c}", flush=True)
         torch.cuda.empty_cache()
 
 
@@ -131,13 +163,68 @@ def moe_gemv() -> None:
             print(f"  sum-best {r[2]}: {r[0] * 1e3:.1f} + {r[1] * 1e3:.1f} us")
 
 
+def moe_tiled() -> None:
+    import triton
+
+    from hybridkv.backends import triton_moe as tm
+    from hybridkv.layers.moe import Experts, moe_experts_gemv, moe_experts_grouped, moe_experts_tiled
+
+    dev = "cuda"
+    # (dim, inter, experts, top_k, tokens): the Llama-4-like benchmark model's experts; a many-expert top-8 MoE.
+    for dim, inter, E, k, tokens in ((2048, 2048, 4, 1, 16), (2048, 2048, 4, 1, 32), (2048, 2048, 4, 1, 64),
+                                     (2048, 2048, 4, 1, 128), (2048, 768, 64, 8, 8)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        gate_up = torch.randn(E, 2 * inter, dim, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        down = torch.randn(E, dim, inter, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        x = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16, generator=g)
+        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(tokens)])
+        w = torch.rand(tokens, k, device=dev, generator=g)
+        ex = Experts(gate=gate, up=up, down=down, activation="silu", scale_input=k == 1, gate_up=gate_up)
+        rows, nexp = tokens * k, len(set(ids.flatten().tolist()))
+        gu_bytes, d_bytes = nexp * 2 * inter * dim * 2, nexp * inter * dim * 2
+        want = moe_experts_grouped(x, ids, w, ex)
+        err = ((moe_experts_tiled(x, ids, w, ex) - want).norm() / want.norm()).item()
+        line = f"dim {dim} inter {inter} E {E} top-{k} tokens {tokens} (rows {rows}): tiled rel err {err:.1e};"
+        for name, fn in (("grouped", moe_experts_grouped), ("gemv", moe_experts_gemv), ("tiled", moe_experts_tiled)):
+            t = triton.testing.do_bench(lambda: fn(x, ids, w, ex), warmup=20, rep=100)
+            line += f" {name} {t * 1e3:.1f} us ({(gu_bytes + d_bytes) / t / 1e6:.0f} GB/s)"
+        print(line, flush=True)
+        if rows > 128:
+            continue
+        bm = max(16, triton.next_power_of_2(rows))
+        h = torch.empty(rows, inter, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(rows, dim, device=dev)
+        fi, fw = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+        res = []
+        for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 5)):
+            if nw == 8 and bm < 64:
+                continue
+            f1 = lambda: tm._gate_up_tiled_kernel[(E, triton.cdiv(inter, bn))](  # noqa: E731
+                x, fi, fw, gate, up, h, rows, dim, inter, k, x.stride(0), gate.stride(0), gate.stride(1),
+                up.stride(0), up.stride(1), h.stride(0), ACT=0, GATED=True, SCALE_INPUT=k == 1, BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            f2 = lambda: tm._down_tiled_kernel[(E, triton.cdiv(dim, bn))](  # noqa: E731
+                h, fi, fw, down, y, rows, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+                SCALE_INPUT=k == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            try:
+                res.append((triton.testing.do_bench(f1, warmup=5, rep=30),
+                            triton.testing.do_bench(f2, warmup=5, rep=30), (bn, bk, nw, ns)))
+            except Exception as e:  # noqa: BLE001  (a config out of shared memory)
+                print(f"   skipped {(bn, bk, nw, ns)}: {type(e).__name__}")
+        b1, b2 = min(res), min(res, key=lambda r: r[1])
+        print(f"  best gate_up {b1[0] * 1e3:.1f} us ({gu_bytes / b1[0] / 1e6:.0f} GB/s) cfg {b1[2]}; "
+              f"best down {b2[1] * 1e3:.1f} us ({d_bytes / b2[1] / 1e6:.0f} GB/s) cfg {b2[2]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("decode-segments", "prefill-tiles", "moe-gemv"))
+    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
-    {"decode-segments": decode_segments, "prefill-tiles": prefill_tiles, "moe-gemv": moe_gemv}[args.sweep]()
+    {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
+     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled}[args.sweep]()
 
 
 if __name__ == "__main__":

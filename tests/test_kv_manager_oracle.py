@@ -582,6 +582,29 @@ def test_rows_run_out_without_exceptions() -> None:
     assert not c.can_admit(2)
 
 
+@pytest.mark.parametrize(("layers", "kw", "want"), [
+    ({"f": full(2)}, {}, 9),                               # attention only: every full block, decode too
+    ({"f": full(2), "m": mamba(2)}, {}, 3),                # up to the last prompt checkpoint (6 of 7 tokens)
+    ({"f": full(2), "m": mamba(4)}, {}, 2),                # ... at Mamba's coarser granularity (4)
+    ({"f": full(2), "m": mamba(2)}, {"checkpoint_decode": True}, 9),
+    ({"f": full(2), "m": mamba(2)}, {"ckpt": 0}, 0),        # no checkpoint slots: no hit is possible
+])
+def test_registers_only_blocks_a_hit_can_use(layers: dict, kw: dict, want: int) -> None:
+    """A hybrid hit needs a Mamba checkpoint at its length, so blocks past the last one are not hashed."""
+    c = _coordinator(layers, **kw)
+    assert c.find_prefix_hit("a", TOKENS[:7]) == 0
+    for start, end in ((0, 2), (2, 4), (4, 6), (6, 7)):     # prefill chunks that end at checkpoints
+        assert c.allocate("a", num_computed_tokens=start, num_new_tokens=end - start, token_ids=TOKENS)
+        c.commit("a", num_computed_tokens=end)
+    for n in range(7, 18):                                 # decode 11 tokens: 18 computed, 9 full blocks
+        assert c.allocate("a", num_computed_tokens=n, num_new_tokens=1)
+        c.commit("a", num_computed_tokens=n + 1)
+    assert c.pool is not None and len(c.pool.cached_hashes(0)) == want
+    c.free("a")
+    assert c.find_prefix_hit("b", TOKENS[:19]) == min(2 * want, 18)
+    c.check_invariants()
+
+
 def test_prefix_caching_off_and_decode_checkpoints() -> None:
     layers = {"f": full(2), "m": mamba(2)}
     off = _coordinator(layers, enable_prefix_caching=False)

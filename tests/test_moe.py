@@ -38,7 +38,8 @@ CONFIGS = {
                     topk_groups=2, latent_size=16, shared_intermediate_size=24, routed_scaling_factor=2.0,
                     activation="relu2", gated=False),
 }
-FAST = ("grouped", "padded", "gemv")     # gemv: Triton kernels (the interpreter on the CPU)
+FAST = ("grouped", "padded", "gemv", "tiled")     # gemv, tiled: Triton kernels (the interpreter on the CPU)
+TRITON = ("gemv", "tiled")
 
 
 def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
@@ -52,19 +53,19 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
 
 def _device(impl: str) -> str:
     """The Triton GEMVs run compiled on a GPU when there is one (the interpreter only without CUDA)."""
-    return "cuda" if impl == "gemv" and torch.cuda.is_available() else "cpu"
+    return "cuda" if impl in TRITON and torch.cuda.is_available() else "cpu"
 
 
 def _skip_interpreted_bf16(impl: str, dtype: torch.dtype) -> None:
-    if impl == "gemv" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+    if impl in TRITON and dtype == torch.bfloat16 and not torch.cuda.is_available():
         pytest.skip("Triton's CPU interpreter does not round to bf16 as the GPU does; checked on the GPU")
 
 
 def _tol(dtype: torch.dtype, impl: str = "") -> dict[str, float]:
     if dtype != torch.float32:
         return dict(atol=2e-2, rtol=2e-2)
-    # the Triton GEMVs sum each dot product in blocks: fp32 sums in another order
-    return dict(atol=2e-5, rtol=1e-5) if impl == "gemv" else dict(atol=1e-6, rtol=1e-5)
+    # the Triton kernels sum each dot product in blocks: fp32 sums in another order
+    return dict(atol=2e-5, rtol=1e-5) if impl in TRITON else dict(atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -120,9 +121,10 @@ def test_input_scaling_is_rounded_like_hf() -> None:
     want = moe_experts_ref(x, ids, weights, layer.experts())
     for fn in (moe_experts_grouped, moe_experts_padded):
         torch.testing.assert_close(fn(x, ids, weights, layer.experts()), want, atol=0, rtol=0)
-    if torch.cuda.is_available():     # the Triton GEMVs sum in another order: equal up to bf16 roundings
-        got = run_experts(x.cuda(), ids.cuda(), weights.cuda(), layer.cuda().experts(), impl="gemv")
-        torch.testing.assert_close(got.cpu(), want, **_tol(torch.bfloat16))
+    if torch.cuda.is_available():     # the Triton kernels sum in another order: equal up to bf16 roundings
+        for impl in TRITON:
+            got = run_experts(x.cuda(), ids.cuda(), weights.cuda(), layer.cuda().experts(), impl=impl)
+            torch.testing.assert_close(got.cpu(), want, **_tol(torch.bfloat16))
 
 
 @pytest.mark.parametrize(("fn", "dtype"), [(moe_experts_grouped, torch.bfloat16), (moe_experts_padded, torch.float32),
@@ -171,11 +173,15 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: True)
     experts = layer.experts()
     assert choose_impl("auto", Fake(torch.bfloat16, 4096), ids(4096), experts) == "grouped"
-    assert choose_impl("auto", Fake(torch.float16, 16), ids(16), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.float16, 128), ids(128), experts) == "padded"
     assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), ids(8192), experts) == "ref"
-    if importlib.util.find_spec("triton") is not None:       # decode-size batches: the Triton GEMVs
+    if importlib.util.find_spec("triton") is not None:       # decode- and mid-size batches: the Triton kernels
         assert choose_impl("auto", Fake(torch.bfloat16, 4), ids(4, 2), experts) == "gemv"
-        assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "grouped"
+        assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "tiled"
+        assert choose_impl("auto", Fake(torch.float16, 64), ids(64), experts) == "tiled"
+        assert choose_impl("auto", Fake(torch.bfloat16, 64), ids(64, 2), experts) == "grouped"
+    monkeypatch.setattr(moe_module, "_triton_available", lambda: False)
+    assert choose_impl("auto", Fake(torch.float16, 16), ids(16), experts) == "padded"
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100
     assert choose_impl("auto", Fake(torch.bfloat16, 16), ids(16), experts) == "padded"
 

@@ -114,6 +114,20 @@ def test_random_batches(seed):
     _assert_close(out, dense_attention(b, window=window, softcap=softcap))
 
 
+@pytest.mark.parametrize(("window", "segs"), [(None, None), (20, None), (None, 4), (20, 2)])
+def test_decode_at_head_dim_256(window, segs):
+    """Gemma's d = 256 decode path (16-key tiles, split-KV chosen by the grid on a GPU): every row one query,
+    rows of 1 to 70 keys over blocks of 16, a trimmed window."""
+    s_lens = [1, 17, 40, 70]
+    b = make_batch([1] * len(s_lens), s_lens, 16, 7, num_heads=4, num_kv_heads=1, head_dim=256, extra_cols=1)
+    assert ta.launch_config(head_dim=256, group=4, max_query_len=1)["TILE"] == 16
+    cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
+    kc, vc = poison_unreferenced(b, cam)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale, sliding_window=window, num_segments=segs)
+    _assert_close(out, dense_attention(b, window=window))
+
+
 @pytest.mark.parametrize("seed", [10, 11])
 def test_trimmed_sliding_window(seed):
     """After trimming, blocks wholly outside every window are NaN; the kernel must not read them."""

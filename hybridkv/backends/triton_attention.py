@@ -279,17 +279,19 @@ def _num_sms(index: int) -> int:
 
 
 def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
-    """Tile shapes, from sweeps on an H100 (benchmarks/gpu_attention.py --sweep): decode-only batches get
-    the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores) and 64-key tiles
-    (``paged_attention_triton`` widens them to 128 when d <= 128 and no split is needed); batches with
-    prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x slower); at d <= 64, 128 x 128
-    (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with 8 warps (4.4x faster than 32 x 32
-    at S = 8192); each with the same error against fp32 SDPA as the shape it replaced."""
+    """Tile shapes, from sweeps on an H100 (benchmarks/gpu_attention.py --sweep, gpu_sweeps.py decode-tiles):
+    decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
+    and 64-key tiles, 16 at d = 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
+    7.4 µs at B = 1 over 544 keys; ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
+    is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
+    slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
+    8 warps (4.4x faster than 32 x 32 at S = 8192); each with the same error against fp32 SDPA as the shape
+    it replaced."""
     hd_p = max(16, _next_pow2(head_dim))
     g_p = _next_pow2(group)
     if max_query_len <= 1:
         block_m = max(16, g_p)
-        tile = 64
+        tile = 16 if hd_p >= 256 else 64
         warps = 4
     elif hd_p <= 64:
         block_m, tile, warps = max(128, g_p), 128, 4

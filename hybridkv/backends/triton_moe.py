@@ -1,15 +1,26 @@
-"""Routed experts for decode-sized batches as two Triton GEMV kernels (``layers/moe.py`` impl "gemv").
+"""Routed experts for decode-sized batches in Triton: GEMVs per assignment (``layers/moe.py`` impl "gemv")
+and masked tiles per expert (impl "tiled").
 
 With a handful of (token, slot) assignments, a grouped GEMM spends its time on tile setup and reads the
 weights at a fraction of the memory bandwidth; a GEMV per assignment that reads only its expert's rows is
 bandwidth-bound, which is the best a decode step can do. Each assignment reads its expert's weights once,
 so the kernels only pay off while assignments rarely share an expert (``layers.moe.GEMV_MAX_ROWS``).
 
+With a few dozen assignments the experts are shared, and the sort, gathers and scatter around a grouped GEMM
+cost as much as the GEMM. The tiled kernels need none of them: a program owns one expert and BLOCK_N output
+channels, takes *every* assignment as its M tile with the other experts' rows masked out (neither loaded nor
+stored), and reads its weight slice once. The masked rows waste tensor-core FLOPs, E x a grouped GEMM's; up
+to ``layers.moe.TILED_MAX_ROWS`` assignments that stays under the weight reads' time. Experts without an
+assignment return after reading the ids.
+
 - ``_gate_up_kernel``: grid (assignments, inter blocks): ``h = act(gate_e x) * up_e x`` for BLOCK_N output
   channels, x scaled by the routing weight first for Llama-4 (``scale_input``), rounded where the reference
   rounds (x, gate, up, act, h in the model dtype; fp32 accumulation).
 - ``_down_kernel``: grid (assignments, dim blocks): ``y = down_e h`` in fp32, times the routing weight
   unless it scaled the input; the slots of a token are summed by the caller.
+
+- ``_gate_up_tiled_kernel`` / ``_down_tiled_kernel``: the same two steps, grid (experts, output blocks),
+  rounded at the same places.
 
 No host sync, shapes fixed by the number of tokens: CUDA-graph capturable.
 """
@@ -22,12 +33,31 @@ import triton.language as tl
 
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
 
-__all__ = ["moe_experts_gemv"]
+__all__ = ["moe_experts_gemv", "moe_experts_tiled"]
 
 # Tuned on an H100 (`benchmarks/gpu_sweeps.py moe-gemv`: expert shapes 2048x2048 and 5120x8192, 1-8 rows): few
 # output channels per program keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
 _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
+# Tiled kernels (`benchmarks/gpu_sweeps.py moe-tiled`, H100, 16-128 assignments of 2048x2048 experts: gate|up
+# at ~1.8 TB/s, down ~1.5 TB/s in-kernel; the best configurations moved little with the assignment count).
+_TILED_GATE_UP = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
+_TILED_DOWN = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+_TILED_MAX_M = 128
+_SMEM_BUDGET = 160 * 1024      # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
+
+
+def _tiled_config(base: dict, block_m: int, b_tiles: int, itemsize: int) -> dict:
+    """``base`` with as many pipeline stages (then as wide a BLOCK_K) as fit ``_SMEM_BUDGET`` for an A tile of
+    ``block_m`` rows and ``b_tiles`` weight tiles per stage (fp32 models need fewer than bf16)."""
+    cfg = dict(base)
+    while True:
+        stage = (block_m + b_tiles * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * itemsize
+        cfg["num_stages"] = min(base["num_stages"], _SMEM_BUDGET // stage)
+        if cfg["num_stages"] >= 2 or cfg["BLOCK_K"] <= 32:
+            cfg["num_stages"] = max(1, cfg["num_stages"])
+            return cfg
+        cfg["BLOCK_K"] //= 2
 
 
 @triton.jit
@@ -90,20 +120,93 @@ def _down_kernel(
     tl.store(y_ptr + a * stride_y + n, y, mask=n_ok)
 
 
+@triton.jit
+def _gate_up_tiled_kernel(
+    x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, rows, dim, inter, k_slots,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
+    ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    r = tl.arange(0, BLOCK_M)                          # every assignment: token * k_slots + slot
+    mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
+    if tl.max(mine.to(tl.int32), 0) > 0:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        ty = h_ptr.dtype.element_ty
+        e64 = e.to(tl.int64)
+        x_rows = x_ptr + (r // k_slots).to(tl.int64)[:, None] * stride_xt          # (BLOCK_M, 1)
+        w = tl.load(w_ptr + r, mask=mine, other=0.0)
+        up_cols = up_ptr + e64 * stride_ue + n[None, :] * stride_un              # (1, BLOCK_N)
+        gate_cols = gate_ptr + e64 * stride_ge + n[None, :] * stride_gn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, dim, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < dim
+            a = tl.load(x_rows + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)   # (BLOCK_M, BLOCK_K)
+            if SCALE_INPUT:
+                a = (a.to(tl.float32) * w[:, None]).to(ty)
+            m = k_ok[:, None] & n_ok[None, :]
+            u = tl.load(up_cols + kk[:, None], mask=m, other=0.0)                   # (BLOCK_K, BLOCK_N)
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+            if GATED:
+                g = tl.load(gate_cols + kk[:, None], mask=m, other=0.0)
+                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+        up = acc_u.to(ty).to(tl.float32)
+        h = _activation(up, ACT)                       # not gated: act(up)
+        if GATED:
+            h = _activation(acc_g.to(ty).to(tl.float32), ACT).to(ty).to(tl.float32) * up
+        tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h.to(ty), mask=mine[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_tiled_kernel(
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, rows, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y,
+    SCALE_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    r = tl.arange(0, BLOCK_M)
+    mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
+    if tl.max(mine.to(tl.int32), 0) > 0:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < dim
+        ty = h_ptr.dtype.element_ty
+        down_cols = down_ptr + e.to(tl.int64) * stride_de + n[None, :] * stride_dn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < inter
+            a = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
+            d = tl.load(down_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, d, acc, input_precision="ieee")
+        y = acc.to(ty).to(tl.float32)                  # the reference's down projection is in the model dtype
+        if not SCALE_INPUT:
+            y = y * tl.load(w_ptr + r, mask=mine, other=0.0)[:, None]
+        tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y, mask=mine[:, None] & n_ok[None, :])
+
+
+def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
+             up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Checked inputs and the kernels' buffers: flat ids, flat fp32 weights (T*k,); h (T*k, inter) in x's
+    dtype; y (T*k, dim) fp32."""
+    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"MoE Triton kernels: {name} needs a contiguous last dim")
+    rows = ids.numel()
+    h = torch.empty(rows, up.shape[1], dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device)
+    return ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous(), h, y
+
+
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool) -> torch.Tensor:
     """x (T, dim); ids (T, k) expert ids; weights (T, k) fp32; gate/up (E, inter, dim), down (E, dim, inter)
     -> fp32 (T, dim): the weighted sum of each token's experts (the contract of ``moe_experts_ref``)."""
     num_tokens, k = ids.shape
-    dim, inter = x.shape[1], up.shape[1]
-    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"moe_experts_gemv: {name} needs a contiguous last dim")
-    flat_ids = ids.reshape(-1).contiguous()
-    flat_w = weights.reshape(-1).float().contiguous()
-    rows = num_tokens * k
-    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(rows, dim, dtype=torch.float32, device=x.device)
+    dim, inter, rows = x.shape[1], up.shape[1], ids.numel()
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down)
     if rows == 0:
         return y.view(num_tokens, dim)
     g = gate if gate is not None else up
@@ -114,4 +217,29 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     _down_kernel[(rows, triton.cdiv(dim, _DOWN["BLOCK_N"]))](
         h, flat_ids, flat_w, down, y, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         SCALE_INPUT=scale_input, **_DOWN)
+    return y if k == 1 else y.view(num_tokens, k, dim).sum(1)
+
+
+def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
+                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool) -> torch.Tensor:
+    """``moe_experts_gemv``'s contract with one program per (expert, output block) over every assignment.
+    An M tile holds at most ``_TILED_MAX_M`` assignments: larger batches run in token chunks of that many."""
+    num_tokens, k = ids.shape
+    dim, inter, num_experts = x.shape[1], up.shape[1], up.shape[0]
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down)
+    g = gate if gate is not None else up
+    chunk = max(1, _TILED_MAX_M // k)                  # tokens per launch
+    for t0 in range(0, num_tokens, chunk):
+        t1 = min(num_tokens, t0 + chunk)
+        r0, r1 = t0 * k, t1 * k
+        block_m = max(16, triton.next_power_of_2(r1 - r0))
+        cfg = _tiled_config(_TILED_GATE_UP, block_m, 2 if gate is not None else 1, x.element_size())
+        _gate_up_tiled_kernel[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
+            x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], r1 - r0, dim, inter, k, x.stride(0),
+            g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), ACT=_ACT_IDS[activation],
+            GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
+        cfg = _tiled_config(_TILED_DOWN, block_m, 1, x.element_size())
+        _down_tiled_kernel[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], r1 - r0, dim, inter, h.stride(0),
+            down.stride(0), down.stride(1), y.stride(0), SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
     return y if k == 1 else y.view(num_tokens, k, dim).sum(1)

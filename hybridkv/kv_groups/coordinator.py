@@ -133,6 +133,9 @@ class KVCacheCoordinator:
         self._num_cached = np.zeros(R, np.int64)                    # full blocks already registered
         self._prompt_len = np.zeros(R, np.int64)                    # 0 = not known yet
         self._ckpt_limit = np.zeros(R, np.int64)                    # last length worth a checkpoint
+        # Full blocks worth registering: with Mamba layers a hit needs a state checkpoint at its length,
+        # so blocks past the last checkpoint could never be part of one (decode blocks, by default).
+        self._cache_cap = np.full(R, 0 if self.mamba else _NEVER, np.int64)
         self._next_ckpt = np.full(R, _NEVER, np.int64)              # next checkpoint length, or _NEVER
         self._hashes: list[list[BlockHash]] = [[] for _ in range(R)]
         self._tokens: list[TokenSource | None] = [None] * R            # what hashes are read from
@@ -269,6 +272,7 @@ class KVCacheCoordinator:
         self._num_cached[row] = 0
         self._prompt_len[row] = 0
         self._ckpt_limit[row] = 0
+        self._cache_cap[row] = 0 if self.mamba else _NEVER
         self._next_ckpt[row] = _NEVER
         self._hashes[row] = []
         self._tokens[row] = None
@@ -508,9 +512,10 @@ class KVCacheCoordinator:
         return hashes
 
     def _cache_full_blocks(self, rows: np.ndarray, nc: np.ndarray) -> None:
-        """Register the blocks that became full in every attention group (one op for all groups)."""
+        """Register the blocks that became full in every attention group (one op for all groups), up to
+        the row's ``_cache_cap``."""
         bs = self.block_size
-        full = nc // bs
+        full = np.minimum(nc // bs, self._cache_cap[rows])
         done = self._num_cached[rows]
         grew = full > done
         if not _count(grew):
@@ -540,7 +545,11 @@ class KVCacheCoordinator:
         """Checkpoints cover the prompt (shared prefixes live there), or every length with
         ``checkpoint_decode``: one state copy per block of decode would cost a full state's bandwidth."""
         self._prompt_len[row] = num_prompt_tokens
-        self._ckpt_limit[row] = _NEVER if self.checkpoint_decode else num_prompt_tokens
+        self._ckpt_limit[row] = limit = _NEVER if self.checkpoint_decode else num_prompt_tokens
+        if self.mamba is not None:
+            mbs = self.mamba.block_size
+            self._cache_cap[row] = (0 if not self._checkpoints_on else _NEVER if limit == _NEVER
+                                    else limit // mbs * mbs // self.block_size)
         self._next_ckpt[row] = self._next_ckpt_after(self._num_computed[row:row + 1],
                                                      self._ckpt_limit[row:row + 1])[0]
 
@@ -590,7 +599,8 @@ class KVCacheCoordinator:
         if a == b:
             return
         self.block_tables.swap_rows(a, b)
-        arrays = [self._num_computed, self._num_cached, self._prompt_len, self._ckpt_limit, self._next_ckpt]
+        arrays = [self._num_computed, self._num_cached, self._prompt_len, self._ckpt_limit, self._cache_cap,
+                  self._next_ckpt]
         arrays += [m.num_skipped for m in self.managers] + [m.next_free for m in self.managers]
         if self.mamba:
             arrays += [self.mamba.slot, self.mamba.pending]

@@ -28,6 +28,10 @@ the same function (``run_experts``; chosen per call, see ``choose_impl``):
 - ``gemv`` (``backends/triton_moe.py``): two Triton GEMV kernels, one program row per (token, slot) reading
   only its expert's weights at memory bandwidth. The CUDA default for decode-size batches (at most
   ``GEMV_MAX_ROWS`` assignments), where a grouped GEMM is dominated by its tile setup.
+- ``tiled`` (``backends/triton_moe.py``): two Triton kernels, one program per (expert, output block) taking
+  every assignment as its M tile with the other experts' rows masked: each active expert's weights read once,
+  and no sort, gather or scatter around them. The CUDA default for mid-size batches (at most
+  ``TILED_MAX_ROWS`` assignments), where those would cost as much as the grouped GEMM.
 
 The choice is explicit (``MoEFeedForward.impl``; default from ``HYBRIDKV_MOE_IMPL``, else "auto") and
 logged once per (device, dtype, impl).
@@ -53,10 +57,11 @@ from hybridkv.models.config import MoE
 
 logger = logging.getLogger("hybridkv.moe")
 
-MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv")
+MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv", "tiled")
 IMPL_ENV = "HYBRIDKV_MOE_IMPL"
 PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
 GEMV_MAX_ROWS = 8             # auto picks "gemv" on CUDA while num_tokens * top_k <= this
+TILED_MAX_ROWS = 64           # ... and "tiled" while num_tokens * top_k <= this
 _logged: set[tuple[str, torch.dtype, str]] = set()
 
 
@@ -157,8 +162,17 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                 activation=experts.activation, scale_input=experts.scale_input)
 
 
+def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Two Triton kernels, one program per (expert, output block) over every assignment, others masked
+    (``backends/triton_moe.py``)."""
+    from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
+
+    return tiled(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
+                 activation=experts.activation, scale_input=experts.scale_input)
+
+
 _IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded,
-          "gemv": moe_experts_gemv}
+          "gemv": moe_experts_gemv, "tiled": moe_experts_tiled}
 
 
 def grouped_mm_is_fast(device: torch.device) -> bool:
@@ -173,14 +187,15 @@ def _triton_available() -> bool:
 
 def choose_impl(impl: str, x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> str:
     """Resolve "auto": the reference loop on the CPU (exact, and a sync costs nothing there); on CUDA the
-    grouped GEMM for bf16 on sm90/sm100 (dims 16-byte aligned); else the padded bmm for decode-size batches
-    (num_experts * num_tokens <= PADDED_MAX_ROWS) and the reference loop for larger ones."""
+    Triton GEMVs and tiles for decode- and mid-size batches, the grouped GEMM for bf16 on sm90/sm100 (dims
+    16-byte aligned); else the padded bmm for decode-size batches (num_experts * num_tokens <=
+    PADDED_MAX_ROWS) and the reference loop for larger ones."""
     if impl != "auto":
         return impl
     if x.device.type != "cuda":
         return "ref"
-    if ids.numel() <= GEMV_MAX_ROWS and _triton_available():
-        return "gemv"
+    if ids.numel() <= TILED_MAX_ROWS and _triton_available():
+        return "gemv" if ids.numel() <= GEMV_MAX_ROWS else "tiled"
     inter, dim = experts.up.shape[1], experts.up.shape[2]
     if x.dtype == torch.bfloat16 and grouped_mm_is_fast(x.device) and inter % 8 == 0 and dim % 8 == 0:
         return "grouped"
