@@ -5,7 +5,6 @@
     python benchmarks/gpu_sweeps.py decode-tiles      # paged-attention decode: TILE x warps x stages x segments
     python benchmarks/gpu_sweeps.py prefill-tiles     # paged-attention prefill: BLOCK_M x TILE x warps x stages
     python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
-    python benchmarks/gpu_sweeps.py dense-gemv        # dense linears at 1-8 rows: Triton GEMV vs cuBLAS
     python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
@@ -164,42 +163,6 @@ def moe_gemv() -> None:
             print(f"  sum-best {r[2]}: {r[0] * 1e3:.1f} + {r[1] * 1e3:.1f} us")
 
 
-def dense_gemv() -> None:
-    from hybridkv.backends.triton_gemv import linear_gemv
-
-    dev = "cuda"
-    # (N, K): Llama-4-like qkv, o, dense gate|up, dense down, shared gate|up; Gemma-3-like qkv, o, gate|up, down
-    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 2048), (1536, 1152), (1152, 1024),
-              (13824, 1152), (1152, 6912)]
-    for N, K in shapes:
-        nbytes = N * K * 2
-        sets = max(1, -(-(256 << 20) // nbytes))         # rotate over > 4x the L2 so every call reads HBM
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(sets)]
-        for M in (1, 8):
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            ref = x.float() @ ws[0].float().t()
-            err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
-            t_cublas = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 100)
-            t_def = graph_time_us([lambda w=w: linear_gemv(x, w) for w in ws], 100)
-            res = []
-            for bn, bk, nw, ns in itertools.product((4, 8, 16), (256, 512), (4,), (2, 4)):
-                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-                try:
-                    e = err(linear_gemv(x, ws[0], config=cfg))
-                    res.append((graph_time_us([lambda w=w: linear_gemv(x, w, config=cfg) for w in ws], 100), e, cfg))
-                except Exception as exc:  # noqa: BLE001  (a config out of resources)
-                    print(f"   skipped {cfg}: {type(exc).__name__}")
-            best = min(res, key=lambda r: r[0])
-            print(f"N {N} K {K} M {M}: cuBLAS {t_cublas:.1f} us ({nbytes / t_cublas / 1e3:.0f} GB/s, err "
-                  f"{err(torch.nn.functional.linear(x, ws[0])):.1e}); gemv default {t_def:.1f} us "
-                  f"({nbytes / t_def / 1e3:.0f} GB/s); best {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s, "
-                  f"err {best[1]:.1e}) {best[2]}", flush=True)
-            for t, _e, c in sorted(res, key=lambda r: r[0])[1:4]:
-                print(f"     {t:.1f} us {c}")
-        del ws
-        torch.cuda.empty_cache()
-
-
 def moe_tiled() -> None:
     import triton
 
@@ -256,13 +219,12 @@ def moe_tiled() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "dense-gemv", "moe-gemv",
-                                      "moe-tiled"))
+    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
-     "dense-gemv": dense_gemv, "moe-gemv": moe_gemv, "moe-tiled": moe_tiled}[args.sweep]()
+     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled}[args.sweep]()
 
 
 if __name__ == "__main__":
