@@ -173,13 +173,13 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: True)
     experts = layer.experts()
     assert choose_impl("auto", Fake(torch.bfloat16, 4096), ids(4096), experts) == "grouped"
-    assert choose_impl("auto", Fake(torch.float16, 128), ids(128), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.float16, 129), ids(129), experts) == "padded"
     assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), ids(8192), experts) == "ref"
     if importlib.util.find_spec("triton") is not None:       # decode- and mid-size batches: the Triton kernels
         assert choose_impl("auto", Fake(torch.bfloat16, 4), ids(4, 2), experts) == "gemv"
         assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "tiled"
-        assert choose_impl("auto", Fake(torch.float16, 64), ids(64), experts) == "tiled"
-        assert choose_impl("auto", Fake(torch.bfloat16, 64), ids(64, 2), experts) == "grouped"
+        assert choose_impl("auto", Fake(torch.float16, 64), ids(64, 2), experts) == "tiled"
+        assert choose_impl("auto", Fake(torch.bfloat16, 65), ids(65, 2), experts) == "grouped"
     monkeypatch.setattr(moe_module, "_triton_available", lambda: False)
     assert choose_impl("auto", Fake(torch.float16, 16), ids(16), experts) == "padded"
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100

@@ -61,7 +61,7 @@ MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv", "tiled")
 IMPL_ENV = "HYBRIDKV_MOE_IMPL"
 PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
 GEMV_MAX_ROWS = 8             # auto picks "gemv" on CUDA while num_tokens * top_k <= this
-TILED_MAX_ROWS = 64           # ... and "tiled" while num_tokens * top_k <= this
+TILED_MAX_ROWS = 128          # ... and "tiled" while num_tokens * top_k <= this (one M tile)
 _logged: set[tuple[str, torch.dtype, str]] = set()
 
 
