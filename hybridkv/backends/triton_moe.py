@@ -1,5 +1,5 @@
-"""Routed experts for decode-sized batches in Triton: GEMVs per assignment (``layers/moe.py`` impl "gemv")
-and masked tiles per expert (impl "tiled").
+"""Routed experts for decode- and mid-size batches in Triton: GEMVs per assignment (``layers/moe.py`` impl
+"gemv") and masked tiles per expert (impl "tiled").
 
 With a handful of (token, slot) assignments, a grouped GEMM spends its time on tile setup and reads the
 weights at a fraction of the memory bandwidth; a GEMV per assignment that reads only its expert's rows is
@@ -19,7 +19,6 @@ assignment return after reading the ids.
   rounds (x, gate, up, act, h in the model dtype; fp32 accumulation).
 - ``_down_kernel``: grid (assignments, dim blocks): ``y = down_e h`` in fp32, times the routing weight
   unless it scaled the input; the slots of a token are summed by the caller.
-
 - ``_gate_up_tiled_kernel`` / ``_down_tiled_kernel``: the same two steps, grid (experts, output blocks),
   rounded at the same places.
 
@@ -27,6 +26,8 @@ No host sync, shapes fixed by the number of tokens: CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -48,9 +49,12 @@ _TILED_MAX_M = 128
 _SMEM_BUDGET = 160 * 1024      # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
 
 
-def _tiled_config(base: dict, block_m: int, b_tiles: int, itemsize: int) -> dict:
-    """``base`` with as many pipeline stages (then as wide a BLOCK_K) as fit ``_SMEM_BUDGET`` for an A tile of
-    ``block_m`` rows and ``b_tiles`` weight tiles per stage (fp32 models need fewer than bf16)."""
+@functools.cache
+def _tiled_config(kernel: str, block_m: int, itemsize: int) -> dict:
+    """``kernel``'s ("gate_up" or "down") configuration with as many pipeline stages (then as wide a BLOCK_K)
+    as fit ``_SMEM_BUDGET`` for an A tile of ``block_m`` rows (fp32 models get fewer than bf16)."""
+    base = _TILED_GATE_UP if kernel == "gate_up" else _TILED_DOWN
+    b_tiles = 2 if kernel == "gate_up" else 1                # gate and up tiles share each A tile
     cfg = dict(base)
     while True:
         stage = (block_m + b_tiles * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * itemsize
@@ -234,12 +238,12 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         t1 = min(num_tokens, t0 + chunk)
         r0, r1 = t0 * k, t1 * k
         block_m = max(16, triton.next_power_of_2(r1 - r0))
-        cfg = _tiled_config(_TILED_GATE_UP, block_m, 2 if gate is not None else 1, x.element_size())
+        cfg = _tiled_config("gate_up", block_m, x.element_size())
         _gate_up_tiled_kernel[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
             x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], r1 - r0, dim, inter, k, x.stride(0),
             g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), ACT=_ACT_IDS[activation],
             GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
-        cfg = _tiled_config(_TILED_DOWN, block_m, 1, x.element_size())
+        cfg = _tiled_config("down", block_m, x.element_size())
         _down_tiled_kernel[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
             h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], r1 - r0, dim, inter, h.stride(0),
             down.stride(0), down.stride(1), y.stride(0), SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
