@@ -128,12 +128,13 @@ PREPS = {  # name -> (QKPrep kwargs, rope)
 }
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (5, 1, 128)])   # 1 / 3 programs of q heads
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(PREPS))
-def test_qk_rope_write_kv(dtype, name) -> None:
+def test_qk_rope_write_kv(dtype, name, heads, kv_heads, d) -> None:
     prep_kw, rope = PREPS[name]
     g = torch.Generator().manual_seed(3)
-    n, heads, kv_heads, d, blocks, bs = 6, 4, 2, 16, 5, 4
+    n, blocks, bs = 6, 5, 4
     prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
     q, k, v = (t.view(n, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))

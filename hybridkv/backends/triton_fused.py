@@ -236,37 +236,47 @@ def _prep_heads(row_ptr, stride_h, n_heads, w_ptr, pos, inv_freq_ptr, eps, attn_
 @triton.jit
 def _qk_rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_heads, num_kv_heads, eps, attn_scale, floor_scale,
+    num_heads, num_kv_heads, q_programs, eps, attn_scale, floor_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, Q_HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_P: tl.constexpr,
     ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr, POST_NORM: tl.constexpr,
     GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    """One program per token: all its q heads out, its k and v heads into the cache."""
+    """Grid (tokens, q_programs + kv programs): program j < q_programs writes HEADS_P of the token's q heads
+    out, a later one puts HEADS_P of its k and v heads into the cache (short dependent chains side by side
+    instead of one long one per token: decode batches have few tokens)."""
     t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     ty = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + t).to(tl.float32)
     d = tl.arange(0, HEAD_DIM_P)[None, :]
-    q = _prep_heads(q_ptr + t * stride_qt, stride_qh, num_heads, qw_ptr, pos, inv_freq_ptr, eps, attn_scale,
-                    floor_scale, ty, Q_HEADS_P, HEAD_DIM, HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM,
-                    GEMMA, TEMPERATURE)
-    qh = tl.arange(0, Q_HEADS_P)[:, None]
-    tl.store(q_out_ptr + t * stride_ot + qh * stride_oh + d, q.to(ty), mask=(qh < num_heads) & (d < HEAD_DIM))
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        k = _prep_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, kw_ptr, pos, inv_freq_ptr, eps,
-                        attn_scale, floor_scale, ty, KV_HEADS_P, HEAD_DIM, HEAD_DIM_P, ROT_DIM, INTERLEAVED,
-                        QK_NORM, POST_NORM, GEMMA, False)
-        kh = tl.arange(0, KV_HEADS_P)[:, None]
-        ok = (kh < num_kv_heads) & (d < HEAD_DIM)
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + d,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=ok, other=0.0)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + d,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    if j < q_programs:
+        h0 = j * HEADS_P
+        q = _prep_heads(q_ptr + t * stride_qt + h0 * stride_qh, stride_qh, num_heads - h0, qw_ptr, pos,
+                        inv_freq_ptr, eps, attn_scale, floor_scale, ty, HEADS_P, HEAD_DIM, HEAD_DIM_P, ROT_DIM,
+                        INTERLEAVED, QK_NORM, POST_NORM, GEMMA, TEMPERATURE)
+        qh = h0 + tl.arange(0, HEADS_P)[:, None]
+        tl.store(q_out_ptr + t * stride_ot + qh * stride_oh + d, q.to(ty), mask=(qh < num_heads) & (d < HEAD_DIM))
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            h0 = (j - q_programs) * HEADS_P
+            k = _prep_heads(k_ptr + t * stride_kt + h0 * stride_kh, stride_kh, num_kv_heads - h0, kw_ptr, pos,
+                            inv_freq_ptr, eps, attn_scale, floor_scale, ty, HEADS_P, HEAD_DIM, HEAD_DIM_P,
+                            ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA, False)
+            kh = h0 + tl.arange(0, HEADS_P)[:, None]
+            ok = (kh < num_kv_heads) & (d < HEAD_DIM)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch + d,
+                     k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=ok, other=0.0)
+            tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + d,
+                     v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+_QK_ELEMS = 256    # head elements per program of ``_qk_rope_kv_kernel`` (whole heads, at least one)
 
 
 def qk_rope_write_kv_triton(
@@ -308,18 +318,19 @@ def qk_rope_write_kv_triton(
     temperature = prep.rot_dim == 0 and prep.temperature_tuning is not None
     attn_scale, floor_scale = prep.temperature_tuning if temperature else (0.0, 1.0)
     dummy = positions
-    elems = _pow2(heads) * _pow2(d)
-    _qk_rope_kv_kernel[(n,)](
+    heads_p = min(_pow2(max(heads, kv_heads)), max(1, _QK_ELEMS // _pow2(d)))
+    q_programs = -(-heads // heads_p)
+    _qk_rope_kv_kernel[(n, q_programs + -(-kv_heads // heads_p))](
         q, k, v, positions, inv_freq if prep.rot_dim else dummy, q_norm_weight if norm else dummy,
         k_norm_weight if norm else dummy, out, k_cache, v_cache, slot_mapping,
-        heads, kv_heads, prep.eps, attn_scale, floor_scale,
+        heads, kv_heads, q_programs, prep.eps, attn_scale, floor_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), Q_HEADS_P=_pow2(heads), KV_HEADS_P=_pow2(kv_heads), ROT_DIM=prep.rot_dim,
+        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), HEADS_P=heads_p, ROT_DIM=prep.rot_dim,
         INTERLEAVED=prep.interleaved, QK_NORM=norm, POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless",
         GEMMA=prep.gemma_norm, TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1],
-        num_warps=max(1, min(8, elems // 512)))
+        num_warps=max(1, min(4, heads_p * _pow2(d) // 128)))
     return out
 
 
