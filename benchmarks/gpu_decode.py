@@ -482,8 +482,8 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
                 rng = np.random.default_rng(args.profile_batch)
-                prompts = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(args.profile_batch)]
-                profiles[f"{family}/{variant}"] = profile_steps(llm, prompts, device)
+                batch = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(args.profile_batch)]
+                profiles[f"{family}/{variant}"] = profile_steps(llm, batch, device)
             main_variant = not modes & {"eager", "sync"}      # prefill and logits: once per backend
             if main_variant and args.prefill:
                 p = prefill_rate(llm, active_weight_bytes(hf, config, 1), args.prefill, device)

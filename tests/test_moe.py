@@ -1,10 +1,12 @@
-"""The sync-free MoE paths (sorted grouped GEMM, padded bmm) against the per-expert reference loop.
+"""The sync-free MoE paths (sorted grouped GEMM, padded bmm, the Triton GEMVs and masked tiles) against the
+per-expert reference loop.
 
 Every router (softmax with and without renormalisation, Llama-4's input-scaling sigmoid, NemotronH's grouped
 sigmoid with a correction bias and a latent space), gated and not, top-1 to top-3, fp32 and bf16, batches from
 one token to many, experts that get no token and one expert that gets every token. ``torch._grouped_mm`` runs
-on the CPU through torch's fallback, so both fast paths are checked here; on the GPU the grouped path is
-torch's CUTLASS kernel (benchmarks/tp_decode.py checks it there, with no host sync and under a CUDA graph).
+on the CPU through torch's fallback and the Triton kernels under the interpreter, so every fast path is checked
+here; on the GPU the grouped path is torch's CUTLASS kernel (benchmarks/tp_decode.py checks it there, with no
+host sync and under a CUDA graph) and the Triton kernels run compiled.
 That the fast paths have no data-dependent shapes is checked here by tracing them whole with dynamo
 (``fullgraph=True`` fails on the reference loop's ``nonzero``).
 """
@@ -52,7 +54,7 @@ def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
 
 
 def _device(impl: str) -> str:
-    """The Triton GEMVs run compiled on a GPU when there is one (the interpreter only without CUDA)."""
+    """The Triton kernels run compiled on a GPU when there is one (the interpreter only without CUDA)."""
     return "cuda" if impl in TRITON and torch.cuda.is_available() else "cpu"
 
 
