@@ -317,21 +317,10 @@ def run_hf(model, prompts: list[list[int]], steps: int, device) -> dict:
     return {"decode_time": max(tn - t1, 1e-9), "tokens": out[:, ids.shape[1]:].tolist()}
 
 
-def profile_steps(llm, prompts: list[list[int]], device, nsteps: int = 8) -> dict:
-    """GPU kernel time vs wall time over ``nsteps`` decode steps of a batch of ``prompts``, and the top
-    kernels."""
-    if device.type != "cuda":
-        return {}
+def _profiled(eng, device, nsteps: int) -> dict:
+    """GPU kernel time vs wall time over the engine's next ``nsteps`` steps, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridkv.engine.sampling_params import SamplingParams
-
-    eng = llm.engine
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"prof.{i}", prompt, SamplingParams(temperature=0.0, max_tokens=nsteps + 4, ignore_eos=True))
-    budget = eng.scheduler.config.max_num_batched_tokens
-    for _ in range(-(-sum(map(len, prompts)) // budget) + 2):     # the prefill chunks, then into decode
-        eng.step()
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -354,6 +343,37 @@ def profile_steps(llm, prompts: list[list[int]], device, nsteps: int = 8) -> dic
             "kernels_per_step": launches / nsteps,
             "top_kernels": [{"name": k[0][:80], "us_per_step": k[1] / nsteps, "calls_per_step": k[2] / nsteps}
                             for k in kern[:12]]}
+
+
+def profile_steps(llm, prompts: list[list[int]], device, nsteps: int = 8) -> dict:
+    """``_profiled`` over ``nsteps`` decode steps of a batch of ``prompts``."""
+    if device.type != "cuda":
+        return {}
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"prof.{i}", prompt, SamplingParams(temperature=0.0, max_tokens=nsteps + 4, ignore_eos=True))
+    budget = eng.scheduler.config.max_num_batched_tokens
+    for _ in range(-(-sum(map(len, prompts)) // budget) + 2):     # the prefill chunks, then into decode
+        eng.step()
+    return _profiled(eng, device, nsteps)
+
+
+def profile_prefill(llm, n_tokens: int, device) -> dict:
+    """``_profiled`` over one step that prefills an ``n_tokens`` prompt (after an unprofiled warm-up one)."""
+    if device.type != "cuda":
+        return {}
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    eng = llm.engine
+    ids = np.random.default_rng(8).integers(10, eng.vocab_size, n_tokens).tolist()
+    for i in range(2):
+        eng.add_request(f"prof-prefill.{i}", ids, SamplingParams(temperature=0.0, max_tokens=1))
+        if i == 0:
+            while eng.has_unfinished:
+                eng.step()
+    return _profiled(eng, device, 1)
 
 
 _HF32: dict = {}
@@ -402,6 +422,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
     ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
+    ap.add_argument("--profile-prefill", action="store_true", help="also profile one --prefill step's kernels")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     ap.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
     args = ap.parse_args()
@@ -491,6 +512,8 @@ def main() -> None:
                          pct_matmul=100 * p["tflops"] * 1e12 / mm)
                 prefill_rows.append(p)
                 print(p, flush=True)
+                if args.profile_prefill:
+                    profiles[f"{family}/{variant}/prefill"] = profile_prefill(llm, args.prefill, device)
             if main_variant:
                 logit_rows.append(logits_check(family, backend, llm.model, hf, cls, config, device,
                                                args.check_len))
@@ -513,8 +536,8 @@ def main() -> None:
                       f"{r['tflops']:.0f}", f"{r['pct_matmul']:.0f}"] for r in prefill_rows])
     for key, p in profiles.items():
         if p:
-            print_table(f"batch-{args.profile_batch} decode profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, "
-                        f"GPU busy "
+            what = "prefill" if key.endswith("/prefill") else f"batch-{args.profile_batch} decode"
+            print_table(f"{what} profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU busy "
                         f"{p['gpu_busy_ms_per_step']:.2f} ms/step, {p['kernels_per_step']:.0f} kernels/step",
                         ["kernel", "µs/step", "calls/step"],
                         [[k["name"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:.1f}"]

@@ -120,7 +120,9 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
 
 def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         experts: Experts) -> torch.Tensor:
-    """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> fp32 (T, dim)."""
+    """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> fp32 (T, dim), or x's
+    dtype with one slot and the input scaled (Llama-4): then each output is one expert's, already rounded, and
+    fp32 would only add two passes over (T, dim) that round back to the same values."""
     num_tokens, k = ids.shape
     flat = ids.reshape(-1)                                                       # (T*k,) slot-major per token
     sorted_ids, order = torch.sort(flat, stable=True)                            # (T*k,)
@@ -131,6 +133,8 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     if experts.scale_input:
         rows = _scaled(rows, w)
     y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs))
+    if experts.scale_input and k == 1:
+        return torch.empty_like(y).index_copy_(0, order, y)                     # (T, dim) in token order
     y = y.float() if experts.scale_input else torch.mul(y, w)    # fp32; weighted here unless the input was scaled
     back = torch.empty_like(y).index_copy_(0, order, y)                         # (T*k, dim) in (token, slot) order
     return back if k == 1 else back.view(num_tokens, k, -1).sum(1)
@@ -204,17 +208,17 @@ def choose_impl(impl: str, x: torch.Tensor, ids: torch.Tensor, experts: Experts)
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
                 impl: str = "auto") -> torch.Tensor:
-    """The routed experts' weighted sum: x (T, dim); ids (T, k) expert ids; weights (T, k) fp32 -> fp32
-    (T, dim). ``impl``: one of ``MOE_IMPLS``."""
+    """The routed experts' weighted sum: x (T, dim); ids (T, k) expert ids; weights (T, k) fp32 -> (T, dim) in
+    x's dtype, summed in fp32 and rounded once. ``impl``: one of ``MOE_IMPLS``."""
     if x.shape[0] == 0:                      # no tokens: nothing to route (grouped GEMMs of zero rows are avoided)
-        return x.new_zeros(x.shape, dtype=torch.float32)
+        return x.new_zeros(x.shape)
     name = choose_impl(impl, x, ids, experts)
     key = (x.device.type, x.dtype, name)
     if key not in _logged:
         _logged.add(key)
         logger.info("MoE experts on %s %s: %s (asked: %s)", x.device.type, str(x.dtype).removeprefix("torch."),
                     name, impl)
-    return _IMPLS[name](x, ids, weights, experts)
+    return _IMPLS[name](x, ids, weights, experts).to(x.dtype)
 
 
 def _check_impl(impl: str) -> str:
@@ -317,7 +321,7 @@ class MoEFeedForward(nn.Module):
         # x: (num_tokens, hidden_size)
         ids, weights = self.route(x)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        out = run_experts(h, ids, weights, self.experts(), impl=self.impl).to(x.dtype)
+        out = run_experts(h, ids, weights, self.experts(), impl=self.impl)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)      # linear, so it may run on this rank's partial sum
         if self.shared is not None:
