@@ -605,6 +605,58 @@ def test_registers_only_blocks_a_hit_can_use(layers: dict, kw: dict, want: int) 
     c.check_invariants()
 
 
+class _RegistersEveryBlock(KVCacheCoordinator):
+    """The coordinator before ``_cache_cap``: every full block registered, hittable or not."""
+
+    def _set_prompt(self, row: int, num_prompt_tokens: int) -> None:
+        super()._set_prompt(row, num_prompt_tokens)
+        self._cache_cap[row] = np.iinfo(np.int64).max
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unhittable_blocks_change_no_hit(seed: int) -> None:
+    """Multi-turn requests (each prompt extends an earlier request's prompt and decoded tokens, so decode
+    blocks are what a hit would reach for) over full + sliding + Mamba layers, with a pool large enough that
+    nothing is evicted: registering only the blocks up to the last checkpoint finds exactly the hits that
+    registering every block finds."""
+    rng = random.Random(seed)
+    mbs = rng.choice([2, 4])
+    layers = {"f": full(2), "s": sliding(5, 2), "m": mamba(mbs)}
+    plan = small_plan(layers, num_blocks=4096, num_working_slots=4, num_checkpoint_slots=64, max_model_len=200)
+    capped, every = (cls(plan, max_num_reqs=8) for cls in (KVCacheCoordinator, _RegistersEveryBlock))
+    history: list[list[int]] = [[]]
+    for i in range(12):
+        base = rng.choice(history)
+        tokens = base[:rng.randint(0, len(base))] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
+        sampled = [rng.randrange(1, 50) for _ in range(rng.randint(0, 14))]
+        chunks = [rng.randint(1, 3) for _ in range(len(tokens))]          # the same schedule for both
+        hits = []
+        for c in (capped, every):
+            hit = c.find_prefix_hit(str(i), tokens)
+            hits.append(hit)
+            seq = list(tokens)
+            done = hit
+            for step in chunks:                                 # prefill in checkpoint-aligned chunks
+                if done == len(tokens):
+                    break
+                end = min(len(tokens), (done // mbs + step) * mbs)
+                assert c.allocate(str(i), num_computed_tokens=done, num_new_tokens=end - done, token_ids=seq)
+                c.commit(str(i), num_computed_tokens=end)
+                done = end
+            for tok in sampled:                                 # then decode
+                seq.append(tok)
+                assert c.allocate(str(i), num_computed_tokens=done, num_new_tokens=1, token_ids=seq)
+                c.commit(str(i), num_computed_tokens=done + 1)
+                done += 1
+            c.free(str(i))
+            c.check_invariants()
+        assert hits[0] == hits[1], (i, hits)
+        history.append(seq)
+    assert capped.stats.hit_tokens == every.stats.hit_tokens > 0
+    assert capped.pool is not None and every.pool is not None
+    assert len(capped.pool.cached_hashes(0)) < len(every.pool.cached_hashes(0))
+
+
 def test_prefix_caching_off_and_decode_checkpoints() -> None:
     layers = {"f": full(2), "m": mamba(2)}
     off = _coordinator(layers, enable_prefix_caching=False)
