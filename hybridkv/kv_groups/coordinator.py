@@ -546,10 +546,13 @@ class KVCacheCoordinator:
         ``checkpoint_decode``: one state copy per block of decode would cost a full state's bandwidth."""
         self._prompt_len[row] = num_prompt_tokens
         self._ckpt_limit[row] = limit = _NEVER if self.checkpoint_decode else num_prompt_tokens
-        if self.mamba is not None:
-            mbs = self.mamba.block_size
-            self._cache_cap[row] = (0 if not self._checkpoints_on else _NEVER if limit == _NEVER
-                                    else limit // mbs * mbs // self.block_size)
+        if self.mamba is not None:           # blocks up to the last checkpoint a later hit could start from
+            if not self._checkpoints_on:
+                self._cache_cap[row] = 0
+            elif limit == _NEVER:
+                self._cache_cap[row] = _NEVER
+            else:
+                self._cache_cap[row] = limit // self.mamba.block_size * self.mamba.block_size // self.block_size
         self._next_ckpt[row] = self._next_ckpt_after(self._num_computed[row:row + 1],
                                                      self._ckpt_limit[row:row + 1])[0]
 
