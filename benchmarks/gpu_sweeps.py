@@ -6,6 +6,8 @@
     python benchmarks/gpu_sweeps.py prefill-tiles     # paged-attention prefill: BLOCK_M x TILE x warps x stages
     python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
     python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
+    python benchmarks/gpu_sweeps.py skinny-linear     # dense linears at 1-128 rows: Triton tiles vs cuBLAS
+    python benchmarks/gpu_sweeps.py pdl-chain         # kernel chains in a CUDA graph with / without PDL
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
 also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -217,14 +220,114 @@ def moe_tiled() -> None:
               f"best down {b2[1] * 1e3:.1f} us ({d_bytes / b2[1] / 1e6:.0f} GB/s) cfg {b2[2]}", flush=True)
 
 
+# (name, output channels, input features, gated): the Gemma-3-like and Llama-4-like benchmark models' linears
+_SKINNY_SHAPES = (("gemma qkv", 1536, 1152, False), ("gemma o", 1152, 1024, False),
+                  ("gemma gate_up", 6912, 1152, True), ("gemma down", 1152, 6912, False),
+                  ("gemma lm_head", 262144, 1152, False), ("llama qkv", 3072, 2048, False),
+                  ("llama o", 2048, 2048, False), ("llama mlp gate_up", 8192, 2048, True),
+                  ("llama mlp down", 2048, 8192, False), ("llama shared gate_up", 2048, 2048, True),
+                  ("llama shared down", 2048, 2048, False), ("llama lm_head", 32768, 2048, False))
+
+
+def skinny_linear() -> None:
+    from hybridkv.backends.triton_fused import act_mul_triton
+    from hybridkv.backends.triton_linear import default_config, linear_act_mul_triton, linear_triton
+
+    dev, l2 = "cuda", torch.cuda.get_device_properties(0).L2_cache_size
+    for name, n, k, gated in _SKINNY_SHAPES:
+        w_rows = 2 * n if gated else n
+        n_sets = int(min(32, max(1, math.ceil(3 * l2 / (w_rows * k * 2)))))
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        ws = [torch.randn(w_rows, k, device=dev, dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(n_sets)]
+        for rows in (1, 8, 32, 64, 128):
+            xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(n_sets)]
+            if gated:
+                ref = lambda i, cfg=None: act_mul_triton(F.linear(xs[i], ws[i]), activation="gelu_tanh")  # noqa: E731
+                ours = lambda i, cfg=None: linear_act_mul_triton(xs[i], ws[i], activation="gelu_tanh",  # noqa: E731
+                                                                 config=cfg)
+            else:
+                ref = lambda i, cfg=None: F.linear(xs[i], ws[i])  # noqa: E731
+                ours = lambda i, cfg=None: linear_triton(xs[i], ws[i], config=cfg)  # noqa: E731
+            want = ref(0).float()
+            first = ours(0)
+            err = ((first.float() - want).norm() / want.norm()).item()
+            t_ref = graph_time_us([lambda i=i: ref(i) for i in range(n_sets)], 100)
+            t_def = graph_time_us([lambda i=i: ours(i) for i in range(n_sets)], 100)
+            same = torch.equal(ours(0), first)           # deterministic across graph replays (split-K counters)
+            mb = w_rows * k * 2 / 1e6
+            line = (f"{name} ({w_rows}x{k}, {mb:.1f} MB) rows {rows}: cuBLAS{'+act' if gated else ''} {t_ref:.1f} us "
+                    f"({mb / t_ref:.2f} TB/s); triton default {t_def:.1f} us ({mb / t_def:.2f} TB/s, "
+                    f"{default_config(rows, n, k, gated=gated)}) err vs cuBLAS {err:.1e} repeat-equal {same}")
+            print(line, flush=True)
+            if rows not in (1, 32, 128) or n > 100000:
+                continue
+            res = []
+            for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8)):
+                cfg = dict(BLOCK_M=max(16, triton_next_pow2(rows)), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                           num_warps=4, num_stages=4)
+                try:
+                    res.append((graph_time_us([lambda i=i: ours(i, cfg) for i in range(n_sets)], 100), bn, bk, split))
+                except Exception as e:  # noqa: BLE001  (a config out of shared memory)
+                    print(f"   skipped {cfg}: {type(e).__name__}")
+            res.sort()
+            print("   best (us, BLOCK_N, BLOCK_K, SPLIT_K): " + ", ".join(f"{r[0]:.1f} {r[1:]}" for r in res[:5]),
+                  flush=True)
+        torch.cuda.empty_cache()
+
+
+def pdl_chain() -> None:
+    """Per-kernel time of chains of small kernels captured in one CUDA graph, launched plainly or with
+    programmatic dependent launch (``hybridkv/backends/pdl.py``): one-program RMS norms alone, norm + the
+    decode-size linear kernel, norm + cuBLAS (PDL edges into a kernel that is not ours)."""
+    import hybridkv.backends.pdl as pdl
+    from hybridkv.backends.triton_fused import rms_norm_triton
+    from hybridkv.backends.triton_linear import linear_triton
+
+    dev, dim, out, layers = torch.device("cuda"), 1152, 1536, 60
+    if not pdl.pdl_kwargs(dev)["PDL"]:
+        raise SystemExit("pdl-chain: PDL is off here (pre-Hopper GPU or HYBRIDKV_PDL=0)")
+    xs = [torch.randn(1, dim, device=dev, dtype=torch.bfloat16) for _ in range(layers + 1)]
+    norm_w = torch.randn(dim, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(out, dim, device=dev, dtype=torch.bfloat16) * dim ** -0.5 for _ in range(layers)]
+
+    def chains() -> dict[str, float]:
+        def norms() -> None:
+            for i in range(layers):
+                rms_norm_triton(xs[i], norm_w, eps=1e-6)
+
+        def with_linear() -> None:
+            for i in range(layers):
+                linear_triton(rms_norm_triton(xs[i], norm_w, eps=1e-6), ws[i])
+
+        def with_cublas() -> None:
+            for i in range(layers):
+                F.linear(rms_norm_triton(xs[i], norm_w, eps=1e-6), ws[i])
+
+        fns = {"norms": norms, "norm + linear": with_linear, "norm + cuBLAS": with_cublas}
+        return {name: graph_time_us([fn], 1) / layers for name, fn in fns.items()}
+
+    on = chains()
+    os.environ["HYBRIDKV_PDL"] = "0"
+    pdl._enabled.cache_clear()                       # the launch keywords are cached per device
+    off = chains()
+    for name in on:
+        print(f"{name}: {off[name]:.2f} us per layer plain, {on[name]:.2f} us with PDL")
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled"))
+    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled",
+                                      "skinny-linear", "pdl-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
-     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled}[args.sweep]()
+     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear,
+     "pdl-chain": pdl_chain}[args.sweep]()
 
 
 if __name__ == "__main__":

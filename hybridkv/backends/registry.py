@@ -62,6 +62,8 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
     act_mul: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    linear_act_mul: Callable[..., torch.Tensor]
     qk_rope_write_kv: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
     cuda_graph_safe: bool = False
@@ -85,6 +87,8 @@ def torch_backend() -> KernelBackend:
         rms_norm=fused_ref.rms_norm_ref,
         add_rms_norm=fused_ref.add_rms_norm_ref,
         act_mul=fused_ref.act_mul_ref,
+        linear=fused_ref.linear_ref,
+        linear_act_mul=fused_ref.linear_act_mul_ref,
         qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
         gated_rms_norm=fused_ref.gated_rms_norm_ref,
     )

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.registry import UnsupportedConfig
 from hybridkv.metadata import CommonAttentionMetadata
 
@@ -139,7 +140,9 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEG: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -226,7 +229,9 @@ def _paged_attention_kernel(
 def _reduce_segments_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SEG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = (tok * num_heads + h) * NUM_SEG + tl.arange(0, NUM_SEG)
@@ -249,7 +254,9 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -401,12 +408,12 @@ def paged_attention_triton(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
         IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(out.device),
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_SEG=num_segments, num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_SEG=num_segments, num_warps=4, **pdl_kwargs(out.device),
         )
     return out
 
@@ -437,7 +444,7 @@ def write_kv_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=d, HEADS_P=_next_pow2(heads), HEAD_DIM_P=_next_pow2(d), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=1 if heads * d <= 1024 else 4,
+        num_warps=1 if heads * d <= 1024 else 4, **pdl_kwargs(k.device),
     )
 
 

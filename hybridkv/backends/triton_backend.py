@@ -7,7 +7,11 @@
 - Mamba2 SSD chunked scan with per-request initial / final states (one fused kernel) and the one-token
   state update: ``hybridkv.backends.triton_ssd``;
 - the elementwise work between GEMMs (residual add + RMS norm, activation x up, q/k norm + RoPE + KV write,
-  Mamba2's gated norm), one launch each: ``hybridkv.backends.triton_fused``.
+  Mamba2's gated norm), one launch each: ``hybridkv.backends.triton_fused``;
+- dense linears at decode sizes (the gated activation fused into the gate|up projection), cuBLAS for the
+  shapes and row counts where it was faster (``triton_linear.takes``): ``hybridkv.backends.triton_linear``.
+
+On Hopper every kernel is launched with programmatic dependent launch (``hybridkv.backends.pdl``).
 
 Mamba-1's selective scan and its state update (Jamba) are NOT Triton kernels yet: this backend uses the
 torch references for them, and says so in the log when it is built.
@@ -25,17 +29,19 @@ logger = logging.getLogger("hybridkv.backends")
 
 def triton_backend() -> KernelBackend:
     from hybridkv.backends import triton_fused as fused
+    from hybridkv.backends import triton_linear as linear
     from hybridkv.backends.triton_attention import paged_attention_triton, write_kv_triton
     from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton
     from hybridkv.backends.triton_ssd import ssd_chunk_scan_triton, ssd_state_update_triton
 
     logger.info("kernel backend triton: Triton paged attention + KV write, causal conv1d (+ update), Mamba2 "
-                "SSD chunk scan (+ state update), fused norms / activations / RoPE; Mamba-1 selective scan "
-                "uses the torch reference")
+                "SSD chunk scan (+ state update), fused norms / activations / RoPE, decode-size linears (%s); Mamba-1 "
+                "selective scan uses the torch reference", linear.dispatch_description())
     return dataclasses.replace(torch_backend(), name="triton", paged_attention=paged_attention_triton,
                                write_kv=write_kv_triton, causal_conv1d=causal_conv1d_triton,
                                causal_conv1d_update=causal_conv1d_update_triton,
                                ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
                                rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
-                               act_mul=fused.act_mul_triton, qk_rope_write_kv=fused.qk_rope_write_kv_triton,
+                               act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
+                               qk_rope_write_kv=fused.qk_rope_write_kv_triton,
                                gated_rms_norm=fused.gated_rms_norm_triton, cuda_graph_safe=True)

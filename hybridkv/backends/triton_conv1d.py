@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_attention import find_request
 from hybridkv.layers.ops.conv1d_ref import (
     _check_activation,
@@ -60,7 +61,9 @@ def _conv1d_varlen_kernel(
     stride_ss, stride_sd, stride_sk,
     WIDTH: tl.constexpr, HIST: tl.constexpr, HIST_P: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     req = find_request(qsl_ptr, num_reqs, pid, BLOCK_T)
@@ -130,7 +133,9 @@ def _conv1d_update_kernel(
     stride_ss, stride_sd, stride_sk,
     WIDTH: tl.constexpr, HIST: tl.constexpr, HIST_P: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -275,7 +280,7 @@ def causal_conv1d_triton(
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
         WIDTH=width, HIST=width - 1, HIST_P=max(2, _next_pow2(width - 1)), BLOCK_T=cfg["BLOCK_T"],
         BLOCK_D=cfg["BLOCK_D"],
-        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=cfg["num_warps"],
+        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=cfg["num_warps"], **pdl_kwargs(out.device),
     )
     return out
 
@@ -320,6 +325,6 @@ def causal_conv1d_update_triton(
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
         WIDTH=width, HIST=width - 1, HIST_P=max(2, _next_pow2(width - 1)), BLOCK_D=cfg["BLOCK_D"],
-        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=cfg["num_warps"],
+        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=cfg["num_warps"], **pdl_kwargs(out.device),
     )
     return out

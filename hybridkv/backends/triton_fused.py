@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.layers.ops.fused_ref import QKPrep
 
 __all__ = ["act_mul_triton", "add_rms_norm_triton", "gated_rms_norm_triton", "qk_rope_write_kv_triton",
@@ -58,7 +59,9 @@ def _add_rms_norm_kernel(
     stride_d, stride_r, stride_ro, stride_o,
     HAS_DELTA: tl.constexpr, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
     GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -112,7 +115,7 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: 
             delta_weight if delta_weight is not None else residual, n, eps, scale,
             delta.stride(0), residual.stride(0), res_out.stride(0), out.stride(0),
             HAS_DELTA=True, HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0,
-            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block))
+            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block), **pdl_kwargs(delta.device))
     return (out if weight is not None else None), res_out
 
 
@@ -127,7 +130,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma:
         _add_rms_norm_kernel[(rows,)](
             x, x, x, out, weight, weight, n, eps, 1.0, x.stride(0), x.stride(0), x.stride(0), out.stride(0),
             HAS_DELTA=False, HAS_DELTA_W=False, HAS_SCALE=False, HAS_NORM=True, GEMMA=gemma, BLOCK=block,
-            num_warps=_warps(block))
+            num_warps=_warps(block), **pdl_kwargs(x.device))
     return out
 
 
@@ -153,7 +156,9 @@ def _activation(x, ACT: tl.constexpr):
 def _act_mul_kernel(
     x_ptr, out_ptr, inter, gate_mult, stride_x, stride_o,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -185,7 +190,7 @@ def act_mul_triton(x: torch.Tensor, *, activation: str, gated: bool = True, gate
         block = min(1024, _pow2(inter))
         _act_mul_kernel[(rows, triton.cdiv(inter, block))](
             x, out, inter, gate_multiplier, x.stride(0), out.stride(0), ACT=_ACT_IDS[activation], GATED=gated,
-            HAS_MULT=gate_multiplier != 1.0, BLOCK=block, num_warps=_warps(block))
+            HAS_MULT=gate_multiplier != 1.0, BLOCK=block, num_warps=_warps(block), **pdl_kwargs(x.device))
     return out
 
 
@@ -242,10 +247,12 @@ def _qk_rope_kv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_P: tl.constexpr,
     ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr, POST_NORM: tl.constexpr,
     GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (tokens, q_programs + kv programs): program j < q_programs writes HEADS_P of the token's q heads
     out, a later one puts HEADS_P of its k and v heads into the cache (short dependent chains side by side
     instead of one long one per token: decode batches have few tokens)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     ty = q_out_ptr.dtype.element_ty
@@ -330,7 +337,7 @@ def qk_rope_write_kv_triton(
         HEAD_DIM=d, HEAD_DIM_P=_pow2(d), HEADS_P=heads_p, ROT_DIM=prep.rot_dim,
         INTERLEAVED=prep.interleaved, QK_NORM=norm, POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless",
         GEMMA=prep.gemma_norm, TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1],
-        num_warps=max(1, min(4, heads_p * _pow2(d) // 128)))
+        num_warps=max(1, min(4, heads_p * _pow2(d) // 128)), **pdl_kwargs(q.device))
     return out
 
 
@@ -338,7 +345,9 @@ def qk_rope_write_kv_triton(
 def _gated_rms_norm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, stride_y, stride_z, stride_o,
     HAS_NORM: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
@@ -377,5 +386,5 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         _gated_rms_norm_kernel[(rows, groups)](
             y, z, weight if weight is not None else y, out, dim // groups, eps, y.stride(0), z.stride(0),
             out.stride(0), HAS_NORM=weight is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
-            num_warps=_warps(block))
+            num_warps=_warps(block), **pdl_kwargs(y.device))
     return out

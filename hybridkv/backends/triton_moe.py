@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
 
 __all__ = ["moe_experts_gemv", "moe_experts_tiled"]
@@ -71,7 +72,9 @@ def _gate_up_kernel(
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
     ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     a = tl.program_id(0).to(tl.int64)                  # assignment = token * k_slots + slot
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -105,7 +108,9 @@ def _down_kernel(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, dim, inter,
     stride_h, stride_de, stride_dn, stride_y,
     SCALE_INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     a = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < dim
@@ -131,7 +136,9 @@ def _gate_up_tiled_kernel(
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
     ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     e = tl.program_id(0)
     r = tl.arange(0, BLOCK_M)                          # every assignment: token * k_slots + slot
     mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
@@ -170,7 +177,9 @@ def _down_tiled_kernel(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, rows, dim, inter,
     stride_h, stride_de, stride_dn, stride_y,
     SCALE_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     e = tl.program_id(0)
     r = tl.arange(0, BLOCK_M)
     mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
@@ -218,10 +227,10 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
         x, flat_ids, flat_w, g, up, h, dim, inter, k, x.stride(0), g.stride(0), g.stride(1), up.stride(0),
         up.stride(1), h.stride(0), ACT=_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input,
-        **_GATE_UP)
+        **_GATE_UP, **pdl_kwargs(x.device))
     _down_kernel[(rows, triton.cdiv(dim, _DOWN["BLOCK_N"]))](
         h, flat_ids, flat_w, down, y, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        SCALE_INPUT=scale_input, **_DOWN)
+        SCALE_INPUT=scale_input, **_DOWN, **pdl_kwargs(h.device))
     return y if k == 1 else y.view(num_tokens, k, dim).sum(1)
 
 
@@ -242,9 +251,10 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         _gate_up_tiled_kernel[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
             x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], r1 - r0, dim, inter, k, x.stride(0),
             g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), ACT=_ACT_IDS[activation],
-            GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
+            GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
         cfg = _tiled_config("down", block_m, x.element_size())
         _down_tiled_kernel[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
             h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], r1 - r0, dim, inter, h.stride(0),
-            down.stride(0), down.stride(1), y.stride(0), SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg)
+            down.stride(0), down.stride(1), y.stride(0), SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg,
+            **pdl_kwargs(h.device))
     return y if k == 1 else y.view(num_tokens, k, dim).sum(1)

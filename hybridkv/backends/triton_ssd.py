@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_conv1d import _check_index, _check_qsl, _next_pow2, _on
 from hybridkv.layers.ops.conv1d_ref import _check_state_indices, _packed_layout
 from hybridkv.layers.ops.ssd_ref import _check_ssd_params
@@ -80,7 +81,9 @@ def _ssd_scan_kernel(
     stride_dh, stride_dp, stride_ss, stride_sh, stride_sp, stride_sn,
     CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, N_P: tl.constexpr, D_MODE: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     req = tl.program_id(1)
     n_pb = (headdim + BLOCK_P - 1) // BLOCK_P
@@ -166,7 +169,9 @@ def _ssd_update_kernel(
     stride_dh, stride_dp, stride_ss, stride_sh, stride_sp, stride_sn,
     BLOCK_P: tl.constexpr, N_P: tl.constexpr, D_MODE: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_pb = (headdim + BLOCK_P - 1) // BLOCK_P
@@ -308,7 +313,7 @@ def ssd_chunk_scan_triton(
         CHUNK=cfg["CHUNK"], BLOCK_P=cfg["BLOCK_P"], N_P=max(16, _next_pow2(dstate)), D_MODE=_d_mode(D),
         HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(out.device),
     )
     return out
 
@@ -363,6 +368,6 @@ def ssd_state_update_triton(
         *ssm_states.stride(),
         BLOCK_P=cfg["BLOCK_P"], N_P=max(16, _next_pow2(dstate)), D_MODE=_d_mode(D),
         HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **pdl_kwargs(out.device),
     )
     return out

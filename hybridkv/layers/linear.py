@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridkv.forward_context import current_ops
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 
 
@@ -38,6 +39,9 @@ class ColumnParallelLinear(nn.Linear):
         self.tp = tp
         self.tp_shards = {"weight": shard, "bias": shard}
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return current_ops().linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """Input features split across ranks: partial products are summed by one all-reduce, then the (full,
@@ -55,9 +59,10 @@ class RowParallelLinear(nn.Linear):
         self.tp_shards = {"weight": shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = current_ops()
         if self.tp.size == 1:
-            return super().forward(x)
-        out = F.linear(x, self.weight)
+            return ops.linear(x, self.weight, self.bias)
+        out = ops.linear(x, self.weight)
         if self.reduce:
             self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
@@ -102,7 +107,7 @@ class PackedLinears:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: (num_tokens, in_features) -> each linear's output, as column views of one GEMM's result."""
-        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return list(current_ops().linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
 
 def _vocab_split(vocab_size: int) -> Split:
@@ -141,7 +146,7 @@ class ParallelLMHead(nn.Linear):
         self.tp_shards = {"weight": Shard(0, (split,))}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().forward(hidden)
+        logits = current_ops().linear(hidden, self.weight, self.bias)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

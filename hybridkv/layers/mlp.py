@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
@@ -49,14 +48,19 @@ class DenseMLP(nn.Module):
         if self.gate_proj is None:
             if gate_up_delta is not None:
                 raise ValueError("DenseMLP: gate_up_delta needs a gated MLP")
-            out = self.down_proj(ops.act_mul(self.up_proj(x), activation=self.activation, gated=False))
+            h = ops.linear_act_mul(x, self.up_proj.weight, self.up_proj.bias, activation=self.activation,
+                                   gated=False)
+        elif self.packed is not None and self.packed.valid() and gate_up_delta is None:
+            # (num_tokens, inter): projection and activation in one op (one kernel at decode sizes)
+            h = ops.linear_act_mul(x, self.packed.weight, self.packed.bias, activation=self.activation,
+                                   gate_multiplier=self.gate_multiplier)
         else:
             if self.packed is not None and self.packed.valid():
-                gate_up = F.linear(x, self.packed.weight, self.packed.bias)     # (num_tokens, 2 * inter)
+                gate_up = ops.linear(x, self.packed.weight, self.packed.bias)     # (num_tokens, 2 * inter)
             else:
                 gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
             if gate_up_delta is not None:
                 gate_up = gate_up + gate_up_delta
-            out = self.down_proj(ops.act_mul(gate_up, activation=self.activation,
-                                             gate_multiplier=self.gate_multiplier))
+            h = ops.act_mul(gate_up, activation=self.activation, gate_multiplier=self.gate_multiplier)
+        out = self.down_proj(h)
         return out * self.down_multiplier if self.down_multiplier != 1.0 else out

@@ -7,6 +7,8 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
 - ``rms_norm`` / ``add_rms_norm``: the residual add (with an optional post-norm and residual multiplier on
   the branch output) and the next pre-norm, one pass over the hidden state;
 - ``act_mul``: the gated MLP's ``act(gate) * up`` over the packed gate|up projection (or ``act(x)``);
+- ``linear`` / ``linear_act_mul``: a projection (``F.linear``), and one followed by ``act_mul`` (the Triton
+  backend runs both as one weight-streaming kernel at decode sizes, ``backends/triton_linear.py``);
 - ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
   K/V write into the paged cache;
 - ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight).
@@ -68,6 +70,18 @@ def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_mu
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
     return act(gate) * up
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (num_tokens, in_features), weight (out_features, in_features) -> (num_tokens, out_features)."""
+    return F.linear(x, weight, bias)
+
+
+def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
+                       gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
+    """``act_mul_ref(F.linear(x, weight, bias))``: weight is the packed gate|up (2 * inter, in_features) when
+    gated -> (num_tokens, inter)."""
+    return act_mul_ref(F.linear(x, weight, bias), activation=activation, gated=gated, gate_multiplier=gate_multiplier)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,255 @@
+"""Dense linears for skinny batches (decode: 1-128 rows) in Triton, with the gated activation fused.
+
+At decode sizes a linear layer is a weight stream: each weight is read once and used by a few rows. cuBLAS's
+kernels for such shapes leave the copy bandwidth on the table when the output is narrow (a few hundred
+output tiles, or fewer than the GPU has SMs) and cost an extra launch for the activation. Here a program owns
+BLOCK_N output channels and one K slice (split-K), takes every row as its M tile and streams its weight slice
+once; split-K partial tiles go to an fp32 workspace and the last program of a column block (a counter per
+block, reset by that program) sums them in a fixed order: deterministic, and no extra launch.
+
+- ``linear_triton``: ``y = x W^T (+ b)`` rounded once to the model dtype (``F.linear``'s contract).
+- ``linear_act_mul_triton``: for a packed gate|up weight (2 * inter, K), ``act(gate) * up`` rounded where
+  ``act_mul_ref(F.linear(...))`` rounds (gate, act, up, product in the model dtype; fp32 accumulation): the
+  gate and up slices of a column block live in the same program, so the (rows, 2 * inter) projection is never
+  written.
+
+No host sync, grid from shapes only: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
+from hybridkv.backends.triton_fused import _ACT_IDS, _activation, act_mul_triton
+
+__all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "linear_triton", "takes"]
+
+MAX_ROWS = 128                      # one M tile; larger batches are compute-bound GEMMs: cuBLAS's regime
+# Which calls the backend's ``linear`` ops give the kernel (``gpu_sweeps.py skinny-linear``, H100, weights
+# rotated past the L2): up to 16 rows every projection (cuBLAS's GEMVs are no faster, and a Triton kernel
+# between Triton kernels overlaps its launch with theirs, ``pdl.py``); up to 32 rows the projections where
+# the kernel was faster (gate|up with the activation fused, down projections with K >= 2 N, vocabulary-size
+# heads), cuBLAS for the square-ish q|k|v and o; above 32 rows cuBLAS's tiles. HYBRIDKV_LINEAR=cublas (always
+# cuBLAS) or =triton (the kernel up to MAX_ROWS) override this, for A/B measurements.
+ALL_SHAPES_MAX_ROWS = 16
+DISPATCH_MAX_ROWS = 32
+_NO_ACT = -1
+_MAX_COLUMN_BLOCKS = 1 << 16        # counters per device (one per column block of a split-K launch)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 split-K counters, allocated once per device (each launch's last program re-zeroes its own,
+    so a captured graph can replay them)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+@triton.jit
+def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+              ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr):
+    ty = y_ptr.dtype.element_ty
+    if HAS_BIAS:                                         # gated: gate biases [0, N), up biases [N, 2N)
+        if GATED:
+            acc += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(ty).to(tl.float32)
+    if GATED:
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        g = acc_g.to(ty).to(tl.float32)
+        if HAS_MULT:
+            g = (g * gate_mult).to(ty).to(tl.float32)
+        y = _activation(g, ACT).to(ty).to(tl.float32) * y
+    elif ACT >= 0:
+        y = _activation(y, ACT)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], y.to(ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, gate_mult, stride_xm, stride_wn, stride_ym,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    k_hi = tl.minimum(K, k_lo + k_span)
+    pdl_wait(PDL)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm                    # (BLOCK_M, 1)
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn                    # (1, BLOCK_N): W^T's columns
+    if GATED:  # noqa: SIM108  (constexpr branch)                            # up rows follow the gate's
+        up_cols = w_ptr + (N + rn)[None, :].to(tl.int64) * stride_wn
+    else:
+        up_cols = w_cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # (BLOCK_M, BLOCK_K)
+        wm = k_ok[:, None] & n_ok[None, :]         # W^T tiles (BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, tl.load(up_cols + kk[:, None], mask=wm, other=0.0), acc, input_precision="ieee")
+        if GATED:
+            acc_g = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wm, other=0.0), acc_g, input_precision="ieee")
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+                  ACT, GATED, HAS_BIAS, HAS_MULT)
+    else:
+        # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles
+        width = N + 0 * pid_n.to(tl.int64)             # int64 offsets (N may be specialised to a constant)
+        tile = rm[:, None].to(tl.int64) * width + rn[None, :]
+        n_parts: tl.constexpr = 2 if GATED else 1
+        mine = part_ptr + pid_k * (n_parts * BLOCK_M) * width
+        tl.store(mine + tile, acc, mask=n_ok[None, :])
+        if GATED:
+            tl.store(mine + BLOCK_M * width + tile, acc_g, mask=n_ok[None, :])
+        tl.debug_barrier()                              # every thread's partial issued before the release
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):                     # fixed order: the same sums whichever program is last
+                src = part_ptr + s * (n_parts * BLOCK_M) * width
+                acc += tl.load(src + tile, mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_g += tl.load(src + BLOCK_M * width + tile, mask=n_ok[None, :], other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(count_ptr + pid_n, 0)              # ready for the next launch (or graph replay)
+            _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+                      ACT, GATED, HAS_BIAS, HAS_MULT)
+
+
+_SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
+
+
+def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2) -> dict:
+    """Tiles for a (rows x k) @ (k x n) product (n output channels; gated: per half). From the H100 sweep
+    (``benchmarks/gpu_sweeps.py skinny-linear``): 32-channel column blocks (64 for vocabulary-size outputs),
+    128-deep K tiles, and split-K until there are ~256 weight tiles in flight or a slice would drop under
+    512 input features."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_n = 64 if n > 16384 and not gated else 32
+    block_k = 128
+    tiles = triton.cdiv(n, block_n) * (2 if gated else 1)
+    split = 1
+    while tiles * split < 256 and split < 8 and k // (2 * split) >= 512:
+        split *= 2
+    b_tiles = 2 if gated else 1
+    while True:
+        stages = min(4, _SMEM_BUDGET // ((block_m + b_tiles * block_n) * block_k * itemsize))
+        if stages >= 2 or block_k <= 32:
+            break
+        block_k //= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,
+                num_stages=max(1, stages))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
+            gate_multiplier: float, config: dict | None) -> torch.Tensor:
+    rows, k = x.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("linear_triton: x and weight need a contiguous last dim")
+    if weight.shape[1] != k:
+        raise ValueError(f"linear_triton: x has {k} input features, weight {tuple(weight.shape)}")
+    if rows > MAX_ROWS:
+        raise ValueError(f"linear_triton: at most {MAX_ROWS} rows (one M tile), got {rows}")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    cfg = dict(config or default_config(rows, n, k, gated=gated, itemsize=x.element_size()))
+    split = cfg.pop("SPLIT_K")
+    column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1 and column_blocks > _MAX_COLUMN_BLOCKS:
+        raise ValueError(f"linear_triton: split-K over {column_blocks} column blocks (at most {_MAX_COLUMN_BLOCKS})")
+    part = (torch.empty(split, 2 if gated else 1, cfg["BLOCK_M"], n, dtype=torch.float32, device=x.device)
+            if split > 1 else y)
+    _skinny_linear_kernel[(column_blocks, split)](
+        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), rows, n, k,
+        gate_multiplier, x.stride(0), weight.stride(0), y.stride(0), ACT=act, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, SPLIT_K=split, **cfg,
+        **pdl_kwargs(x.device))
+    return y
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: dict | None = None) -> torch.Tensor:
+    """x (rows <= MAX_ROWS, K), weight (N, K), bias (N,) or None -> (rows, N) in x's dtype."""
+    return _launch(x, weight, bias, n=weight.shape[0], act=_NO_ACT, gated=False, gate_multiplier=1.0,
+                   config=config)
+
+
+def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                          activation: str, gated: bool = True, gate_multiplier: float = 1.0,
+                          config: dict | None = None) -> torch.Tensor:
+    """``act_mul_ref(F.linear(x, weight, bias), ...)``: weight (2 * inter, K) packed gate|up when gated, else
+    (inter, K) -> (rows, inter)."""
+    if activation not in _ACT_IDS:
+        raise ValueError(f"linear_act_mul: unknown activation {activation!r}; known: {sorted(_ACT_IDS)}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"linear_act_mul: a gated weight has an even row count (gate|up), got {weight.shape[0]}")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    return _launch(x, weight, bias, n=n, act=_ACT_IDS[activation], gated=gated, gate_multiplier=gate_multiplier,
+                   config=config)
+
+
+@functools.cache
+def _mode() -> str:
+    mode = os.environ.get("HYBRIDKV_LINEAR", "auto")
+    if mode not in ("auto", "cublas", "triton"):
+        raise ValueError(f"HYBRIDKV_LINEAR={mode!r}: expected 'auto', 'cublas' or 'triton'")
+    return mode
+
+
+def dispatch_description() -> str:
+    return {"auto": f"Triton up to {ALL_SHAPES_MAX_ROWS} rows, up to {DISPATCH_MAX_ROWS} for gate|up, down and "
+                    "vocabulary projections, cuBLAS above",
+            "cublas": "cuBLAS (HYBRIDKV_LINEAR=cublas)",
+            "triton": f"Triton up to {MAX_ROWS} rows (HYBRIDKV_LINEAR=triton)"}[_mode()]
+
+
+def takes(rows: int, n_out: int, k: int, *, gated: bool) -> bool:
+    """Whether the backend's ops run a (rows x k) @ (k x n_out) projection on the kernel (see the rule above)."""
+    mode = _mode()
+    if mode != "auto" or rows <= ALL_SHAPES_MAX_ROWS:
+        return mode != "cublas" and 0 < rows <= MAX_ROWS
+    return rows <= DISPATCH_MAX_ROWS and (gated or k >= 2 * n_out or n_out > 16384)
+
+
+def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, *, gated: bool) -> bool:
+    """A half-precision CUDA input the dispatch rule gives the kernel (fp32 models keep cuBLAS's fp32 GEMM)."""
+    return (x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and takes(x.shape[0], weight.shape[0] // (2 if gated else 1), x.shape[1], gated=gated))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The triton backend's ``linear`` (``linear_ref``'s contract): the kernel at decode sizes, else cuBLAS."""
+    if _kernel_fits(x, weight, gated=False):
+        return linear_triton(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_act_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
+                   gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
+    """The triton backend's ``linear_act_mul`` (``linear_act_mul_ref``'s contract): one kernel at decode sizes,
+    else cuBLAS and the fused ``act_mul`` kernel."""
+    if _kernel_fits(x, weight, gated=gated):
+        return linear_act_mul_triton(x, weight, bias, activation=activation, gated=gated,
+                                     gate_multiplier=gate_multiplier)
+    return act_mul_triton(torch.nn.functional.linear(x, weight, bias), activation=activation, gated=gated,
+                          gate_multiplier=gate_multiplier)
