@@ -3,8 +3,8 @@
 A decode step is a chain of a few hundred small kernels; between two of them the GPU normally drains the first
 grid, then launches and ramps up the second. Launched with PDL, the next kernel's programs are scheduled while
 the previous kernel's last programs still run, and wait (``griddepcontrol.wait``) until it has finished and its
-writes are visible. Measured on an H100 inside a CUDA graph (``scratch`` micro-benchmark quoted in
-docs/gpu.md): a chain of one-program norm kernels 1.43 -> 0.87 µs per kernel, norm + GEMV 5.86 -> 4.66 µs.
+writes are visible. On an H100 inside a CUDA graph (``benchmarks/gpu_sweeps.py pdl-chain``): a chain of
+one-program norm kernels 1.60 -> 1.30 µs per kernel, norm + decode-size linear 7.15 -> 5.84 µs per pair.
 
 The rule that keeps this correct: every kernel here starts with ``pdl_wait(PDL)``, before its first global
 read or write and before any program can exit. So a kernel never sees its predecessor's half-written outputs,
