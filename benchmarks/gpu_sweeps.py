@@ -60,7 +60,8 @@ def decode_segments() -> None:
 def decode_tiles() -> None:
     from hybridkv.backends.triton_attention import paged_attention_triton
 
-    for h, kv, d, B, ctx in [(4, 1, 256, 1, 544), (4, 1, 256, 32, 544), (32, 8, 64, 1, 544), (32, 8, 64, 32, 544)]:
+    for h, kv, d, B, ctx in [(4, 1, 256, 1, 544), (4, 1, 256, 32, 544), (32, 8, 64, 1, 544), (32, 8, 64, 32, 544),
+                             (16, 8, 128, 32, 544)]:
         b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=B + ctx,
                        n_sets=8, poison=False)
         outs = [torch.empty_like(q) for q in b.q]
@@ -68,7 +69,7 @@ def decode_tiles() -> None:
         default = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
                                                                     scale=b.scale, out=outs[i]) for i in range(8)], 100)
         res = []
-        for tile, nw, ns, segs in itertools.product((16, 32, 64), (2, 4, 8), (2,), (None, 8, 16, 32)):
+        for tile, nw, ns, segs in itertools.product((16, 32, 64), (4,), (2, 3, 4), (None, 8, 16, 32)):
             cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
             try:
                 got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,

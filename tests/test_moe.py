@@ -114,6 +114,22 @@ def test_skewed_and_empty_routing(impl: str) -> None:
                                    **_tol(torch.float32, impl))
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("impl", ("ref",) + FAST)
+def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int) -> None:
+    """``run_experts(..., addend=a)`` == ``run_experts(...) + a`` (the shared expert's output: in-kernel for
+    the Triton paths with one slot per token, after the slot sum otherwise)."""
+    dev = _device(impl)
+    layer = _layer("mixtral", torch.float32, seed=4).to(dev)
+    x = torch.randn(7, HIDDEN).to(dev)
+    ids = torch.stack([torch.randperm(6)[:top_k] for _ in range(7)]).to(dev)
+    weights = torch.rand(7, top_k).to(dev)
+    addend = torch.randn(7, HIDDEN).to(dev)
+    plain = run_experts(x, ids, weights, layer.experts(), impl=impl)
+    got = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend)
+    torch.testing.assert_close(got, plain + addend, atol=1e-6, rtol=1e-6)
+
+
 def test_input_scaling_is_rounded_like_hf() -> None:
     """Llama-4 scales the expert input in fp32 and rounds it to the model dtype before the expert: in bf16 the
     fast paths must round at the same place (equal to the reference exactly on the CPU)."""

@@ -96,7 +96,7 @@ def test_random_shapes_and_splits(rows, n, k, split, gated, bias, seed):
 CONFIG_CASES = [
     ((1, 1536, 1152, False), (16, 32, 2)),        # Gemma-3-like qkv: 48 column blocks, K too short for 4
     ((32, 1152, 6912, False), (32, 32, 8)),       # its down projection: 36 blocks, a long K
-    ((32, 6912, 1152, True), (32, 32, 1)),        # its gate|up: 216 blocks of two tiles each
+    ((32, 6912, 1152, True), (32, 64, 1)),        # its gate|up: 108 blocks of two 64-channel tiles each
     ((8, 2048, 2048, True), (16, 32, 2)),         # Llama-4-like shared expert gate|up
     ((1, 262144, 1152, False), (16, 64, 1)),      # a 262k vocabulary head
 ]

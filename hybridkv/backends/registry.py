@@ -66,6 +66,7 @@ class KernelBackend:
     linear_act_mul: Callable[..., torch.Tensor]
     qk_rope_write_kv: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cuda_graph_safe: bool = False
 
 
@@ -91,6 +92,7 @@ def torch_backend() -> KernelBackend:
         linear_act_mul=fused_ref.linear_act_mul_ref,
         qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
         gated_rms_norm=fused_ref.gated_rms_norm_ref,
+        moe_route=fused_ref.moe_route_ref,
     )
 
 

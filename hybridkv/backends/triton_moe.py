@@ -18,9 +18,13 @@ assignment return after reading the ids.
   channels, x scaled by the routing weight first for Llama-4 (``scale_input``), rounded where the reference
   rounds (x, gate, up, act, h in the model dtype; fp32 accumulation).
 - ``_down_kernel``: grid (assignments, dim blocks): ``y = down_e h`` in fp32, times the routing weight
-  unless it scaled the input; the slots of a token are summed by the caller.
+  unless it scaled the input. With one slot per token it stores the layer's output in the model dtype, plus
+  the shared expert's output when given (``addend``); with more the slots are summed in fp32 after.
 - ``_gate_up_tiled_kernel`` / ``_down_tiled_kernel``: the same two steps, grid (experts, output blocks),
   rounded at the same places.
+- ``_route_kernel`` (the backend's ``moe_route``): one program per token turns the router's logits into its
+  top-k expert ids and weights (scoring, correction bias, renormalisation, scaling), where torch launches a
+  cast, a top-k, a sigmoid or softmax and a product per MoE layer (``moe_route_ref``).
 
 No host sync, shapes fixed by the number of tokens: CUDA-graph capturable.
 """
@@ -35,8 +39,9 @@ import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
+from hybridkv.layers.ops.fused_ref import ROUTERS, moe_route_ref
 
-__all__ = ["moe_experts_gemv", "moe_experts_tiled"]
+__all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_triton"]
 
 # Tuned on an H100 (`benchmarks/gpu_sweeps.py moe-gemv`: expert shapes 2048x2048 and 5120x8192, 1-8 rows): few
 # output channels per program keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
@@ -105,9 +110,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y,
-    SCALE_INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y, stride_add,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -127,7 +132,16 @@ def _down_kernel(
     y = acc.to(ty).to(tl.float32)                      # the reference's down projection is in the model dtype
     if not SCALE_INPUT:
         y = y * tl.load(w_ptr + a)
+    y = _plus(y, add_ptr + a * stride_add + n, n_ok, y_ptr.dtype.element_ty, HAS_ADD)
     tl.store(y_ptr + a * stride_y + n, y, mask=n_ok)
+
+
+@triton.jit
+def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
+    """y rounded to the output dtype, plus the addend (one slot per token: the output is the layer's)."""
+    if HAS_ADD:
+        y = y.to(out_ty).to(tl.float32) + tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return y.to(out_ty)
 
 
 @triton.jit
@@ -174,9 +188,10 @@ def _gate_up_tiled_kernel(
 
 @triton.jit
 def _down_tiled_kernel(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, rows, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y,
-    SCALE_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, rows, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y, stride_add,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -198,50 +213,70 @@ def _down_tiled_kernel(
         y = acc.to(ty).to(tl.float32)                  # the reference's down projection is in the model dtype
         if not SCALE_INPUT:
             y = y * tl.load(w_ptr + r, mask=mine, other=0.0)[:, None]
-        tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y, mask=mine[:, None] & n_ok[None, :])
+        m = mine[:, None] & n_ok[None, :]
+        y = _plus(y, add_ptr + r[:, None] * stride_add + n[None, :], m, y_ptr.dtype.element_ty, HAS_ADD)
+        tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y, mask=m)
 
 
 def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
-             up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+             up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """Checked inputs and the kernels' buffers: flat ids, flat fp32 weights (T*k,); h (T*k, inter) in x's
-    dtype; y (T*k, dim) fp32."""
-    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate)):
+    dtype; y (T*k, dim): x's dtype with one slot per token (the down kernel writes the layer's output), else
+    fp32 (the slots are summed after)."""
+    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate), ("addend", addend)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"MoE Triton kernels: {name} needs a contiguous last dim")
+    if addend is not None and addend.shape != x.shape:
+        raise ValueError(f"MoE Triton kernels: addend {tuple(addend.shape)} vs x {tuple(x.shape)}")
     rows = ids.numel()
     h = torch.empty(rows, up.shape[1], dtype=x.dtype, device=x.device)
-    y = torch.empty(rows, x.shape[1], dtype=torch.float32, device=x.device)
+    y = torch.empty(rows, x.shape[1], dtype=x.dtype if ids.shape[1] == 1 else torch.float32, device=x.device)
     return ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous(), h, y
 
 
+def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | None) -> torch.Tensor:
+    """(T*k, dim) per-slot outputs -> the layer's (T, dim) in x's dtype (one slot: already done in-kernel)."""
+    if k == 1:
+        return y
+    out = y.view(x.shape[0], k, -1).sum(1).to(x.dtype)
+    return out if addend is None else out + addend
+
+
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
-                     up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool) -> torch.Tensor:
+                     up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
+                     addend: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, dim); ids (T, k) expert ids; weights (T, k) fp32; gate/up (E, inter, dim), down (E, dim, inter)
-    -> fp32 (T, dim): the weighted sum of each token's experts (the contract of ``moe_experts_ref``)."""
+    -> (T, dim) in x's dtype: the weighted sum of each token's experts, summed in fp32 and rounded once (the
+    values of ``moe_experts_ref``), plus ``addend`` (T, dim) when given, rounded again (``out + addend``: the
+    shared expert's output). With one slot per token the down kernel stores both."""
     num_tokens, k = ids.shape
     dim, inter, rows = x.shape[1], up.shape[1], ids.numel()
-    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down)
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend)
     if rows == 0:
-        return y.view(num_tokens, dim)
+        return y.view(num_tokens, dim).to(x.dtype)
     g = gate if gate is not None else up
+    fused_add = addend is not None and k == 1
     _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
         x, flat_ids, flat_w, g, up, h, dim, inter, k, x.stride(0), g.stride(0), g.stride(1), up.stride(0),
         up.stride(1), h.stride(0), ACT=_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input,
         **_GATE_UP, **pdl_kwargs(x.device))
     _down_kernel[(rows, triton.cdiv(dim, _DOWN["BLOCK_N"]))](
-        h, flat_ids, flat_w, down, y, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        SCALE_INPUT=scale_input, **_DOWN, **pdl_kwargs(h.device))
-    return y if k == 1 else y.view(num_tokens, k, dim).sum(1)
+        h, flat_ids, flat_w, down, y, addend if fused_add else y, dim, inter, h.stride(0), down.stride(0),
+        down.stride(1), y.stride(0), addend.stride(0) if fused_add else 0, SCALE_INPUT=scale_input,
+        HAS_ADD=fused_add, **_DOWN, **pdl_kwargs(h.device))
+    return _finish(y, x, k, addend)
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
-                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool) -> torch.Tensor:
+                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
+                      addend: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_experts_gemv``'s contract with one program per (expert, output block) over every assignment.
     An M tile holds at most ``_TILED_MAX_M`` assignments: larger batches run in token chunks of that many."""
     num_tokens, k = ids.shape
     dim, inter, num_experts = x.shape[1], up.shape[1], up.shape[0]
-    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down)
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend)
     g = gate if gate is not None else up
+    fused_add = addend is not None and k == 1
     chunk = max(1, _TILED_MAX_M // k)                  # tokens per launch
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
@@ -254,7 +289,98 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
         cfg = _tiled_config("down", block_m, x.element_size())
         _down_tiled_kernel[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
-            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], r1 - r0, dim, inter, h.stride(0),
-            down.stride(0), down.stride(1), y.stride(0), SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg,
-            **pdl_kwargs(h.device))
-    return y if k == 1 else y.view(num_tokens, k, dim).sum(1)
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y,
+            r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+            addend.stride(0) if fused_add else 0, SCALE_INPUT=scale_input, HAS_ADD=fused_add, BLOCK_M=block_m,
+            **cfg, **pdl_kwargs(h.device))
+    return _finish(y, x, k, addend)
+
+
+ROUTE_MAX_EXPERTS = 4096        # one program holds a token's logits in registers
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, stride_i, stride_w, scaling,
+    SCORING: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    logit = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=0.0).to(tl.float32)
+    if SCORING == 0:                                   # softmax: choose by the probabilities themselves
+        m = tl.max(tl.where(ok, logit, float("-inf")), 0)
+        p = tl.where(ok, tl.exp(logit - m), 0.0)
+        score = p / tl.sum(p, 0)
+        choice = tl.where(ok, score, float("-inf"))
+    elif SCORING == 1:                                 # sigmoid_input: choose by the logits
+        score = logit
+        choice = tl.where(ok, logit, float("-inf"))
+    else:                                              # sigmoid_bias: choose by score + correction bias
+        score = 1.0 / (1.0 + tl.exp(-logit))
+        choice = tl.where(ok, score + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    sel_ids = tl.zeros((BLOCK_K,), tl.int64)
+    sel_w = tl.zeros((BLOCK_K,), tl.float32)
+    for j in tl.static_range(TOP_K):                   # best first; ties to the lowest expert id
+        best = tl.argmax(choice, 0, tie_break_left=True)
+        w = tl.sum(tl.where(offs == best, score, 0.0), 0)
+        if SCORING == 1:
+            w = 1.0 / (1.0 + tl.exp(-w))
+        sel_ids = tl.where(slots == j, best.to(tl.int64), sel_ids)
+        sel_w = tl.where(slots == j, w, sel_w)
+        choice = tl.where(offs == best, float("-inf"), choice)
+    if RENORM:
+        total = tl.sum(sel_w, 0)
+        if SCORING == 2:
+            total += 1e-20
+        sel_w = sel_w / total
+    if HAS_SCALE:
+        sel_w = sel_w * scaling
+    tl.store(ids_ptr + row * stride_i + slots, sel_ids, mask=slots < TOP_K)
+    tl.store(w_ptr + row * stride_w + slots, sel_w, mask=slots < TOP_K)
+
+
+def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
+                     scaling: float = 1.0, correction_bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_route_ref``'s contract without expert groups (``num_groups == topk_groups``), one launch."""
+    if router not in ROUTERS:
+        raise ValueError(f"moe_route: router must be one of {ROUTERS}, got {router!r}")
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"moe_route: expected (num_tokens, num_experts) logits with a contiguous last dim, got "
+                         f"shape {tuple(logits.shape)} strides {logits.stride()}")
+    num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"moe_route: top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if num_experts > ROUTE_MAX_EXPERTS:
+        raise ValueError(f"moe_route_triton: at most {ROUTE_MAX_EXPERTS} experts, got {num_experts}")
+    scoring = ROUTERS.index(router)
+    if scoring == 2 and (correction_bias is None or correction_bias.shape != (num_experts,)):
+        raise ValueError(f"moe_route: the 'sigmoid_bias' router needs a ({num_experts},) correction_bias")
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](
+            logits, correction_bias if scoring == 2 else logits, ids, weights, num_experts, logits.stride(0),
+            ids.stride(0), weights.stride(0), scaling, SCORING=scoring, TOP_K=top_k,
+            RENORM=renormalize and scoring != 1, HAS_SCALE=scaling != 1.0, BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e >= 1024 else 1,
+            **pdl_kwargs(logits.device))
+    return ids, weights
+
+
+def moe_route(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False, scaling: float = 1.0,
+              correction_bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The triton backend's ``moe_route``: the kernel, or the reference for group-limited routing (NemotronH's
+    ``topk_groups < num_groups``) and routers wider than ``ROUTE_MAX_EXPERTS``."""
+    if topk_groups < num_groups or logits.shape[-1] > ROUTE_MAX_EXPERTS or logits.stride(-1) != 1:
+        return moe_route_ref(logits, router=router, top_k=top_k, renormalize=renormalize, scaling=scaling,
+                             correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups)
+    return moe_route_triton(logits, router=router, top_k=top_k, renormalize=renormalize, scaling=scaling,
+                            correction_bias=correction_bias)

@@ -158,25 +158,29 @@ def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return y.sum(1)
 
 
-def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """Two Triton GEMV kernels, one program row per (token, slot) (``backends/triton_moe.py``)."""
+def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
+                     addend: torch.Tensor | None = None) -> torch.Tensor:
+    """Two Triton GEMV kernels, one program row per (token, slot) (``backends/triton_moe.py``) -> x's dtype,
+    plus ``addend`` (``run_experts``), added in the down kernel with one slot per token."""
     from hybridkv.backends.triton_moe import moe_experts_gemv as gemv
 
     return gemv(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
-                activation=experts.activation, scale_input=experts.scale_input)
+                activation=experts.activation, scale_input=experts.scale_input, addend=addend)
 
 
-def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
+                      addend: torch.Tensor | None = None) -> torch.Tensor:
     """Two Triton kernels, one program per (expert, output block) over every assignment, others masked
-    (``backends/triton_moe.py``)."""
+    (``backends/triton_moe.py``); ``moe_experts_gemv``'s contract."""
     from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
 
     return tiled(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
-                 activation=experts.activation, scale_input=experts.scale_input)
+                 activation=experts.activation, scale_input=experts.scale_input, addend=addend)
 
 
 _IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded,
           "gemv": moe_experts_gemv, "tiled": moe_experts_tiled}
+_ADDS_IN_KERNEL = ("gemv", "tiled")         # impls that take ``addend`` (the others add it after)
 
 
 def grouped_mm_is_fast(device: torch.device) -> bool:
@@ -207,9 +211,11 @@ def choose_impl(impl: str, x: torch.Tensor, ids: torch.Tensor, experts: Experts)
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
-                impl: str = "auto") -> torch.Tensor:
+                impl: str = "auto", addend: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum: x (T, dim); ids (T, k) expert ids; weights (T, k) fp32 -> (T, dim) in
-    x's dtype, summed in fp32 and rounded once. ``impl``: one of ``MOE_IMPLS``."""
+    x's dtype, summed in fp32 and rounded once, plus ``addend`` (T, dim) in x's dtype when given (``out +
+    addend``, rounded again: the shared expert's output, which the Triton kernels add in their last store).
+    ``impl``: one of ``MOE_IMPLS``."""
     if x.shape[0] == 0:                      # no tokens: nothing to route (grouped GEMMs of zero rows are avoided)
         return x.new_zeros(x.shape)
     name = choose_impl(impl, x, ids, experts)
@@ -218,7 +224,10 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         _logged.add(key)
         logger.info("MoE experts on %s %s: %s (asked: %s)", x.device.type, str(x.dtype).removeprefix("torch."),
                     name, impl)
-    return _IMPLS[name](x, ids, weights, experts).to(x.dtype)
+    if name in _ADDS_IN_KERNEL:
+        return _IMPLS[name](x, ids, weights, experts, addend=addend)
+    out = _IMPLS[name](x, ids, weights, experts).to(x.dtype)
+    return out if addend is None else out + addend
 
 
 def _check_impl(impl: str) -> str:
@@ -288,30 +297,12 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
-        logits = self.router(x).float()
-        k = self.cfg.top_k
-        if self.cfg.router == "softmax":
-            weights, ids = logits.softmax(-1).topk(k, dim=-1)
-            if self.cfg.renormalize:
-                weights = weights / weights.sum(-1, keepdim=True)
-        elif self.cfg.router == "sigmoid_input":
-            top, ids = logits.topk(k, dim=-1)
-            weights = top.sigmoid()
-        else:
-            scores = logits.sigmoid()
-            choice = scores + self.correction_bias.float()
-            if self.cfg.topk_groups < self.cfg.num_groups:
-                # Keep the topk_groups groups whose two best corrected scores sum highest.
-                grouped = choice.view(choice.shape[0], self.cfg.num_groups, -1)
-                group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-                keep = group_scores.topk(self.cfg.topk_groups, dim=-1).indices
-                mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-                choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
-            ids = choice.topk(k, dim=-1).indices
-            weights = scores.gather(-1, ids)
-            if self.cfg.renormalize:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.cfg.routed_scaling_factor
+        ops = current_ops()
+        cfg = self.cfg
+        return ops.moe_route(ops.linear(x, self.router.weight), router=cfg.router, top_k=cfg.top_k,
+                             renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
+                             correction_bias=self.correction_bias, num_groups=cfg.num_groups,
+                             topk_groups=cfg.topk_groups)
 
     def experts(self) -> Experts:
         return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, activation=self.cfg.activation,
@@ -320,13 +311,12 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         ids, weights = self.route(x)
-        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        out = run_experts(h, ids, weights, self.experts(), impl=self.impl)
-        if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)      # linear, so it may run on this rank's partial sum
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return self.tp.all_reduce(out)
+        shared = self.shared(x) if self.shared is not None else None
+        if self.fc1_latent_proj is None:       # the shared expert's output joins in the experts' last store
+            return self.tp.all_reduce(run_experts(x, ids, weights, self.experts(), impl=self.impl, addend=shared))
+        out = run_experts(self.fc1_latent_proj(x), ids, weights, self.experts(), impl=self.impl)
+        out = self.fc2_latent_proj(out)          # linear, so it may run on this rank's partial sum
+        return self.tp.all_reduce(out if shared is None else out + shared)
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> int:

@@ -146,24 +146,40 @@ class DecoderLayer(nn.Module):
         shared = [self.shared.attention] if self.shared is not None else []
         return shared + [m for m in (self.mixer, self.parallel_mixer) if m is not None]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        # x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings
-        # The mixer's residual add runs with its post-norm and the FFN's pre-norm as one backend op; the FFN's add
-        # with its post-norm (the next layer's pre-norm is that layer's own launch).
+    def entry_norm(self) -> RMSNorm | None:
+        """The norm this layer first applies to its incoming residual stream, which the previous layer's last
+        residual add computes in the same kernel (``forward``'s ``normed``). None with a shared block, whose
+        output joins the stream before that norm."""
+        if self.shared is not None:
+            return None
+        return self.input_norm if self.mixer is not None else self.ffn_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor, *,
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings; normed:
+        ``entry_norm()(x)`` when the caller has it. Returns (the new residual stream, ``next_norm`` of it or
+        None): each residual add runs with the branch's post-norm and the next pre-norm as one backend op,
+        across layers too, so a layer costs no launch of its own for its input norm."""
         ops = current_ops()
-        normed = None
         if self.mixer is not None:
-            h = x + self.shared(x, embeddings, positions) if self.shared is not None else x
-            h = _normed(self.input_norm, h, ops)
-            out = self.mixer(h, positions)
+            if self.shared is not None:
+                x_in = x + self.shared(x, embeddings, positions)
+                normed = _normed(self.input_norm, x_in, ops)
+            elif normed is None:
+                normed = _normed(self.input_norm, x, ops)
+            out = self.mixer(normed, positions)
             if self.parallel_mixer is not None:
-                out = out + self.parallel_mixer(h, positions)
-            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_mixer_norm, self.ffn_norm))
+                out = out + self.parallel_mixer(normed, positions)
+            after = self.ffn_norm if self.ffn is not None else next_norm
+            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_mixer_norm, after))
         if self.ffn is not None:
             if normed is None:
                 normed = _normed(self.ffn_norm, x, ops)
-            _, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, None))
-        return x
+            normed, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, next_norm))
+        if next_norm is not None and normed is None:    # a layer with neither branch (config allows none)
+            normed = _normed(next_norm, x, ops)
+        return x, normed
 
     def _add_norm(self, post: RMSNorm | None, nxt: RMSNorm | None) -> dict:
         """``add_rms_norm`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
@@ -221,8 +237,16 @@ class HybridModel(nn.Module):
         embeddings = x
         if self.config.residual_in_fp32:
             x = x.float()
-        for layer in self.layers:
-            x = layer(x, positions, embeddings)
+        # Each layer's last residual add also applies the next layer's input norm (``DecoderLayer.forward``)
+        # and the last one the final norm, unless the stream is fp32: HF's final norm reads it unrounded.
+        layers = list(self.layers)
+        final = None if self.config.residual_in_fp32 else self.norm
+        next_norms = [layer.entry_norm() for layer in layers[1:]] + [final] if layers else []
+        normed = None
+        for layer, next_norm in zip(layers, next_norms, strict=True):
+            x, normed = layer(x, positions, embeddings, normed=normed, next_norm=next_norm)
+        if final is not None and normed is not None:
+            return normed
         return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma)
 
     def fuse_projections(self) -> None:

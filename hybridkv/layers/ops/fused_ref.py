@@ -11,7 +11,9 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
   backend runs both as one weight-streaming kernel at decode sizes, ``backends/triton_linear.py``);
 - ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
   K/V write into the paged cache;
-- ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight).
+- ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight);
+- ``moe_route``: a router's expert choice and routing weights from its logits (top-k, scoring, bias,
+  renormalisation, scaling), which torch runs as ~5 small launches per MoE layer.
 """
 
 from __future__ import annotations
@@ -168,3 +170,43 @@ def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | 
     if norm_before_gate:
         return (weight.float() * normed * gate).to(y.dtype)
     return weight * normed.to(y.dtype)
+
+
+ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias")
+
+
+def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
+                  scaling: float = 1.0, correction_bias: torch.Tensor | None = None, num_groups: int = 1,
+                  topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (num_tokens, num_experts), any float dtype -> (expert ids int64, fp32 weights), both
+    (num_tokens, top_k), best first. ``router`` (``models.config.MoE``): "softmax" (top-k of the softmax,
+    renormalised if asked), "sigmoid_input" (Llama-4: sigmoid of the top-k logits), "sigmoid_bias" (NemotronH:
+    sigmoid scores, chosen by score + ``correction_bias`` among the ``topk_groups`` best of ``num_groups``
+    expert groups (group score: its two best corrected scores), weights renormalised if asked). Weights are
+    multiplied by ``scaling`` last."""
+    if router not in ROUTERS:
+        raise ValueError(f"moe_route: router must be one of {ROUTERS}, got {router!r}")
+    logits = logits.float()
+    if router == "softmax":
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+    elif router == "sigmoid_input":
+        top, ids = logits.topk(top_k, dim=-1)
+        weights = top.sigmoid()
+    else:
+        if correction_bias is None:
+            raise ValueError("moe_route: the 'sigmoid_bias' router needs correction_bias")
+        scores = logits.sigmoid()
+        choice = scores + correction_bias.float()
+        if topk_groups < num_groups:
+            grouped = choice.view(choice.shape[0], num_groups, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = group_scores.topk(topk_groups, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, (weights * scaling if scaling != 1.0 else weights)
