@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton import DEVICE, HAS_CUDA
-from _triton import kernel_module as _kernel_module
+from _triton import DEVICE, HAS_CUDA, kernel_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.layers.ops.fused_ref import moe_route_ref
 
-tm = _kernel_module("hybridkv.backends.triton_moe")
+tm = kernel_module("hybridkv.backends.triton_moe")
 
 
 def _logits(tokens: int, experts: int, *, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
