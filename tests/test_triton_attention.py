@@ -14,7 +14,10 @@ from _cam_helpers import dense_attention, make_batch, poison_unreferenced
 from _triton import DEVICE, HAS_CUDA, gpu, kernel_module
 
 from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref
+from hybridkv.layers.ops.fused_ref import QKPrep, rope_attention_ref
+from hybridkv.layers.rotary import rope_inv_freq
 from hybridkv.metadata import CommonAttentionMetadata
+from hybridkv.models.config import Rope
 from hybridkv.transforms import (
     make_local_attention_virtual_batches,
     make_local_attention_virtual_batches_device,
@@ -166,6 +169,110 @@ def test_non_causal_and_empty_requests():
     kc, vc = _strided_pool(b.k_cache, b.v_cache)
     ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, cam, scale=b.scale)
     _assert_close(_run(_to(b.q), kc, vc, cam, scale=b.scale), ref)
+
+
+@pytest.mark.parametrize("segs", [1, 2, 8])
+def test_decode_batch_with_padding_request(segs):
+    """A decode-only batch (program i = request i, one masked key loop) with a padding request of no query
+    token, as a captured graph's padded batch has, with and without split-KV; a second launch is bit-equal."""
+    b = make_batch([1, 1, 1], [9, 30, 17], 4, 5, num_heads=4, num_kv_heads=2, head_dim=16)
+    bt = np.insert(b.cam.block_table_cpu, 1, 0, axis=0)
+    cam = CommonAttentionMetadata.build(query_lens=[1, 0, 1, 1], seq_lens=[9, 0, 30, 17], block_table=bt,
+                                        block_size=4)
+    assert cam.max_query_len == 1
+    kc, vc = poison_unreferenced(b, b.cam)
+    k, v = _strided_pool(kc, vc)
+    first = _run(_to(b.q), k, v, cam, scale=b.scale, num_segments=segs)
+    _assert_close(first, dense_attention(b))
+    assert torch.equal(_run(_to(b.q), k, v, cam, scale=b.scale, num_segments=segs), first)
+
+
+ROPE_PREPS = {  # name -> (QKPrep kwargs, rope); rot_dim for head_dim 16
+    "neox": (dict(rot_dim=16), Rope(theta=10000.0)),
+    "neox_partial_qk_norm_gemma": (dict(rot_dim=8, qk_norm="rms", gemma_norm=True),
+                                   Rope(theta=10000.0, partial_rotary_factor=0.5)),
+    "llama4_rope": (dict(rot_dim=16, interleaved=True, qk_norm="rms_weightless"),
+                    Rope(theta=500000.0, interleaved=True)),
+    "llama4_nope": (dict(temperature_tuning=(0.1, 8.0)), None),
+}
+
+
+def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, segs: int | None, seed: int,
+                         heads: int = 4, kv_heads: int = 2, d: int = 16):
+    """A decode batch with a padding request, raw q/k/v, and a cache whose new-token slots are NaN: the fused
+    op must prepare q and k, write k and v, and attend; returns (got, want, got cache, want cache)."""
+    prep_kw, rope = ROPE_PREPS[name]
+    s_lens = [3, 21, 9, 40]
+    b = make_batch([1] * len(s_lens), s_lens, 4, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                   extra_cols=1)
+    bt = np.insert(b.cam.block_table_cpu, 2, 0, axis=0)
+    cam = CommonAttentionMetadata.build(query_lens=[1, 1, 0, 1, 1], seq_lens=[3, 21, 0, 9, 40], block_table=bt,
+                                        block_size=4)
+    if window is not None:
+        cam = trim_sliding_window(cam, window)
+    if chunk is not None:
+        cam = make_local_attention_virtual_batches_device(cam, chunk, 12)
+    kc, vc = poison_unreferenced(b, b.cam)
+    slots = b.cam.slot_mapping
+    kc.view(-1, kv_heads, d)[slots] = float("nan")                  # the op writes them
+    vc.view(-1, kv_heads, d)[slots] = float("nan")
+    g = torch.Generator().manual_seed(seed)
+    n = len(s_lens)
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    positions = torch.tensor(s_lens) - 1 + torch.tensor([0, 7, 1000, 123456])      # absolute, any offset
+    prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
+    kw = dict(prep=prep, inv_freq=rope_inv_freq(rope, prep.rot_dim) if rope is not None else None,
+              q_norm_weight=torch.randn(d, generator=g) * 0.3 + 1, k_norm_weight=torch.randn(d, generator=g) * 0.3 + 1,
+              scale=b.scale, sliding_window=window)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=slots, cam=cam, **kw)
+    k_dev, v_dev = _strided_pool(kc, vc)
+    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
+                                   slot_mapping=slots.to(DEVICE), cam=_cam_to(cam), num_segments=segs, **dev)
+    return got, want, (k_dev, v_dev), (want_k, want_v)
+
+
+@pytest.mark.parametrize("segs", [1, 2, 8])
+@pytest.mark.parametrize("name", sorted(ROPE_PREPS))
+def test_rope_attention_decode_is_one_fused_launch(name, segs):
+    """Decode: q/k norm + RoPE (or NoPE temperature) + KV write inside the attention kernel == the
+    reference's qk_rope_write_kv then paged_attention, output and cache (the segment holding the new key
+    writes it, whichever of 1-8 segments that is)."""
+    got, want, (k_got, v_got), (k_want, v_want) = _rope_attention_case(name, window=None, chunk=None, segs=segs,
+                                                                       seed=segs)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_got.cpu(), v_want, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("window", "chunk"), [(6, None), (None, 8)])
+def test_rope_attention_decode_window_and_local_chunks(window, chunk):
+    """The new key's slot stays the token's own under a trimmed window table and local-attention virtual
+    batches (whose positions restart per chunk while RoPE reads the absolute ones)."""
+    got, want, (k_got, _), (k_want, _) = _rope_attention_case("llama4_rope", window=window, chunk=chunk, segs=2,
+                                                              seed=9)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_attention_prefill_runs_both_ops():
+    """A batch with a prefill takes the two-op path (its new keys are read by many programs)."""
+    b = make_batch([3, 1], [5, 9], 2, 4, num_heads=2, num_kv_heads=1, head_dim=16)
+    kc, vc = poison_unreferenced(b, b.cam)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 2, 16, generator=g), torch.randn(4, 1, 16, generator=g), torch.randn(4, 1, 16, generator=g)
+    positions = torch.tensor([2, 3, 4, 8])
+    kw = dict(prep=QKPrep(head_dim=16, rot_dim=16), inv_freq=rope_inv_freq(Rope(theta=10000.0), 16),
+              q_norm_weight=None, k_norm_weight=None, scale=b.scale)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=b.cam.slot_mapping,
+                              cam=b.cam, **kw)
+    k_dev, v_dev = _strided_pool(kc, vc)
+    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
+                                   slot_mapping=b.cam.slot_mapping.to(DEVICE), cam=_cam_to(b.cam), **dev)
+    _assert_close(got, want)
 
 
 def test_write_kv_matches_reference_and_skips_negative_slots():

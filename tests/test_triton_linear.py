@@ -128,6 +128,20 @@ def test_bad_input_is_a_clear_error():
     assert tl_mod.linear_triton(x[:0], w).shape == (0, 8)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp32_output_is_the_rounded_output_widened(split):
+    """``out_dtype=float32`` (the LM head's logits): the same values as the model-dtype output, widened in the
+    store instead of by a copy kernel."""
+    x, w, b = _inputs(3, 40, 64, bias=True, seed=5)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    cfg = _cfg(3, block_n=16, block_k=32, split=split)
+    wide = tl_mod.linear_triton(x, w, b, out_dtype=torch.float32, config=cfg)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, tl_mod.linear_triton(x, w, b, config=cfg).float())
+    torch.testing.assert_close(wide, linear_ref(x, w, b, out_dtype=torch.float32), rtol=2e-2, atol=2e-2)
+
+
 # (rows, out channels, in features, gated) -> the kernel takes it (default HYBRIDKV_LINEAR=auto)
 TAKES_CASES = [
     ((1, 1536, 1152, False), True),     # decode-size rows: every projection
@@ -136,7 +150,12 @@ TAKES_CASES = [
     ((32, 6912, 1152, True), True),     # ... gate|up with the activation fused
     ((32, 1152, 6912, False), True),    # ... down projections (K >= 2 N)
     ((32, 262144, 1152, False), True),  # ... vocabulary-size heads
-    ((64, 6912, 1152, True), False),    # above 32 rows: cuBLAS
+    ((32, 1536, 1152, False), True),    # up to 64 rows: small weights (Gemma's q|k|v, o), launch-bound on cuBLAS
+    ((64, 1152, 1024, False), True),
+    ((64, 262144, 1152, False), True),  # ... and vocabulary-size heads
+    ((64, 3072, 2048, False), False),   # ... but not a 12.6 MB q|k|v
+    ((64, 6912, 1152, True), False),    # ... nor gate|up above 32 rows
+    ((128, 1536, 1152, False), False),  # above 64 rows: cuBLAS
     ((0, 64, 64, False), False),
 ]
 

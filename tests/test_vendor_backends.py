@@ -35,6 +35,7 @@ from hybridkv.layers.ops import (
     ssd_chunk_scan_ref,
     ssd_state_update_ref,
 )
+from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.transforms import make_local_attention_virtual_batches, trim_sliding_window
 
@@ -320,8 +321,10 @@ def test_explicit_vendor_backends_derive_from_triton(monkeypatch, caplog):
     for op in ("causal_conv1d", "causal_conv1d_update", "ssd_chunk_scan", "ssd_state_update",
                "selective_state_update"):
         assert getattr(ms, op).__module__ == vm.__name__, op
-    for op in ("paged_attention", "write_kv", "selective_scan"):
+    for op in ("paged_attention", "write_kv", "selective_scan", "rope_attention"):
         assert getattr(ms, op) is getattr(triton, op)
+    # flash_attn replaced paged_attention: its decode batches must not take triton's fused attention kernel
+    assert fa.rope_attention is not triton.rope_attention
     assert "kernel backend: mamba_ssm (requested" in caplog.text
 
 
@@ -333,6 +336,22 @@ def test_explicit_vendor_op_raises_unsupported_config(monkeypatch):
                                                 dtype=torch.bfloat16)
     with pytest.raises(UnsupportedConfig, match=r"block size 16 is not a multiple of 256.*backend='auto'"):
         be.paged_attention(q, k, v, cam, scale=scale)
+
+
+@pytest.mark.skipif(_HAS_CUDA, reason="triton's RoPE op runs on CPU tensors: the interpreter (CPU machines)")
+def test_explicit_flash_attn_decode_batches_use_its_attention(monkeypatch):
+    """rope_attention of an explicit flash_attn backend is triton's RoPE + KV write, then flash's attention
+    (here refusing block size 16), never triton's fused decode kernel."""
+    pytest.importorskip("triton", reason="vendor backends derive from the triton backend")
+    install_fakes(monkeypatch)
+    be = get_backend("flash_attn", "cuda")
+    cam, q, k_cache, v_cache, scale = _make_attention_batch([1, 1], [5, 9], 16, 0, heads=2, kv_heads=1, d=16,
+                                                            dtype=torch.float32)
+    k = torch.randn(2, 1, 16)
+    with pytest.raises(UnsupportedConfig, match="block size 16"):
+        be.rope_attention(q, k, k.clone(), torch.tensor([4, 8]), prep=QKPrep(head_dim=16), inv_freq=None,
+                          q_norm_weight=None, k_norm_weight=None, k_cache=k_cache, v_cache=v_cache,
+                          slot_mapping=cam.slot_mapping, cam=cam, scale=scale)
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the fallback runs triton on CPU tensors: the interpreter (CPU machines)")
@@ -350,6 +369,7 @@ def test_auto_composes_vendor_ops_and_falls_back_with_one_log(monkeypatch, caplo
     for op in ("causal_conv1d", "causal_conv1d_update", "ssd_chunk_scan", "ssd_state_update"):
         assert getattr(be, op) is getattr(triton, op), op   # triton's own kernels are faster: kept
     assert be.selective_state_update.__wrapped__.__module__ == vm.__name__
+    assert be.rope_attention.__wrapped__ is triton.rope_attention    # decode batches: the fused triton kernel
 
     cam, q, k, v, scale = _make_attention_batch([3, 1, 4], [5, 9, 4], 4, 1, heads=4, kv_heads=2, d=16,
                                                 dtype=torch.float32)

@@ -65,6 +65,7 @@ class KernelBackend:
     linear: Callable[..., torch.Tensor]
     linear_act_mul: Callable[..., torch.Tensor]
     qk_rope_write_kv: Callable[..., torch.Tensor]
+    rope_attention: Callable[..., torch.Tensor]       # qk_rope_write_kv, then paged_attention
     gated_rms_norm: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cuda_graph_safe: bool = False
@@ -91,6 +92,7 @@ def torch_backend() -> KernelBackend:
         linear=fused_ref.linear_ref,
         linear_act_mul=fused_ref.linear_act_mul_ref,
         qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
+        rope_attention=fused_ref.rope_attention_ref,
         gated_rms_norm=fused_ref.gated_rms_norm_ref,
         moe_route=fused_ref.moe_route_ref,
     )
@@ -171,7 +173,18 @@ def _build(name: str) -> KernelBackend:
     ops = _vendor_ops(name)
     base = _build(entry.base)
     logger.info("kernel backend %s: %s from %s, the other ops from %s", name, ", ".join(ops), name, base.name)
-    return dataclasses.replace(base, name=name, **ops)
+    return _with_rope_attention(dataclasses.replace(base, name=name, **ops), replaced=ops)
+
+
+def _with_rope_attention(backend: KernelBackend, *, replaced: dict[str, Callable[..., Any]]) -> KernelBackend:
+    """A backend whose ``paged_attention`` was replaced runs ``rope_attention`` as its own two ops, so the
+    attention it names is the one every batch gets (the base's fused kernel would bypass it)."""
+    if "paged_attention" not in replaced or "rope_attention" in replaced:
+        return backend
+    from hybridkv.layers.ops.fused_ref import compose_rope_attention
+
+    return dataclasses.replace(backend, rope_attention=compose_rope_attention(backend.qk_rope_write_kv,
+                                                                              backend.paged_attention))
 
 
 _FALLBACKS_LOGGED: set[tuple[str, str, str]] = set()
@@ -210,8 +223,8 @@ _AUTO_OPS: dict[str, frozenset[str]] = {
 }
 
 
-# Triton ops that raise ``UnsupportedConfig`` for some configurations (paged attention: head_dim > 256).
-_TRITON_REFUSING_OPS = ("paged_attention",)
+# Triton ops that raise ``UnsupportedConfig`` for some configurations (attention: head_dim > 256).
+_TRITON_REFUSING_OPS = ("paged_attention", "rope_attention")
 
 
 def _auto(device: torch.device) -> KernelBackend:

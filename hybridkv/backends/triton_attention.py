@@ -23,6 +23,15 @@ Kernel design (``_paged_attention_kernel``):
 - split-KV ("flash decoding"): when (q-blocks x kv heads) cannot fill the GPU (small-batch decode), the
   visible key tiles are split over ``num_segments`` programs that write unnormalised partials (acc, max,
   sum); ``_reduce_segments_kernel`` combines them. With one segment the kernel writes the output directly.
+  (Merging them in the last segment to finish instead, as the split-K linear does, was slower: one program
+  merging 8-32 partials serially costs more than a second launch under PDL, session 17.)
+- decode-only batches (``max_query_len <= 1``, which the metadata guarantees) map program i to request i
+  and visit their keys in one masked loop; other batches find a program's request by a binary search
+  (~log2(requests) dependent loads) and split the loop into window front, unmasked middle and diagonal.
+- ``rope_attention_triton`` on a decode batch (``PREP``): q, k and v arrive as projected. Each program
+  prepares its own q rows (q/k norm, RoPE or NoPE temperature, ``triton_fused._prep_heads``), and the one
+  program per (request, KV head) whose key range holds the new key prepares it and writes it and v at the
+  token's slot before its loop reads the cache: no separate ``qk_rope_write_kv`` launch.
 
 ``write_kv`` is one launch: one program per token writes its K and V rows (all KV heads) at the slot;
 a negative slot (padding) is skipped.
@@ -38,9 +47,11 @@ import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.registry import UnsupportedConfig
+from hybridkv.backends.triton_fused import _prep_heads, qk_prep_arguments, qk_rope_write_kv_triton
+from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.metadata import CommonAttentionMetadata
 
-__all__ = ["paged_attention_triton", "write_kv_triton", "launch_config"]
+__all__ = ["launch_config", "paged_attention_triton", "rope_attention_triton", "write_kv_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 128
@@ -127,6 +138,29 @@ def _attend_tiles(
 
 
 @triton.jit
+def _write_new_kv(k_row, v_row, slot_ptr, k_dst, v_dst, stride_kb, stride_ks, stride_vb, stride_vs,
+                  kw_ptr, pos, inv_freq_ptr, eps, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
+                  POST_NORM: tl.constexpr, GEMMA: tl.constexpr):
+    """One token's KV head: k prepared (norm, RoPE) and v as projected, written at the token's slot (none
+    for a negative slot), visible to the whole program before it reads the cache."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if slot >= 0:
+        ty = k_dst.dtype.element_ty
+        k = _prep_heads(k_row, 0, 1, kw_ptr, pos, inv_freq_ptr, eps, 0.0, 1.0, k_row.dtype.element_ty, 2, HEAD_DIM,
+                        HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA, False)   # (2, HEAD_DIM_P)
+        rows = tl.arange(0, 2)[:, None]
+        d = tl.arange(0, HEAD_DIM_P)[None, :]
+        ok = (rows < 1) & (d < HEAD_DIM)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        tl.store(k_dst + blk * stride_kb + off * stride_ks + rows * 0 + d, k.to(ty), mask=ok)
+        v = tl.load(v_row + rows * 0 + d, mask=ok, other=0.0)
+        tl.store(v_dst + blk * stride_vb + off * stride_vs + rows * 0 + d, v.to(v_dst.dtype.element_ty), mask=ok)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
@@ -136,10 +170,15 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
+    # PREP (decode batches): q, k, v as projected; this kernel prepares q and k and writes the new k and v
+    k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, slot_ptr, eps, attn_scale, floor_scale,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SEG: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SEG: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    PREP: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
+    POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -147,10 +186,16 @@ def _paged_attention_kernel(
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
 
-    req = find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+    if DECODE:  # noqa: SIM108  (constexpr branch)        # <= 1 query token per request: q-block = request
+        req = pid
+    else:
+        req = find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
     q0 = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q0
-    q_blk = pid - (q0 // BLOCK_Q + req)
+    if DECODE:  # noqa: SIM108  (constexpr branch)
+        q_blk = 0
+    else:
+        q_blk = pid - (q0 // BLOCK_Q + req)
     if q_blk * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -165,8 +210,14 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
 
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if PREP:        # DECODE: rows 0..GROUP-1 are the token's heads kvh * GROUP + row, the others masked
+        pos = tl.load(pos_ptr + q0).to(tl.float32)
+        q = _prep_heads(q_ptr + q0.to(tl.int64) * stride_qt + (kvh * GROUP) * stride_qh, stride_qh, GROUP, qw_ptr,
+                        pos, inv_freq_ptr, eps, attn_scale, floor_scale, q_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM,
+                        HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA, TEMPERATURE)
+    else:
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
     # keys some row of this q-block sees: [key_lo, key_hi); keys every row sees: tiles [t_a, t_b)
@@ -193,25 +244,40 @@ def _paged_attention_kernel(
     t_a = tl.minimum(tl.maximum(t_a, t_lo), t_hi)
     t_b = tl.minimum(tl.maximum(t_b, t_a), t_hi)
 
+    if PREP:
+        last_t = (seq_len - 1) // TILE
+        if (last_t >= t_lo) & (last_t < t_hi):      # the one segment that reads the new key writes it first
+            _write_new_kv(k_new_ptr + q0.to(tl.int64) * stride_nkt + kvh * stride_nkh,
+                          v_new_ptr + q0.to(tl.int64) * stride_nvt + kvh * stride_nvh, slot_ptr + q0,
+                          k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+                          kw_ptr, pos, inv_freq_ptr, eps, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, ROT_DIM, INTERLEAVED,
+                          QK_NORM, POST_NORM, GEMMA)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    # window front (masked), fully visible middle (no masks), causal diagonal (masked)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_a, key_lo, key_hi, q_pos,
-                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
-                                  PRECISION, True)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_a, t_b, key_lo, key_hi, q_pos,
-                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
-                                  PRECISION, False)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_b, t_hi, key_lo, key_hi, q_pos,
-                                  row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                  HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
-                                  PRECISION, True)
+    if DECODE:              # one masked loop: the loads of every tile stream in one pipeline
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_hi, key_lo, key_hi, q_pos,
+                                      row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                      HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                      PRECISION, True)
+    else:
+        # window front (masked), fully visible middle (no masks), causal diagonal (masked)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_a, key_lo, key_hi, q_pos,
+                                      row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                      HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                      PRECISION, True)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_a, t_b, key_lo, key_hi, q_pos,
+                                      row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                      HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                      PRECISION, False)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_b, t_hi, key_lo, key_hi, q_pos,
+                                      row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                      HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                      PRECISION, True)
 
     if NUM_SEG == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
@@ -289,17 +355,21 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str,
     """Tile shapes, from sweeps on an H100 (benchmarks/gpu_attention.py --sweep, gpu_sweeps.py decode-tiles):
     decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
     and 64-key tiles, 16 at d = 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
-    7.4 µs at B = 1 over 544 keys; ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
+    7.4 µs at B = 1 over 544 keys) in a 4-stage pipeline (their one loop streams; 14.3 vs 15.6 µs at B = 32,
+    equal at B = 1, session 17); ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192); each with the same error against fp32 SDPA as the shape
     it replaced."""
     hd_p = max(16, _next_pow2(head_dim))
     g_p = _next_pow2(group)
+    stages = 2
     if max_query_len <= 1:
         block_m = max(16, g_p)
         tile = 16 if hd_p >= 256 else 64
         warps = 4
+        if hd_p >= 256:
+            stages = 4
     elif hd_p <= 64:
         block_m, tile, warps = max(128, g_p), 128, 4
     else:
@@ -307,17 +377,17 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str,
         tile = 64
         warps = 4 if hd_p <= 128 else 8
     return {"BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group), "TILE": tile, "num_warps": warps,
-            "num_stages": 2}
+            "num_stages": stages}
 
 
 MAX_HEAD_DIM = 256      # the largest head dim tuned and verified on the GPU (Gemma's 256)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata,
-           sliding_window: int | None) -> None:
+           sliding_window: int | None, *, op: str = "paged_attention") -> None:
     num_tokens, num_heads, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
-        raise UnsupportedConfig("triton", "paged_attention", f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 "
+        raise UnsupportedConfig("triton", op, f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 "
                                 "accumulator tile would spill out of registers)")
     if num_tokens != cam.num_actual_tokens:
         raise ValueError(f"q: has {num_tokens} tokens, metadata has {cam.num_actual_tokens}")
@@ -354,6 +424,53 @@ def paged_attention_triton(
     ``cam.max_seq_len``, which must bound every seq_len); ``config``: overrides of
     ``launch_config`` entries (benchmark sweeps)."""
     _check(q, k_cache, v_cache, cam, sliding_window)
+    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out,
+                   num_segments=num_segments, config=config, fresh=None)
+
+
+def rope_attention_triton(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim), as projected
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    positions: torch.Tensor,  # (num_tokens,)
+    *,
+    prep: QKPrep,
+    inv_freq: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,); < 0 = padding, not written
+    cam: CommonAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_segments: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``rope_attention_ref``. A decode batch (``cam.max_query_len <= 1``) is one launch:
+    each attention program prepares its own q rows, and the program whose key range holds a request's new
+    key prepares that key and writes it with v before reading the cache. Other batches run
+    ``qk_rope_write_kv_triton`` then ``paged_attention_triton`` (their new keys are read by many programs)."""
+    if cam.max_query_len > 1:
+        q = qk_rope_write_kv_triton(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
+                                    k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache,
+                                    slot_mapping=slot_mapping)
+        return paged_attention_triton(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window,
+                                      softcap=softcap, num_segments=num_segments)
+    _check(q, k_cache, v_cache, cam, sliding_window, op="rope_attention")
+    slots = slot_mapping if slot_mapping.device == q.device else slot_mapping.to(q.device)
+    fresh = qk_prep_arguments(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
+                              k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    fresh.update(k_new_ptr=k, v_new_ptr=v, stride_nkt=k.stride(0), stride_nkh=k.stride(1), stride_nvt=v.stride(0),
+                 stride_nvh=v.stride(1))
+    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=None,
+                   num_segments=num_segments, config=None, fresh=fresh)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata, *,
+            scale: float, sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
+            num_segments: int | None, config: dict[str, int] | None, fresh: dict | None) -> torch.Tensor:
+    """The launch behind both ops; ``fresh``: ``qk_prep_arguments`` plus the new k / v rows (decode only)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -370,17 +487,19 @@ def paged_attention_triton(
         if cfg["BLOCK_M"] < group:
             raise ValueError(f"config: BLOCK_M {cfg['BLOCK_M']} < query heads per KV head {group}")
     hd_p = max(16, _next_pow2(head_dim))
-    n_qblocks = num_tokens // cfg["BLOCK_Q"] + cam.num_reqs
+    decode = cam.max_query_len <= 1        # one q-block per request: no search for a program's request
+    n_qblocks = cam.num_reqs if decode else num_tokens // cfg["BLOCK_Q"] + cam.num_reqs
     if num_segments is None:
         num_segments = 1
         if q.is_cuda:
+            # Fewer programs than SMs: split each one's keys until there are >= 2 programs per SM.
             progs = n_qblocks * num_kv_heads
-            target = 2 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            if progs < target:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            if progs < sms:
                 # No more segments than half the key tiles of the longest row: ``max_seq_len`` bounds every
                 # seq_len (a captured graph's is the widest row its buffers hold, so replays stay correct).
                 tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
-                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-target // progs)), _next_pow2(-(-tiles // 2)))
+                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // progs)), _next_pow2(-(-tiles // 2)))
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
@@ -394,21 +513,26 @@ def paged_attention_triton(
         bt = bt.to(q.device)
     qsl = cam.query_start_loc if cam.query_start_loc.device == q.device else cam.query_start_loc.to(q.device)
     seq = cam.seq_lens if cam.seq_lens.device == q.device else cam.seq_lens.to(q.device)
-    grid = (n_qblocks, num_kv_heads, num_segments)
-    _paged_attention_kernel[grid](
-        out, part_acc, part_ml,
-        q, k_cache, v_cache, bt, qsl, seq,
-        cam.num_reqs, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        out.stride(0), out.stride(1),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bt.stride(0) if bt.dim() == 2 and bt.shape[1] > 0 else 0,
+    if fresh is None:
+        fresh = dict(k_new_ptr=q, v_new_ptr=q, pos_ptr=qsl, inv_freq_ptr=q, qw_ptr=q, kw_ptr=q, slot_ptr=qsl, eps=0.0,
+                     attn_scale=0.0, floor_scale=1.0, stride_nkt=0, stride_nkh=0, stride_nvt=0, stride_nvh=0,
+                     ROT_DIM=0, INTERLEAVED=False, QK_NORM=False, POST_NORM=False, GEMMA=False, TEMPERATURE=False)
+        prep = False
+    else:
+        prep = True
+    _paged_attention_kernel[(n_qblocks, num_kv_heads, num_segments)](
+        out_ptr=out, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, bt_ptr=bt, qsl_ptr=qsl, seq_lens_ptr=seq,
+        num_reqs=cam.num_reqs, scale=float(scale), softcap=float(softcap or 1.0), window=int(sliding_window or 0),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_bt=bt.stride(0) if bt.dim() == 2 and bt.shape[1] > 0 else 0,
         HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, GROUP=group,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
         IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-        NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(out.device),
+        NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", DECODE=decode,
+        PREP=prep, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fresh, **pdl_kwargs(out.device),
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](

@@ -7,7 +7,8 @@
 - Mamba2 SSD chunked scan with per-request initial / final states (one fused kernel) and the one-token
   state update: ``hybridkv.backends.triton_ssd``;
 - the elementwise work between GEMMs (residual add + RMS norm, activation x up, q/k norm + RoPE + KV write,
-  Mamba2's gated norm), one launch each: ``hybridkv.backends.triton_fused``;
+  Mamba2's gated norm), one launch each: ``hybridkv.backends.triton_fused``; in decode batches q/k norm +
+  RoPE + KV write run inside the attention kernel (``rope_attention``);
 - a MoE router's top-k choice and weights from its logits, one launch: ``hybridkv.backends.triton_moe``;
 - dense linears at decode sizes (the gated activation fused into the gate|up projection), cuBLAS for the
   shapes and row counts where it was faster (``triton_linear.takes``): ``hybridkv.backends.triton_linear``.
@@ -31,7 +32,7 @@ logger = logging.getLogger("hybridkv.backends")
 def triton_backend() -> KernelBackend:
     from hybridkv.backends import triton_fused as fused
     from hybridkv.backends import triton_linear as linear
-    from hybridkv.backends.triton_attention import paged_attention_triton, write_kv_triton
+    from hybridkv.backends.triton_attention import paged_attention_triton, rope_attention_triton, write_kv_triton
     from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton
     from hybridkv.backends.triton_moe import moe_route
     from hybridkv.backends.triton_ssd import ssd_chunk_scan_triton, ssd_state_update_triton
@@ -45,6 +46,6 @@ def triton_backend() -> KernelBackend:
                                ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
                                rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
                                act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
-                               qk_rope_write_kv=fused.qk_rope_write_kv_triton,
+                               qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
                                gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
                                cuda_graph_safe=True)

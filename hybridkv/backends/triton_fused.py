@@ -301,11 +301,39 @@ def qk_rope_write_kv_triton(
     slot_mapping: torch.Tensor,  # (num_tokens,); < 0 = padding, not written
 ) -> torch.Tensor:
     """Same contract as ``qk_rope_write_kv_ref`` (plus: negative slots are skipped)."""
+    args = qk_prep_arguments(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
+                             k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     n, heads, d = q.shape
     kv_heads = k.shape[1]
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    heads_p = min(_pow2(max(heads, kv_heads)), max(1, _QK_ELEMS // _pow2(d)))
+    q_programs = -(-heads // heads_p)
+    _qk_rope_kv_kernel[(n, q_programs + -(-kv_heads // heads_p))](
+        q_ptr=q, k_ptr=k, v_ptr=v, q_out_ptr=out, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        num_heads=heads, num_kv_heads=kv_heads, q_programs=q_programs,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
+        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), HEADS_P=heads_p, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=max(1, min(4, heads_p * _pow2(d) // 128)), **args, **pdl_kwargs(q.device))
+    return out
+
+
+def qk_prep_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, prep: QKPrep,
+                      inv_freq: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
+                      k_norm_weight: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> dict:
+    """Checks ``qk_rope_write_kv``'s inputs; returns the launch arguments of ``_prep_heads``'s callers (the
+    tensors and constants of ``prep``) by their kernel parameter names."""
+    n, _, d = q.shape
     if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or slot_mapping.shape[0] != n:
         raise ValueError(f"qk_rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
+    if positions.shape[0] != n:
+        raise ValueError(f"qk_rope_write_kv: positions {tuple(positions.shape)} for {n} tokens")
     if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit k {tuple(k.shape)}")
     if d != prep.head_dim:
@@ -319,26 +347,14 @@ def qk_rope_write_kv_triton(
         raise ValueError("qk_rope_write_kv: q/k and their norm weights must share one dtype")
     if prep.rot_dim and inv_freq is None:
         raise ValueError("qk_rope_write_kv: RoPE needs inv_freq")
-    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out
     temperature = prep.rot_dim == 0 and prep.temperature_tuning is not None
     attn_scale, floor_scale = prep.temperature_tuning if temperature else (0.0, 1.0)
-    dummy = positions
-    heads_p = min(_pow2(max(heads, kv_heads)), max(1, _QK_ELEMS // _pow2(d)))
-    q_programs = -(-heads // heads_p)
-    _qk_rope_kv_kernel[(n, q_programs + -(-kv_heads // heads_p))](
-        q, k, v, positions, inv_freq if prep.rot_dim else dummy, q_norm_weight if norm else dummy,
-        k_norm_weight if norm else dummy, out, k_cache, v_cache, slot_mapping,
-        heads, kv_heads, q_programs, prep.eps, attn_scale, floor_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2),
-        HEAD_DIM=d, HEAD_DIM_P=_pow2(d), HEADS_P=heads_p, ROT_DIM=prep.rot_dim,
-        INTERLEAVED=prep.interleaved, QK_NORM=norm, POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless",
-        GEMMA=prep.gemma_norm, TEMPERATURE=temperature, BLOCK_SIZE=k_cache.shape[1],
-        num_warps=max(1, min(4, heads_p * _pow2(d) // 128)), **pdl_kwargs(q.device))
-    return out
+    return dict(pos_ptr=positions, inv_freq_ptr=inv_freq if prep.rot_dim else positions,
+                qw_ptr=q_norm_weight if norm else positions, kw_ptr=k_norm_weight if norm else positions,
+                slot_ptr=slot_mapping, eps=prep.eps, attn_scale=attn_scale, floor_scale=floor_scale,
+                ROT_DIM=prep.rot_dim, INTERLEAVED=prep.interleaved, QK_NORM=norm,
+                POST_NORM=prep.rot_dim > 0 and prep.qk_norm == "rms_weightless", GEMMA=prep.gemma_norm,
+                TEMPERATURE=temperature)
 
 
 @triton.jit

@@ -35,10 +35,15 @@ MAX_ROWS = 128                      # one M tile; larger batches are compute-bou
 # rotated past the L2): up to 16 rows every projection (cuBLAS's GEMVs are no faster, and a Triton kernel
 # between Triton kernels overlaps its launch with theirs, ``pdl.py``); up to 32 rows the projections where
 # the kernel was faster (gate|up with the activation fused, down projections with K >= 2 N, vocabulary-size
-# heads), cuBLAS for the square-ish q|k|v and o; above 32 rows cuBLAS's tiles. HYBRIDKV_LINEAR=cublas (always
-# cuBLAS) or =triton (the kernel up to MAX_ROWS) override this, for A/B measurements.
+# heads), cuBLAS for the square-ish q|k|v and o; up to 64 rows small weights (< SMALL_WEIGHT elements, where
+# cuBLAS's ~5 µs is launch latency the kernel hides under PDL: the Gemma-3-like q|k|v and o, 44.9 -> 46.4% of
+# the roofline at batch 32, session 17; the Llama-4-like 12.6 / 8.4 MB ones stay on cuBLAS, 58.7 vs 55.6%)
+# and vocabulary heads; above that cuBLAS's tiles. HYBRIDKV_LINEAR=cublas (always cuBLAS) or =triton (the
+# kernel up to MAX_ROWS) override this, for A/B measurements.
 ALL_SHAPES_MAX_ROWS = 16
 DISPATCH_MAX_ROWS = 32
+SMALL_MAX_ROWS = 64
+SMALL_WEIGHT = 3 << 20              # elements (6.3 MB in bf16)
 _NO_ACT = -1
 _MAX_COLUMN_BLOCKS = 1 << 16        # counters per device (one per column block of a split-K launch)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -53,9 +58,9 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, ty,
               ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr):
-    ty = y_ptr.dtype.element_ty
+    """Rounds where ``F.linear`` / ``act_mul_ref`` round (to ``ty``, the model dtype), stores in y's dtype."""
     if HAS_BIAS:                                         # gated: gate biases [0, N), up biases [N, 2N)
         if GATED:
             acc += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -71,7 +76,9 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
         y = _activation(g, ACT).to(ty).to(tl.float32) * y
     elif ACT >= 0:
         y = _activation(y, ACT)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], y.to(ty), mask=m_ok[:, None] & n_ok[None, :])
+    y = y.to(ty)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -108,7 +115,7 @@ def _skinny_linear_kernel(
         if GATED:
             acc_g = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wm, other=0.0), acc_g, input_precision="ieee")
     if SPLIT_K == 1:
-        _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+        _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, x_ptr.dtype.element_ty,
                   ACT, GATED, HAS_BIAS, HAS_MULT)
     else:
         # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles
@@ -131,7 +138,7 @@ def _skinny_linear_kernel(
                                      cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)              # ready for the next launch (or graph replay)
             _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
-                      ACT, GATED, HAS_BIAS, HAS_MULT)
+                      x_ptr.dtype.element_ty, ACT, GATED, HAS_BIAS, HAS_MULT)
 
 
 _SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
@@ -161,7 +168,7 @@ def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
-            gate_multiplier: float, config: dict | None) -> torch.Tensor:
+            gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows, k = x.shape
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear_triton: x and weight need a contiguous last dim")
@@ -169,7 +176,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear_triton: x has {k} input features, weight {tuple(weight.shape)}")
     if rows > MAX_ROWS:
         raise ValueError(f"linear_triton: at most {MAX_ROWS} rows (one M tile), got {rows}")
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
     cfg = dict(config or default_config(rows, n, k, gated=gated, itemsize=x.element_size()))
@@ -188,10 +195,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: dict | None = None) -> torch.Tensor:
-    """x (rows <= MAX_ROWS, K), weight (N, K), bias (N,) or None -> (rows, N) in x's dtype."""
+                  out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
+    """x (rows <= MAX_ROWS, K), weight (N, K), bias (N,) or None -> (rows, N) rounded to x's dtype, stored in
+    ``out_dtype`` (default: x's)."""
     return _launch(x, weight, bias, n=weight.shape[0], act=_NO_ACT, gated=False, gate_multiplier=1.0,
-                   config=config)
+                   config=config, out_dtype=out_dtype)
 
 
 def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -217,8 +225,9 @@ def _mode() -> str:
 
 
 def dispatch_description() -> str:
-    return {"auto": f"Triton up to {ALL_SHAPES_MAX_ROWS} rows, up to {DISPATCH_MAX_ROWS} for gate|up, down and "
-                    "vocabulary projections, cuBLAS above",
+    return {"auto": f"Triton up to {ALL_SHAPES_MAX_ROWS} rows, up to {DISPATCH_MAX_ROWS} for gate|up and down "
+                    f"projections, up to {SMALL_MAX_ROWS} for small weights and vocabulary projections, cuBLAS "
+                    "above",
             "cublas": "cuBLAS (HYBRIDKV_LINEAR=cublas)",
             "triton": f"Triton up to {MAX_ROWS} rows (HYBRIDKV_LINEAR=triton)"}[_mode()]
 
@@ -228,7 +237,9 @@ def takes(rows: int, n_out: int, k: int, *, gated: bool) -> bool:
     mode = _mode()
     if mode != "auto" or rows <= ALL_SHAPES_MAX_ROWS:
         return mode != "cublas" and 0 < rows <= MAX_ROWS
-    return rows <= DISPATCH_MAX_ROWS and (gated or k >= 2 * n_out or n_out > 16384)
+    if rows <= DISPATCH_MAX_ROWS and (gated or k >= 2 * n_out):
+        return True
+    return rows <= SMALL_MAX_ROWS and (n_out * k * (2 if gated else 1) < SMALL_WEIGHT or n_out > 16384)
 
 
 def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, *, gated: bool) -> bool:
@@ -238,11 +249,13 @@ def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, *, gated: bool) -> bool:
             and takes(x.shape[0], weight.shape[0] // (2 if gated else 1), x.shape[1], gated=gated))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The triton backend's ``linear`` (``linear_ref``'s contract): the kernel at decode sizes, else cuBLAS."""
     if _kernel_fits(x, weight, gated=False):
-        return linear_triton(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+        return linear_triton(x, weight, bias, out_dtype=out_dtype)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def linear_act_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,

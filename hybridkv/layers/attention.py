@@ -3,7 +3,8 @@
 The layer does not know its kind's cache policy: its group's builder already trimmed the block table
 (sliding) or cut the batch into virtual requests (chunked), so it only applies the window mask when
 told to. RoPE variants, q/k norms and Llama-4's NoPE temperature tuning happen before the KV write, in one backend
-op (``qk_rope_write_kv``); q, k and v come from one packed GEMM once the runner fused the projections.
+op (``qk_rope_write_kv``), or, for a decode batch, inside the attention op (``rope_attention``: on the triton
+backend one kernel); q, k and v come from one packed GEMM once the runner fused the projections.
 
 Zamba2 runs one set of attention weights at several depths, each with its own KV cache: every use is an
 ``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
@@ -93,13 +94,16 @@ class AttentionLayer(nn.Module):
         ctx = get_forward_context()
         inputs = ctx.inputs[owner.cache_name]
         k_cache, v_cache = owner.kv_cache
-        q = ctx.backend.qk_rope_write_kv(
-            q, k, v, positions, prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
-            q_norm_weight=self.q_norm.weight if self.q_norm is not None else None,
-            k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
-            k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
-        out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, scale=cfg.softmax_scale,
-                                          sliding_window=inputs.sliding_window, softcap=cfg.softcap)
+        prep = dict(prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
+                    q_norm_weight=self.q_norm.weight if self.q_norm is not None else None,
+                    k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
+                    k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
+        attend = dict(scale=cfg.softmax_scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap)
+        if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend
+            out = ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
+        else:                                   # prefill: the backend's own attention (flash-attn's, under auto)
+            q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
+            out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
         out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)
         return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 

@@ -145,8 +145,8 @@ class ParallelLMHead(nn.Linear):
         self.vocab_size = vocab_size
         self.tp_shards = {"weight": Shard(0, (split,))}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = current_ops().linear(hidden, self.weight, self.bias)
+    def forward(self, hidden: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        logits = current_ops().linear(hidden, self.weight, self.bias, out_dtype=out_dtype)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

@@ -260,10 +260,9 @@ class HybridModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(num_tokens, hidden_size) -> fp32 logits (num_tokens, vocab_size); None on tensor-parallel ranks
         other than 0 (the vocab-parallel head gathers the logits there)."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype), out_dtype=torch.float32)   # rounded, then fp32
         if logits is None:
             return None
-        logits = logits.float()
         if self.config.logits_multiplier != 1.0:
             logits = logits * self.config.logits_multiplier
         cap = self.config.final_softcap

@@ -11,6 +11,8 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
   backend runs both as one weight-streaming kernel at decode sizes, ``backends/triton_linear.py``);
 - ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
   K/V write into the paged cache;
+- ``rope_attention``: ``qk_rope_write_kv`` then ``paged_attention`` (the Triton backend runs a decode batch's
+  as one kernel: the attention programs prepare their own q, and the one that reads the new key writes it);
 - ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight);
 - ``moe_route``: a router's expert choice and routing weights from its logits (top-k, scoring, bias,
   renormalisation, scaling), which torch runs as ~5 small launches per MoE layer.
@@ -18,13 +20,15 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from hybridkv.layers.activations import get_activation
-from hybridkv.layers.ops.attention_ref import write_kv_ref
+from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref
+from hybridkv.metadata import CommonAttentionMetadata
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,9 +78,12 @@ def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_mu
     return act(gate) * up
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (num_tokens, in_features), weight (out_features, in_features) -> (num_tokens, out_features)."""
-    return F.linear(x, weight, bias)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (num_tokens, in_features), weight (out_features, in_features) -> (num_tokens, out_features), rounded
+    to x's dtype, then converted to ``out_dtype`` if given (fp32 logits: the kernel stores them directly)."""
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
@@ -154,6 +161,41 @@ def qk_rope_write_kv_ref(
         q = (q * scales[:, None, None]).to(dtype)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def compose_rope_attention(qk_rope_write_kv: Callable[..., torch.Tensor], paged_attention: Callable[..., torch.Tensor]
+                           ) -> Callable[..., torch.Tensor]:
+    """``rope_attention`` as its two ops, one after the other (the reference, and backends without a fused
+    kernel)."""
+
+    def rope_attention(
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim), as projected
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        positions: torch.Tensor,  # (num_tokens,) absolute positions
+        *,
+        prep: QKPrep,
+        inv_freq: torch.Tensor | None,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # (num_tokens,)
+        cam: CommonAttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q and k prepared and k, v written as ``qk_rope_write_kv``, then ``paged_attention`` of q over the
+        cache: (num_tokens, num_heads, head_dim)."""
+        q = qk_rope_write_kv(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
+                             k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+        return paged_attention(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap)
+
+    return rope_attention
+
+
+rope_attention_ref = compose_rope_attention(qk_rope_write_kv_ref, paged_attention_ref)
 
 
 def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, *, n_groups: int = 1,
