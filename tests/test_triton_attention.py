@@ -198,11 +198,11 @@ ROPE_PREPS = {  # name -> (QKPrep kwargs, rope); rot_dim for head_dim 16
 
 
 def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, segs: int | None, seed: int,
-                         heads: int = 4, kv_heads: int = 2, d: int = 16):
+                         heads: int = 4, kv_heads: int = 2, d: int = 16, long: int = 40):
     """A decode batch with a padding request, raw q/k/v, and a cache whose new-token slots are NaN: the fused
     op must prepare q and k, write k and v, and attend; returns (got, want, got cache, want cache)."""
     prep_kw, rope = ROPE_PREPS[name]
-    s_lens = [3, 21, 9, 40]
+    s_lens = [3, 21, 9, long]
     b = make_batch([1] * len(s_lens), s_lens, 4, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
                    extra_cols=1)
     bt = np.insert(b.cam.block_table_cpu, 2, 0, axis=0)
@@ -237,10 +237,10 @@ def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, se
 @pytest.mark.parametrize("name", sorted(ROPE_PREPS))
 def test_rope_attention_decode_is_one_fused_launch(name, segs):
     """Decode: q/k norm + RoPE (or NoPE temperature) + KV write inside the attention kernel == the
-    reference's qk_rope_write_kv then paged_attention, output and cache (the segment holding the new key
-    writes it, whichever of 1-8 segments that is)."""
+    reference's qk_rope_write_kv then paged_attention, output and cache. The longest row spans 4 key tiles of
+    64, so with 2 or 8 segments the new key's writer is a later segment and other segments read full tiles."""
     got, want, (k_got, v_got), (k_want, v_want) = _rope_attention_case(name, window=None, chunk=None, segs=segs,
-                                                                       seed=segs)
+                                                                       seed=segs, long=230)
     _assert_close(got, want)
     torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v_got.cpu(), v_want, equal_nan=True, atol=0, rtol=0)
@@ -252,6 +252,16 @@ def test_rope_attention_decode_window_and_local_chunks(window, chunk):
     batches (whose positions restart per chunk while RoPE reads the absolute ones)."""
     got, want, (k_got, _), (k_want, _) = _rope_attention_case("llama4_rope", window=window, chunk=chunk, segs=2,
                                                               seed=9)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 128), (4, 1, 256)])
+def test_rope_attention_decode_large_heads(heads, kv_heads, d):
+    """Head dims of the benchmark models (d = 256: 16-key tiles, 4-stage pipeline), writer in a late segment."""
+    got, want, (k_got, _), (k_want, _) = _rope_attention_case("neox_partial_qk_norm_gemma", window=None, chunk=None,
+                                                              segs=8, seed=d, heads=heads, kv_heads=kv_heads, d=d,
+                                                              long=150)
     _assert_close(got, want)
     torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
 

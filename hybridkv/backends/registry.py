@@ -177,9 +177,9 @@ def _build(name: str) -> KernelBackend:
 
 
 def _with_rope_attention(backend: KernelBackend, *, replaced: dict[str, Callable[..., Any]]) -> KernelBackend:
-    """A backend whose ``paged_attention`` was replaced runs ``rope_attention`` as its own two ops, so the
-    attention it names is the one every batch gets (the base's fused kernel would bypass it)."""
-    if "paged_attention" not in replaced or "rope_attention" in replaced:
+    """A backend whose ``paged_attention`` or ``qk_rope_write_kv`` was replaced runs ``rope_attention`` as those
+    two ops, so the ops it names are the ones every batch gets (the base's fused kernel would bypass them)."""
+    if not {"paged_attention", "qk_rope_write_kv"} & replaced.keys() or "rope_attention" in replaced:
         return backend
     from hybridkv.layers.ops.fused_ref import compose_rope_attention
 

@@ -449,8 +449,10 @@ def rope_attention_triton(
 ) -> torch.Tensor:
     """Same contract as ``rope_attention_ref``. A decode batch (``cam.max_query_len <= 1``) is one launch:
     each attention program prepares its own q rows, and the program whose key range holds a request's new
-    key prepares that key and writes it with v before reading the cache. Other batches run
-    ``qk_rope_write_kv_triton`` then ``paged_attention_triton`` (their new keys are read by many programs)."""
+    key prepares that key and writes it with v before reading the cache (so K/V are written for the tokens
+    of the batch's requests, every token a step schedules; a token outside every request, which the engine
+    never builds, is not written). Other batches run ``qk_rope_write_kv_triton`` then ``paged_attention_triton``
+    (their new keys are read by many programs)."""
     if cam.max_query_len > 1:
         q = qk_rope_write_kv_triton(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
                                     k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache,

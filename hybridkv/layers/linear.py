@@ -146,11 +146,15 @@ class ParallelLMHead(nn.Linear):
         self.tp_shards = {"weight": Shard(0, (split,))}
 
     def forward(self, hidden: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        logits = current_ops().linear(hidden, self.weight, self.bias, out_dtype=out_dtype)
+        """``out_dtype``: the logits' dtype (fp32: stored so by the kernel on one rank; under tensor parallelism
+        the shards are gathered in the model dtype, half the bytes, and converted on rank 0)."""
         if self.tp.size == 1:
-            return logits
-        full = self.tp.gather_last_dim(logits)
-        return full[..., :self.vocab_size] if full is not None else None
+            return current_ops().linear(hidden, self.weight, self.bias, out_dtype=out_dtype)
+        full = self.tp.gather_last_dim(current_ops().linear(hidden, self.weight, self.bias))
+        if full is None:
+            return None
+        full = full[..., :self.vocab_size]
+        return full if out_dtype is None else full.to(out_dtype)
 
 
 class LowRankAdapter(nn.Module):
