@@ -27,6 +27,7 @@ import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation, act_mul_triton
+from hybridkv.layers.ops.fused_ref import linear_ref
 
 __all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "linear_triton", "takes"]
 
@@ -254,8 +255,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """The triton backend's ``linear`` (``linear_ref``'s contract): the kernel at decode sizes, else cuBLAS."""
     if _kernel_fits(x, weight, gated=False):
         return linear_triton(x, weight, bias, out_dtype=out_dtype)
-    y = torch.nn.functional.linear(x, weight, bias)
-    return y if out_dtype is None else y.to(out_dtype)
+    return linear_ref(x, weight, bias, out_dtype=out_dtype)           # cuBLAS
 
 
 def linear_act_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
