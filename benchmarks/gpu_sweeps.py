@@ -8,7 +8,6 @@
     python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
     python benchmarks/gpu_sweeps.py skinny-linear     # dense linears at 1-128 rows: Triton tiles vs cuBLAS
     python benchmarks/gpu_sweeps.py pdl-chain         # kernel chains in a CUDA graph with / without PDL
-    python benchmarks/gpu_sweeps.py linear-add-norm   # output projection + residual add + norm: 2 kernels vs 1
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
 also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
@@ -316,36 +315,6 @@ def pdl_chain() -> None:
         print(f"{name}: {off[name]:.2f} us per layer plain, {on[name]:.2f} us with PDL")
 
 
-def linear_add_norm() -> None:
-    """Per-layer time of an output projection followed by the residual add + norms, as two kernels (the
-    decode-size linear, then ``add_rms_norm``) or one (``linear_add_rms_norm_triton``: the last column block
-    runs the add + norm), in chains of distinct layers captured in one CUDA graph (PDL on as in decode)."""
-    from hybridkv.backends.triton_fused import add_rms_norm_triton
-    from hybridkv.backends.triton_linear import linear_add_rms_norm_triton, linear_triton
-
-    dev, layers = torch.device("cuda"), 24
-    shapes = (("gemma o + post-norm", 1152, 1024, True), ("gemma down + post-norm", 1152, 6912, True),
-              ("llama o", 2048, 2048, False), ("mamba2 out_proj", 2048, 4096, False),
-              ("nemotron down", 2048, 8192, False))
-    for name, n, k, post in shapes:
-        g = torch.Generator(device=dev).manual_seed(n + k)
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(layers)]
-        norm = dict(weight=torch.rand(n, device=dev, dtype=torch.bfloat16, generator=g) + 0.5, eps=1e-6,
-                    gemma=post, delta_weight=(torch.rand(n, device=dev, dtype=torch.bfloat16, generator=g)
-                                              if post else None))
-        for rows in (1, 2, 4, 8, 16, 32):
-            xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(layers)]
-            res = [torch.randn(rows, n, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(layers)]
-            two = lambda i: add_rms_norm_triton(linear_triton(xs[i], ws[i]), res[i], **norm)  # noqa: E731
-            one = lambda i: linear_add_rms_norm_triton(xs[i], ws[i], None, res[i], **norm)  # noqa: E731
-            same = all(torch.equal(a, b) for a, b in zip(two(0), one(0), strict=True))
-            t_two = graph_time_us([lambda i=i: two(i) for i in range(layers)], 2 * layers)
-            t_one = graph_time_us([lambda i=i: one(i) for i in range(layers)], 2 * layers)
-            print(f"{name} ({n}x{k}) rows {rows}: linear + add_rms_norm {t_two:.2f} us, fused {t_one:.2f} us "
-                  f"({t_one / t_two:.2f}x), bit-equal {same}", flush=True)
-        torch.cuda.empty_cache()
-
-
 def triton_next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -353,13 +322,13 @@ def triton_next_pow2(v: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled",
-                                      "skinny-linear", "pdl-chain", "linear-add-norm"))
+                                      "skinny-linear", "pdl-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
      "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear,
-     "pdl-chain": pdl_chain, "linear-add-norm": linear_add_norm}[args.sweep]()
+     "pdl-chain": pdl_chain}[args.sweep]()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from hybridkv.models.config import Rope
 
 tf = kernel_module("hybridkv.backends.triton_fused")
 ta = kernel_module("hybridkv.backends.triton_attention")
-tlin = kernel_module("hybridkv.backends.triton_linear")
 # fp16 on the CPU checks the rounding points (the interpreter rounds fp16 as torch does, but not bf16).
 DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
 
@@ -195,8 +194,8 @@ def test_gated_rms_norm(dtype, n_groups, before, has_weight) -> None:
 # ------------------------------------------------------------------ a whole model on the fused ops
 
 def _fused_backend():
-    """The torch references with the fused elementwise ops (decode's fused RoPE attention, the output projections
-    with the residual add) replaced by the Triton kernels under test."""
+    """The torch references with the fused elementwise ops (and decode's fused RoPE attention) replaced by the
+    Triton kernels under test."""
     import dataclasses
 
     from hybridkv.backends.registry import torch_backend
@@ -204,8 +203,7 @@ def _fused_backend():
     return dataclasses.replace(torch_backend(), name="torch+triton_fused", rms_norm=tf.rms_norm_triton,
                                add_rms_norm=tf.add_rms_norm_triton, act_mul=tf.act_mul_triton,
                                qk_rope_write_kv=tf.qk_rope_write_kv_triton, gated_rms_norm=tf.gated_rms_norm_triton,
-                               rope_attention=ta.rope_attention_triton,   # decode: the fused attention kernel
-                               linear_add_rms_norm=tlin.linear_add_rms_norm_triton)
+                               rope_attention=ta.rope_attention_triton)   # decode: the fused attention kernel
 
 
 def _every_variant(residual_in_fp32: bool, norm: str):

@@ -1,5 +1,4 @@
-"""The decode-size linear kernel (``backends/triton_linear.py``) against ``linear_ref`` / ``linear_act_mul_ref`` /
-``linear_add_rms_norm_ref``.
+"""The decode-size linear kernel (``backends/triton_linear.py``) against ``linear_ref`` / ``linear_act_mul_ref``.
 
 Without CUDA the kernel runs under Triton's interpreter in fp32 (only the order of fp32 sums differs from the
 reference) at tiny sizes, with explicit tile configurations so that split-K, partial column blocks, partial K
@@ -15,8 +14,7 @@ from _triton import DEVICE, HAS_CUDA, gpu, kernel_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.backends.triton_fused import add_rms_norm_triton
-from hybridkv.layers.ops.fused_ref import linear_act_mul_ref, linear_add_rms_norm_ref, linear_ref
+from hybridkv.layers.ops.fused_ref import linear_act_mul_ref, linear_ref
 
 tl_mod = kernel_module("hybridkv.backends.triton_linear")
 
@@ -76,57 +74,6 @@ def test_linear_act_mul_matches_reference(rows, inter, k, activation, gated, mul
     assert got.shape == (rows, inter)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert _counters_clear()
-
-
-# (rows, hidden, in features, SPLIT_K, bias, post-norm, next norm, gemma, residual scale, fp32 residual)
-ADD_NORM_CASES = [
-    (1, 16, 32, 1, False, False, True, False, 1.0, False),        # plain pre-norm (Llama, Mamba)
-    (3, 40, 96, 2, True, True, True, True, 1.0, False),           # Gemma: post-norm + next pre-norm, split-K
-    (2, 40, 100, 3, False, False, False, False, 0.5, False),      # no next norm (the residual only), a multiplier
-    (4, 33, 64, 8, False, True, True, False, 1.0, True),          # fp32 residual stream, some K slices empty
-]
-
-
-@pytest.mark.parametrize("rows,n,k,split,bias,post,nxt,gemma,scale,fp32_res", ADD_NORM_CASES)
-def test_linear_add_rms_norm_matches_reference(rows, n, k, split, bias, post, nxt, gemma, scale, fp32_res):
-    """The last column block's add + norm equals ``add_rms_norm`` of the projection, bit for bit, for split-K
-    launches too (the tail runs once per launch, after every column block)."""
-    x, w, b = _inputs(rows, n, k, bias=bias, seed=rows + n)
-    g = torch.Generator().manual_seed(n)
-    residual = torch.randn(rows, n, generator=g).to(DEVICE).to(torch.float32 if fp32_res else x.dtype)
-    norm = dict(weight=(torch.rand(n, generator=g) + 0.5).to(DEVICE) if nxt else None, eps=1e-6, gemma=gemma,
-                delta_weight=(torch.rand(n, generator=g) + 0.5).to(DEVICE) if post else None, scale=scale)
-    cfg = _cfg(rows, split=split)
-    normed, res = tl_mod.linear_add_rms_norm_triton(x, w, b, residual, **norm, config=cfg)
-    want_normed, want_res = linear_add_rms_norm_ref(x, w, b, residual, **norm)
-    torch.testing.assert_close(res, want_res, rtol=1e-5, atol=1e-5)
-    assert res.dtype == residual.dtype
-    if nxt:
-        torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-5)
-    else:
-        assert normed is None
-    unfused = add_rms_norm_triton(tl_mod.linear_triton(x, w, b, config=cfg), residual, **norm)
-    assert torch.equal(res, unfused[1]) and (normed is None or torch.equal(normed, unfused[0]))
-    assert _counters_clear()
-
-
-def test_linear_add_rms_norm_dispatch_and_errors():
-    """Past ADD_NORM_MAX_ROWS (or off the kernel) the op is ``linear`` then ``add_rms_norm``; rows wider than
-    one program normalises are refused by the kernel itself."""
-    rows = tl_mod.ADD_NORM_MAX_ROWS + 1
-    x, w, _ = _inputs(rows, 24, 32, bias=False, seed=2)
-    residual = torch.randn(rows, 24, device=DEVICE)
-    nw = torch.ones(24, device=DEVICE)
-    normed, res = tl_mod.linear_add_rms_norm(x, w, None, residual, weight=nw, eps=1e-6)
-    want = linear_add_rms_norm_ref(x, w, None, residual, weight=nw, eps=1e-6)
-    torch.testing.assert_close(normed, want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(res, want[1], rtol=1e-5, atol=1e-5)
-    wide = torch.zeros(tl_mod.ADD_NORM_MAX_WIDTH + 1, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="rows of at most"):
-        tl_mod.linear_add_rms_norm_triton(x[:1], wide, None, torch.zeros(1, wide.shape[0], device=DEVICE),
-                                          weight=None, eps=1e-6)
-    with pytest.raises(ValueError, match="delta"):
-        tl_mod.linear_add_rms_norm_triton(x[:1], w, None, residual[:2], weight=nw, eps=1e-6)
 
 
 @settings(max_examples=12, deadline=None)
@@ -265,40 +212,6 @@ def test_split_k_graph_replays_are_identical():
         static_x.copy_(new)
         graph.replay()
         assert torch.equal(out, tl_mod.linear_triton(new, w))
-    assert _counters_clear()
-
-
-@gpu
-@pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("gemma", [False, True])
-def test_linear_add_rms_norm_bf16_and_graph_replay(rows, gemma):
-    """bf16 at the Gemma-3-like down projection's shape (split-K): fused == the two kernels bit for bit, close to
-    the fp32 reference, and a captured launch replays with new inputs (both counters re-armed)."""
-    x, w, _ = _inputs(rows, 1152, 6912, bias=False, seed=rows)
-    x, w = x.bfloat16(), w.bfloat16()
-    g = torch.Generator().manual_seed(7)
-    residual = torch.randn(rows, 1152, generator=g).to(DEVICE, torch.bfloat16)
-    norm = dict(weight=torch.rand(1152, generator=g).to(DEVICE, torch.bfloat16), eps=1e-6, gemma=gemma,
-                delta_weight=torch.rand(1152, generator=g).to(DEVICE, torch.bfloat16) if gemma else None)
-    assert tl_mod.default_config(rows, 1152, 6912, gated=False)["SPLIT_K"] > 1
-    fused = tl_mod.linear_add_rms_norm_triton(x, w, None, residual, **norm)
-    unfused = add_rms_norm_triton(tl_mod.linear_triton(x, w), residual, **norm)
-    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-    truth = linear_add_rms_norm_ref(x.float(), w.float(), None, residual.float(),
-                                    **{**norm, "weight": norm["weight"].float(),
-                                       "delta_weight": norm["delta_weight"].float() if gemma else None})
-    assert (fused[0].float() - truth[0]).norm() <= 2e-2 * truth[0].norm()
-    static_x, static_res = x.clone(), residual.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tl_mod.linear_add_rms_norm_triton(static_x, w, None, static_res, **norm)
-    for seed in range(3):
-        gen = torch.Generator().manual_seed(seed)
-        static_x.copy_(torch.randn(x.shape, generator=gen).to(x))
-        static_res.copy_(torch.randn(residual.shape, generator=gen).to(residual))
-        graph.replay()
-        want = tl_mod.linear_add_rms_norm_triton(static_x, w, None, static_res, **norm)
-        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     assert _counters_clear()
 
 

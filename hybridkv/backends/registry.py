@@ -64,7 +64,6 @@ class KernelBackend:
     act_mul: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
     linear_act_mul: Callable[..., torch.Tensor]
-    linear_add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]   # linear, then add_rms_norm
     qk_rope_write_kv: Callable[..., torch.Tensor]
     rope_attention: Callable[..., torch.Tensor]       # qk_rope_write_kv, then paged_attention
     gated_rms_norm: Callable[..., torch.Tensor]
@@ -92,7 +91,6 @@ def torch_backend() -> KernelBackend:
         act_mul=fused_ref.act_mul_ref,
         linear=fused_ref.linear_ref,
         linear_act_mul=fused_ref.linear_act_mul_ref,
-        linear_add_rms_norm=fused_ref.linear_add_rms_norm_ref,
         qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
         rope_attention=fused_ref.rope_attention_ref,
         gated_rms_norm=fused_ref.gated_rms_norm_ref,

@@ -10,9 +10,8 @@
   Mamba2's gated norm), one launch each: ``hybridkv.backends.triton_fused``; in decode batches q/k norm +
   RoPE + KV write run inside the attention kernel (``rope_attention``);
 - a MoE router's top-k choice and weights from its logits, one launch: ``hybridkv.backends.triton_moe``;
-- dense linears at decode sizes (the gated activation fused into the gate|up projection; the residual add and
-  norms after an output projection in its last program), cuBLAS for the shapes and row counts where it was
-  faster (``triton_linear.takes``): ``hybridkv.backends.triton_linear``.
+- dense linears at decode sizes (the gated activation fused into the gate|up projection), cuBLAS for the
+  shapes and row counts where it was faster (``triton_linear.takes``): ``hybridkv.backends.triton_linear``.
 
 On Hopper every kernel is launched with programmatic dependent launch (``hybridkv.backends.pdl``).
 
@@ -47,7 +46,6 @@ def triton_backend() -> KernelBackend:
                                ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
                                rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
                                act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
-                               linear_add_rms_norm=linear.linear_add_rms_norm,
                                qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
                                gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
                                cuda_graph_safe=True)

@@ -54,25 +54,22 @@ def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, IN_TY: tl.cons
 
 
 @triton.jit
-def _add_rms_norm_row(
-    delta_ptr, res_ptr, res_out_ptr, out_ptr, w_ptr, dw_ptr, row, n, eps, scale,
+def _add_rms_norm_kernel(
+    delta_ptr, res_ptr, res_out_ptr, out_ptr, w_ptr, dw_ptr, n, eps, scale,
     stride_d, stride_r, stride_ro, stride_o,
     HAS_DELTA: tl.constexpr, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
-    GEMMA: tl.constexpr, BLOCK: tl.constexpr, DELTA_FROM_L2: tl.constexpr,
+    GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """One row of ``add_rms_norm_ref``. ``DELTA_FROM_L2``: the branch output was just stored by other programs
-    of the same launch (``triton_linear``'s fused tail), so it is read past this SM's L1."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     res_ty = res_out_ptr.dtype.element_ty
     r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         d_ty = delta_ptr.dtype.element_ty
-        if DELTA_FROM_L2:
-            d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        d = d.to(tl.float32)
+        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA_W:
             d = _scale_weight(_normalize(d, mask, n, eps), dw_ptr, offs, mask, GEMMA, d_ty, d_ty).to(tl.float32)
         if HAS_SCALE:
@@ -90,20 +87,6 @@ def _add_rms_norm_row(
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-@triton.jit
-def _add_rms_norm_kernel(
-    delta_ptr, res_ptr, res_out_ptr, out_ptr, w_ptr, dw_ptr, n, eps, scale,
-    stride_d, stride_r, stride_ro, stride_o,
-    HAS_DELTA: tl.constexpr, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
-    GEMMA: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_wait(PDL)
-    _add_rms_norm_row(delta_ptr, res_ptr, res_out_ptr, out_ptr, w_ptr, dw_ptr, tl.program_id(0).to(tl.int64), n,
-                      eps, scale, stride_d, stride_r, stride_ro, stride_o, HAS_DELTA, HAS_DELTA_W, HAS_SCALE,
-                      HAS_NORM, GEMMA, BLOCK, False)
-
-
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"{what}: expected (num_tokens, hidden) with a contiguous last dim, got shape "
@@ -111,44 +94,28 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
-def add_norm_outputs(delta_shape: torch.Size, delta_dtype: torch.dtype, residual: torch.Tensor, *,
-                     weight: torch.Tensor | None, delta_weight: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks ``add_rms_norm``'s arguments (the branch output described by shape and dtype: the fused linear
-    has not computed it yet) and allocates (the new residual, the normed output; the residual when no norm)."""
-    _rows(residual, "add_rms_norm residual")
-    if delta_shape != residual.shape:
-        raise ValueError(f"add_rms_norm: delta {tuple(delta_shape)} vs residual {tuple(residual.shape)}")
-    if delta_weight is not None and delta_weight.dtype != delta_dtype:
-        raise ValueError(f"add_rms_norm: the post-norm weight ({delta_weight.dtype}) must have the branch "
-                         f"output's dtype ({delta_dtype})")
-    res_out = torch.empty_like(residual)
-    out = (torch.empty(residual.shape, dtype=weight.dtype, device=residual.device) if weight is not None
-           else res_out)
-    return res_out, out
-
-
-def add_norm_flags(n: int, *, weight: torch.Tensor | None, gemma: bool, delta_weight: torch.Tensor | None,
-                   scale: float) -> dict:
-    """``_add_rms_norm_row``'s constexprs for rows of ``n`` values."""
-    return dict(HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0, HAS_NORM=weight is not None,
-                GEMMA=gemma, BLOCK=_pow2(n))
-
-
 def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
                         gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
                         ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Same contract as ``add_rms_norm_ref``."""
     _rows(delta, "add_rms_norm delta")
-    res_out, out = add_norm_outputs(delta.shape, delta.dtype, residual, weight=weight, delta_weight=delta_weight)
+    _rows(residual, "add_rms_norm residual")
+    if delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}")
+    if delta_weight is not None and delta_weight.dtype != delta.dtype:
+        raise ValueError(f"add_rms_norm: the post-norm weight ({delta_weight.dtype}) must have the branch "
+                         f"output's dtype ({delta.dtype})")
     rows, n = residual.shape
+    res_out = torch.empty_like(residual)
+    out = torch.empty(rows, n, dtype=weight.dtype, device=residual.device) if weight is not None else res_out
     if rows:
-        flags = add_norm_flags(n, weight=weight, gemma=gemma, delta_weight=delta_weight, scale=scale)
+        block = _pow2(n)
         _add_rms_norm_kernel[(rows,)](
             delta, residual, res_out, out, weight if weight is not None else residual,
             delta_weight if delta_weight is not None else residual, n, eps, scale,
             delta.stride(0), residual.stride(0), res_out.stride(0), out.stride(0),
-            HAS_DELTA=True, **flags, num_warps=_warps(flags["BLOCK"]), **pdl_kwargs(delta.device))
+            HAS_DELTA=True, HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0,
+            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block), **pdl_kwargs(delta.device))
     return (out if weight is not None else None), res_out
 
 

@@ -12,9 +12,6 @@ block, reset by that program) sums them in a fixed order: deterministic, and no 
   ``act_mul_ref(F.linear(...))`` rounds (gate, act, up, product in the model dtype; fp32 accumulation): the
   gate and up slices of a column block live in the same program, so the (rows, 2 * inter) projection is never
   written.
-- ``linear_add_rms_norm_triton``: an output projection, then ``add_rms_norm`` (the residual add, the branch's
-  post-norm, the next pre-norm) run by the launch's last column block to finish (a second counter) on the
-  finished rows: at batch 1 the add + norm launch between two projections is gone.
 
 No host sync, grid from shapes only: CUDA-graph capturable.
 """
@@ -29,19 +26,10 @@ import triton
 import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
-from hybridkv.backends.triton_fused import (
-    _ACT_IDS,
-    _activation,
-    _add_rms_norm_row,
-    act_mul_triton,
-    add_norm_flags,
-    add_norm_outputs,
-    add_rms_norm_triton,
-)
+from hybridkv.backends.triton_fused import _ACT_IDS, _activation, act_mul_triton
 from hybridkv.layers.ops.fused_ref import linear_ref
 
-__all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "linear_add_rms_norm",
-           "linear_add_rms_norm_triton", "linear_triton", "takes"]
+__all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "linear_triton", "takes"]
 
 MAX_ROWS = 128                      # one M tile; larger batches are compute-bound GEMMs: cuBLAS's regime
 # Which calls the backend's ``linear`` ops give the kernel (``gpu_sweeps.py skinny-linear``, H100, weights
@@ -57,20 +45,16 @@ ALL_SHAPES_MAX_ROWS = 16
 DISPATCH_MAX_ROWS = 32
 SMALL_MAX_ROWS = 64
 SMALL_WEIGHT = 3 << 20              # elements (6.3 MB in bf16)
-# The residual add + norm after an output projection runs in the projection's last program up to this many
-# rows (one program walks them: a launch saved against a serial tail) and row widths (one program's registers).
-ADD_NORM_MAX_ROWS = 8
-ADD_NORM_MAX_WIDTH = 8192
 _NO_ACT = -1
 _MAX_COLUMN_BLOCKS = 1 << 16        # counters per device (one per column block of a split-K launch)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, allocated once per device: one per column block of a split-K launch, then the
-    fused add + norm's (each launch's last program re-zeroes its own, so a captured graph can replay them)."""
+    """Zeroed int32 split-K counters, allocated once per device (each launch's last program re-zeroes its own,
+    so a captured graph can replay them)."""
     if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_COLUMN_BLOCKS + 1, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
@@ -99,29 +83,10 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
 
 
 @triton.jit
-def _add_norm_tail(y_ptr, res_ptr, res_out_ptr, norm_out_ptr, nw_ptr, dw_ptr, tail_count_ptr, M, N, eps, scale,
-                   stride_ym, stride_r, stride_ro, stride_no, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
-    """After its output tile is stored: the last column block to finish runs ``add_rms_norm`` on the finished
-    rows (y, the branch output), so the residual add and the next norm cost no launch of their own."""
-    tl.debug_barrier()                                  # every thread's stores issued before the release
-    if tl.atomic_add(tail_count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(tail_count_ptr, 0)                     # ready for the next launch (or graph replay)
-        for row in range(M):
-            _add_rms_norm_row(y_ptr, res_ptr, res_out_ptr, norm_out_ptr, nw_ptr, dw_ptr, row, N, eps, scale,
-                              stride_ym, stride_r, stride_ro, stride_no, True, HAS_DELTA_W, HAS_SCALE, HAS_NORM,
-                              GEMMA, BLOCK, True)
-
-
-@triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, gate_mult, stride_xm, stride_wn, stride_ym,
-    # the fused residual add + norm (ADD_NORM): add_rms_norm's tensors, scalars and strides
-    res_ptr, res_out_ptr, norm_out_ptr, nw_ptr, dw_ptr, tail_count_ptr, eps, scale, stride_r, stride_ro, stride_no,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ADD_NORM: tl.constexpr = False, HAS_DELTA_W: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-    HAS_NORM: tl.constexpr = False, GEMMA: tl.constexpr = False, BLOCK: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
@@ -153,10 +118,6 @@ def _skinny_linear_kernel(
     if SPLIT_K == 1:
         _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, x_ptr.dtype.element_ty,
                   ACT, GATED, HAS_BIAS, HAS_MULT)
-        if ADD_NORM:
-            _add_norm_tail(y_ptr, res_ptr, res_out_ptr, norm_out_ptr, nw_ptr, dw_ptr, tail_count_ptr, M, N, eps,
-                           scale, stride_ym, stride_r, stride_ro, stride_no, HAS_DELTA_W, HAS_SCALE, HAS_NORM,
-                           GEMMA, BLOCK)
     else:
         # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles
         width = N + 0 * pid_n.to(tl.int64)             # int64 offsets (N may be specialised to a constant)
@@ -179,10 +140,6 @@ def _skinny_linear_kernel(
             tl.store(count_ptr + pid_n, 0)              # ready for the next launch (or graph replay)
             _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
                       x_ptr.dtype.element_ty, ACT, GATED, HAS_BIAS, HAS_MULT)
-            if ADD_NORM:
-                _add_norm_tail(y_ptr, res_ptr, res_out_ptr, norm_out_ptr, nw_ptr, dw_ptr, tail_count_ptr, M, N,
-                               eps, scale, stride_ym, stride_r, stride_ro, stride_no, HAS_DELTA_W, HAS_SCALE,
-                               HAS_NORM, GEMMA, BLOCK)
 
 
 _SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
@@ -212,9 +169,7 @@ def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
-            gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None,
-            tail: dict | None = None) -> torch.Tensor:
-    """``tail``: the fused add + norm's kernel arguments (``linear_add_rms_norm_triton``), None for none."""
+            gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows, k = x.shape
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear_triton: x and weight need a contiguous last dim")
@@ -232,15 +187,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear_triton: split-K over {column_blocks} column blocks (at most {_MAX_COLUMN_BLOCKS})")
     part = (torch.empty(split, 2 if gated else 1, cfg["BLOCK_M"], n, dtype=torch.float32, device=x.device)
             if split > 1 else y)
-    counters = _counters(x.device)
-    if tail is None:                                # unused pointers: any tensor; strides and scalars: 0
-        tail = dict(res_ptr=y, res_out_ptr=y, norm_out_ptr=y, nw_ptr=y, dw_ptr=y, eps=0.0, scale=1.0,
-                    stride_r=0, stride_ro=0, stride_no=0)
     _skinny_linear_kernel[(column_blocks, split)](
-        x, weight, bias if bias is not None else weight, y, part, counters, rows, n, k,
-        gate_multiplier, x.stride(0), weight.stride(0), y.stride(0), tail_count_ptr=counters[_MAX_COLUMN_BLOCKS:],
-        **tail, ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, SPLIT_K=split,
-        **cfg, **pdl_kwargs(x.device))
+        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), rows, n, k,
+        gate_multiplier, x.stride(0), weight.stride(0), y.stride(0), ACT=act, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, SPLIT_K=split, **cfg,
+        **pdl_kwargs(x.device))
     return y
 
 
@@ -264,28 +215,6 @@ def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return _launch(x, weight, bias, n=n, act=_ACT_IDS[activation], gated=gated, gate_multiplier=gate_multiplier,
                    config=config)
-
-
-def linear_add_rms_norm_triton(x: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor | None,
-                               residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                               gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
-                               config: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``linear_add_rms_norm_ref`` in one launch: x (rows <= MAX_ROWS, K) @ proj_weight (N, K)^T (+ proj_bias),
-    then the last column block to finish adds it to residual (rows, N) and applies the norms, row by row."""
-    n = proj_weight.shape[0]
-    if n > ADD_NORM_MAX_WIDTH:
-        raise ValueError(f"linear_add_rms_norm: rows of at most {ADD_NORM_MAX_WIDTH} values (one program "
-                         f"normalises them), got {n}")
-    res_out, out = add_norm_outputs(torch.Size((x.shape[0], n)), x.dtype, residual, weight=weight,
-                                    delta_weight=delta_weight)
-    tail = dict(res_ptr=residual, res_out_ptr=res_out, norm_out_ptr=out,
-                nw_ptr=weight if weight is not None else residual,
-                dw_ptr=delta_weight if delta_weight is not None else residual, eps=eps, scale=scale,
-                stride_r=residual.stride(0), stride_ro=res_out.stride(0), stride_no=out.stride(0), ADD_NORM=True,
-                **add_norm_flags(n, weight=weight, gemma=gemma, delta_weight=delta_weight, scale=scale))
-    _launch(x, proj_weight, proj_bias, n=n, act=_NO_ACT, gated=False, gate_multiplier=1.0, config=config,
-            tail=tail)
-    return (out if weight is not None else None), res_out
 
 
 @functools.cache
@@ -327,19 +256,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _kernel_fits(x, weight, gated=False):
         return linear_triton(x, weight, bias, out_dtype=out_dtype)
     return linear_ref(x, weight, bias, out_dtype=out_dtype)           # cuBLAS
-
-
-def linear_add_rms_norm(x: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor | None,
-                        residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float, gemma: bool = False,
-                        delta_weight: torch.Tensor | None = None, scale: float = 1.0
-                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The triton backend's ``linear_add_rms_norm`` (``linear_add_rms_norm_ref``'s contract): one kernel up to
-    ADD_NORM_MAX_ROWS rows on the kernel's projections, else ``linear`` then the ``add_rms_norm`` kernel."""
-    norm = dict(weight=weight, eps=eps, gemma=gemma, delta_weight=delta_weight, scale=scale)
-    if (x.shape[0] <= ADD_NORM_MAX_ROWS and proj_weight.shape[0] <= ADD_NORM_MAX_WIDTH
-            and _kernel_fits(x, proj_weight, gated=False)):
-        return linear_add_rms_norm_triton(x, proj_weight, proj_bias, residual, **norm)
-    return add_rms_norm_triton(linear(x, proj_weight, proj_bias), residual, **norm)
 
 
 def linear_act_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,

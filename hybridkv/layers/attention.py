@@ -21,7 +21,6 @@ from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedL
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
-from hybridkv.layers.residual import ResidualAdd
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.config import Attention
 
@@ -75,16 +74,6 @@ class AttentionLayer(nn.Module):
                 ) -> torch.Tensor:
         """x: (num_tokens, hidden_size); positions: (num_tokens,) absolute token positions. ``use``: the
         shared-weight use running this step (its cache and adapters), else this layer's own cache."""
-        out = self.o_proj(self._attend(x, positions, use))                  # (num_tokens, out_size)
-        return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
-
-    def forward_add(self, x: torch.Tensor, positions: torch.Tensor, *, add: ResidualAdd,
-                    use: AttentionUse | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``add(self(x, positions))`` with o_proj and the residual add as one backend op."""
-        return add.project(self._attend(x, positions, use), self.o_proj, multiplier=self.cfg.output_multiplier)
-
-    def _attend(self, x: torch.Tensor, positions: torch.Tensor, use: AttentionUse | None) -> torch.Tensor:
-        """x: (num_tokens, hidden_size) -> the heads' outputs (num_tokens, num_heads * head_dim), o_proj's input."""
         cfg, n = self.cfg, x.shape[0]
         owner = use if use is not None else self
         if cfg.input_multiplier != 1.0:
@@ -115,7 +104,8 @@ class AttentionLayer(nn.Module):
         else:                                   # prefill: the backend's own attention (flash-attn's, under auto)
             q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
             out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
-        return out.reshape(n, self.num_heads * cfg.head_dim)
+        out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)
+        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 
 
 class AttentionUse(nn.Module):
@@ -146,7 +136,3 @@ class AttentionUse(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._shared[0](x, positions, use=self)
-
-    def forward_add(self, x: torch.Tensor, positions: torch.Tensor, *, add: ResidualAdd
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        return self._shared[0].forward_add(x, positions, add=add, use=self)

@@ -16,7 +16,6 @@ from torch.nn import functional as F
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
-from hybridkv.layers.residual import ResidualAdd
 from hybridkv.layers.state_slots import StateSlotMixer
 from hybridkv.models.config import Mamba1
 
@@ -50,16 +49,7 @@ class Mamba1Layer(StateSlotMixer):
             self.c_layernorm = RMSNorm(n, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, hidden_size) -> (num_tokens, hidden_size)."""
-        return self.out_proj(self._mix(x))
-
-    def forward_add(self, x: torch.Tensor, positions: torch.Tensor, *, add: ResidualAdd
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``add(self(x, positions))`` with out_proj and the residual add as one backend op."""
-        return add.project(self._mix(x), self.out_proj)
-
-    def _mix(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, hidden_size) -> the gated scan output (num_tokens, intermediate), out_proj's input."""
+        # x: (num_tokens, hidden_size)
         cfg = self.cfg
         meta, be, conv_states, ssm_states = self.step_inputs()
         xs, z = self.in_proj(x).chunk(2, dim=-1)                            # (num_tokens, inter) each
@@ -93,4 +83,4 @@ class Mamba1Layer(StateSlotMixer):
                                         has_initial_state=meta.has_initial_state[nd:],
                                         D=self.D, z=z[ndt:], delta_bias=self.dt_proj.bias,
                                         delta_softplus=True)
-        return y
+        return self.out_proj(y)                                             # (num_tokens, hidden_size)

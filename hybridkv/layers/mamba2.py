@@ -18,7 +18,6 @@ from hybridkv.backends.registry import KernelBackend
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
-from hybridkv.layers.residual import ResidualAdd
 from hybridkv.layers.state_slots import StateSlotMixer
 from hybridkv.models.config import Mamba2
 
@@ -67,18 +66,7 @@ class Mamba2Layer(StateSlotMixer):
         self._A_cache: tuple[tuple[int, int | None], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, hidden_size) -> (num_tokens, hidden_size)."""
-        out = self.out_proj(self._mix(x))
-        return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
-
-    def forward_add(self, x: torch.Tensor, positions: torch.Tensor, *, add: ResidualAdd
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``add(self(x, positions))`` with out_proj and the residual add as one backend op."""
-        return add.project(self._mix(x), self.out_proj, multiplier=self.cfg.output_multiplier)
-
-    def _mix(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, hidden_size) -> the gated, normed scan output (num_tokens, intermediate): out_proj's
-        input."""
+        # x: (num_tokens, hidden_size)
         cfg = self.cfg
         meta, be, conv_states, ssm_states = self.step_inputs()
         if cfg.input_multiplier != 1.0:
@@ -96,7 +84,7 @@ class Mamba2Layer(StateSlotMixer):
                                             state_indices=meta.state_indices, activation="silu")
             xs, B, C = self._split_xbc(xbc_d)
             y = be.ssd_state_update(ssm_states, xs, dt, A, B, C, state_indices=meta.state_indices, **ssm_kw)
-            return self._gated_norm(y, z, be)
+            return self._output(y, z, be)
         y = torch.empty(x.shape[0], self.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
         if nd:
             dec_idx = meta.state_indices[:nd]
@@ -113,18 +101,21 @@ class Mamba2Layer(StateSlotMixer):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        return self._gated_norm(y, z, be)
+        return self._output(y, z, be)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, be: KernelBackend) -> torch.Tensor:
-        """y: (num_tokens, heads, head_dim) scan output, z: the gate -> gated norm (num_tokens, intermediate)."""
+    def _output(self, y: torch.Tensor, z: torch.Tensor, be: KernelBackend) -> torch.Tensor:
+        """y: (num_tokens, heads, head_dim) scan output, z: the gate -> out_proj(gated norm) (num_tokens, hidden)."""
         y = y.reshape(y.shape[0], self.intermediate_size)
         norm = self.norm
         if norm is not None and norm.spans_ranks:     # its group's sum of squares is all-reduced
-            return norm(y, z)
-        return be.gated_rms_norm(y, z, norm.weight if norm is not None else None,
-                                 n_groups=norm.n_groups if norm is not None else 1,
-                                 eps=norm.eps if norm is not None else 0.0,
-                                 norm_before_gate=norm is not None and norm.norm_before_gate)
+            y = norm(y, z)
+        else:
+            y = be.gated_rms_norm(y, z, norm.weight if norm is not None else None,
+                                  n_groups=norm.n_groups if norm is not None else 1,
+                                  eps=norm.eps if norm is not None else 0.0,
+                                  norm_before_gate=norm is not None and norm.norm_before_gate)
+        out = self.out_proj(y)                                              # (num_tokens, hidden_size)
+        return out * self.cfg.output_multiplier if self.cfg.output_multiplier != 1.0 else out
 
     def _A(self) -> torch.Tensor:
         """-exp(A_log) in fp32 (heads,), computed once per storage and version of ``A_log`` (an in-place weight

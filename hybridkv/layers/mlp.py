@@ -9,7 +9,6 @@ from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.linear import ColumnParallelLinear, PackedLinears, RowParallelLinear
 from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
-from hybridkv.layers.residual import ResidualAdd
 
 
 class DenseMLP(nn.Module):
@@ -45,29 +44,23 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
         """x: (num_tokens, hidden_size). ``gate_up_delta``: (num_tokens, 2 * intermediate on this rank) added
         to the gate|up projections before the activation (Zamba2's per-use adapter on a shared MLP)."""
-        out = self.down_proj(self._hidden(x, gate_up_delta))
-        return out * self.down_multiplier if self.down_multiplier != 1.0 else out
-
-    def forward_add(self, x: torch.Tensor, *, add: ResidualAdd) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``add(self(x))`` with the down projection and the residual add as one backend op."""
-        return add.project(self._hidden(x, None), self.down_proj, multiplier=self.down_multiplier)
-
-    def _hidden(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None) -> torch.Tensor:
-        """(num_tokens, hidden_size) -> the activations (num_tokens, intermediate on this rank), down's input."""
         ops = current_ops()
         if self.gate_proj is None:
             if gate_up_delta is not None:
                 raise ValueError("DenseMLP: gate_up_delta needs a gated MLP")
-            return ops.linear_act_mul(x, self.up_proj.weight, self.up_proj.bias, activation=self.activation,
-                                      gated=False)
-        if self.packed is not None and self.packed.valid() and gate_up_delta is None:
+            h = ops.linear_act_mul(x, self.up_proj.weight, self.up_proj.bias, activation=self.activation,
+                                   gated=False)
+        elif self.packed is not None and self.packed.valid() and gate_up_delta is None:
             # (num_tokens, inter): projection and activation in one op (one kernel at decode sizes)
-            return ops.linear_act_mul(x, self.packed.weight, self.packed.bias, activation=self.activation,
-                                      gate_multiplier=self.gate_multiplier)
-        if self.packed is not None and self.packed.valid():
-            gate_up = ops.linear(x, self.packed.weight, self.packed.bias)     # (num_tokens, 2 * inter)
+            h = ops.linear_act_mul(x, self.packed.weight, self.packed.bias, activation=self.activation,
+                                   gate_multiplier=self.gate_multiplier)
         else:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        if gate_up_delta is not None:
-            gate_up = gate_up + gate_up_delta
-        return ops.act_mul(gate_up, activation=self.activation, gate_multiplier=self.gate_multiplier)
+            if self.packed is not None and self.packed.valid():
+                gate_up = ops.linear(x, self.packed.weight, self.packed.bias)     # (num_tokens, 2 * inter)
+            else:
+                gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+            if gate_up_delta is not None:
+                gate_up = gate_up + gate_up_delta
+            h = ops.act_mul(gate_up, activation=self.activation, gate_multiplier=self.gate_multiplier)
+        out = self.down_proj(h)
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out

@@ -34,12 +34,9 @@ from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
-from hybridkv.layers.residual import ResidualAdd
 from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock
 
 WEIGHTS_NAME = "model.safetensors"
-# Mixers whose output projection runs with the residual add (``forward_add``); an MLP feed-forward does too.
-_PROJECTED_MIXERS = (AttentionLayer, Mamba1Layer, Mamba2Layer)
 CONFIG_NAME = "config.json"
 
 
@@ -163,8 +160,7 @@ class DecoderLayer(nn.Module):
         """x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings; normed:
         ``entry_norm()(x)`` when the caller has it. Returns (the new residual stream, ``next_norm`` of it or
         None): each residual add runs with the branch's post-norm and the next pre-norm as one backend op,
-        across layers too, so a layer costs no launch of its own for its input norm; a branch ending in an
-        output projection runs that op with it (``forward_add``)."""
+        across layers too, so a layer costs no launch of its own for its input norm."""
         ops = current_ops()
         if self.mixer is not None:
             if self.shared is not None:
@@ -172,29 +168,21 @@ class DecoderLayer(nn.Module):
                 normed = _normed(self.input_norm, x_in, ops)
             elif normed is None:
                 normed = _normed(self.input_norm, x, ops)
+            out = self.mixer(normed, positions)
+            if self.parallel_mixer is not None:
+                out = out + self.parallel_mixer(normed, positions)
             after = self.ffn_norm if self.ffn is not None else next_norm
-            add = ResidualAdd(residual=x, **self._add_norm(self.post_mixer_norm, after))
-            if self.parallel_mixer is None and isinstance(self.mixer, _PROJECTED_MIXERS):
-                normed, x = self.mixer.forward_add(normed, positions, add=add)
-            else:
-                out = self.mixer(normed, positions)
-                if self.parallel_mixer is not None:
-                    out = out + self.parallel_mixer(normed, positions)
-                normed, x = add(out)
+            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_mixer_norm, after))
         if self.ffn is not None:
             if normed is None:
                 normed = _normed(self.ffn_norm, x, ops)
-            add = ResidualAdd(residual=x, **self._add_norm(self.post_ffn_norm, next_norm))
-            if isinstance(self.ffn, DenseMLP):
-                normed, x = self.ffn.forward_add(normed, add=add)
-            else:
-                normed, x = add(self.ffn(normed))
+            normed, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, next_norm))
         if next_norm is not None and normed is None:    # a layer with neither branch (config allows none)
             normed = _normed(next_norm, x, ops)
         return x, normed
 
     def _add_norm(self, post: RMSNorm | None, nxt: RMSNorm | None) -> dict:
-        """``ResidualAdd`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
+        """``add_rms_norm`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
         eps, gemma = next((n.eps, n.gemma) for n in (post, nxt, self.input_norm, self.ffn_norm) if n is not None)
         return dict(weight=nxt.weight if nxt is not None else None, eps=eps, gemma=gemma,
                     delta_weight=post.weight if post is not None else None, scale=self.residual_multiplier)

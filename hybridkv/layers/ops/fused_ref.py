@@ -86,16 +86,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def linear_add_rms_norm_ref(x: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor | None,
-                            residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float, gemma: bool = False,
-                            delta_weight: torch.Tensor | None = None, scale: float = 1.0
-                            ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """A branch's output projection, then the residual add + norms: ``add_rms_norm_ref(linear_ref(x, proj_weight,
-    proj_bias), residual, ...)``. One op so a backend can run the add + norm inside the projection's kernel."""
-    return add_rms_norm_ref(linear_ref(x, proj_weight, proj_bias), residual, weight=weight, eps=eps, gemma=gemma,
-                            delta_weight=delta_weight, scale=scale)
-
-
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
                        gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
     """``act_mul_ref(F.linear(x, weight, bias))``: weight is the packed gate|up (2 * inter, in_features) when
