@@ -7,6 +7,7 @@
     python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
     python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
     python benchmarks/gpu_sweeps.py skinny-linear     # dense linears at 1-128 rows: Triton tiles vs cuBLAS
+    python benchmarks/gpu_sweeps.py skinny-wide       # wider tile sweep for the Gemma-3-like down and gate|up
     python benchmarks/gpu_sweeps.py pdl-chain         # kernel chains in a CUDA graph with / without PDL
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
@@ -23,6 +24,7 @@ import itertools
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -276,6 +278,51 @@ def skinny_linear() -> None:
         torch.cuda.empty_cache()
 
 
+def skinny_wide() -> None:
+    """A wider tile sweep than ``skinny-linear`` (BLOCK_N 16-64 x BLOCK_K 64-256 x split-K x 4/8 warps x 3/4/6
+    stages) for the Gemma-3-like down projection (32 and 1 rows) and gate|up (32 rows), each family of
+    configurations cut off after ~170 s; err = relative error against the default configuration's output."""
+    from hybridkv.backends.triton_linear import default_config, linear_act_mul_triton, linear_triton
+
+    dev, l2 = "cuda", torch.cuda.get_device_properties(0).L2_cache_size
+    for name, n, k, gated, row_counts in (("gemma down", 1152, 6912, False, (32, 1)),
+                                          ("gemma gate_up", 6912, 1152, True, (32,))):
+        w_rows = 2 * n if gated else n
+        n_sets = int(min(32, max(1, math.ceil(3 * l2 / (w_rows * k * 2)))))
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        ws = [torch.randn(w_rows, k, device=dev, dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(n_sets)]
+        mb = w_rows * k * 2 / 1e6
+        for rows in row_counts:
+            xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(n_sets)]
+            if gated:
+                f = lambda i, cfg=None: linear_act_mul_triton(xs[i], ws[i], activation="gelu_tanh",  # noqa: E731
+                                                              config=cfg)
+            else:
+                f = lambda i, cfg=None: linear_triton(xs[i], ws[i], config=cfg)  # noqa: E731
+            want = f(0).float()
+            t_def = graph_time_us([lambda i=i: f(i) for i in range(n_sets)], 100)
+            print(f"{name} rows {rows}: default {t_def:.2f} us ({mb / t_def:.2f} TB/s) "
+                  f"{default_config(rows, n, k, gated=gated)}", flush=True)
+            res, t0 = [], time.time()
+            splits = (1, 2, 4) if gated else (2, 4, 8, 16)
+            for bn, bk, split, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), splits, (4, 8), (3, 4, 6)):
+                if time.time() - t0 > 170:
+                    break
+                cfg = dict(BLOCK_M=max(16, triton_next_pow2(rows)), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                           num_warps=nw, num_stages=ns)
+                try:
+                    err = ((f(0, cfg).float() - want).norm() / want.norm()).item()
+                    res.append((graph_time_us([lambda i=i: f(i, cfg) for i in range(n_sets)], 100), err,
+                                bn, bk, split, nw, ns))
+                except Exception:  # noqa: BLE001, S112  (a config out of shared memory)
+                    continue
+            res.sort()
+            print(f"  tried {len(res)}; best (us, err, BLOCK_N, BLOCK_K, SPLIT, warps, stages):", flush=True)
+            for r in res[:6]:
+                print(f"   {r[0]:.2f} us ({mb / r[0]:.2f} TB/s) err {r[1]:.1e} {r[2:]}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def pdl_chain() -> None:
     """Per-kernel time of chains of small kernels captured in one CUDA graph, launched plainly or with
     programmatic dependent launch (``hybridkv/backends/pdl.py``): one-program RMS norms alone, norm + the
@@ -322,12 +369,12 @@ def triton_next_pow2(v: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled",
-                                      "skinny-linear", "pdl-chain"))
+                                      "skinny-linear", "skinny-wide", "pdl-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
-     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear,
+     "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear, "skinny-wide": skinny_wide,
      "pdl-chain": pdl_chain}[args.sweep]()
 
 
