@@ -206,7 +206,7 @@ def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, se
     b = make_batch([1] * len(s_lens), s_lens, 4, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
                    extra_cols=1)
     bt = np.insert(b.cam.block_table_cpu, 2, 0, axis=0)
-    cam = CommonAttentionMetadata.build(query_lens=[1, 1, 0, 1, 1], seq_lens=[3, 21, 0, 9, 40], block_table=bt,
+    cam = CommonAttentionMetadata.build(query_lens=[1, 1, 0, 1, 1], seq_lens=[3, 21, 0, 9, long], block_table=bt,
                                         block_size=4)
     if window is not None:
         cam = trim_sliding_window(cam, window)
