@@ -3,6 +3,7 @@
 
     python benchmarks/gpu_sweeps.py decode-segments   # paged-attention decode: split-KV segments 1..64
     python benchmarks/gpu_sweeps.py decode-tiles      # paged-attention decode: TILE x warps x stages x segments
+    python benchmarks/gpu_sweeps.py decode-stream     # Gemma-3-like decode KV: read-only kernel vs attention
     python benchmarks/gpu_sweeps.py prefill-tiles     # paged-attention prefill: BLOCK_M x TILE x warps x stages
     python benchmarks/gpu_sweeps.py moe-gemv          # MoE expert GEMVs: BLOCK_N x BLOCK_K x warps x stages
     python benchmarks/gpu_sweeps.py moe-tiled         # MoE expert tiles (16-128 assignments), vs grouped / GEMVs
@@ -29,9 +30,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_attention import PagedBatch, graph_time_us  # noqa: E402
+
+from hybridkv.backends.pdl import pdl_wait  # noqa: E402
 
 
 def decode_segments() -> None:
@@ -86,6 +91,76 @@ def decode_tiles() -> None:
         print(f"{h}/{kv}/{d} B={B} ctx={ctx}: default {default:.1f} us; best (TILE, warps, stages, segments):",
               flush=True)
         for t, err, c in sorted(res)[:6]:
+            print(f"   {t:.1f} us err {err:.1e} {c}", flush=True)
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _stream_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, stride_kb, stride_ks, stride_bt,
+                   HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SEG: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """decode-stream's read-only kernel: program (request, segment) reads its share of K and V, writes a sum."""
+    pdl_wait(PDL)
+    req = tl.program_id(0)
+    seg = tl.program_id(1)
+    seq_len = tl.load(seq_ptr + req)
+    per = ((seq_len + TILE - 1) // TILE + NUM_SEG - 1) // NUM_SEG
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    for t in range(seg * per, tl.minimum((seq_len + TILE - 1) // TILE, seg * per + per)):
+        kp = t * TILE + offs_t
+        ok = kp < seq_len
+        blk = tl.load(bt_ptr + req * stride_bt + kp // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        base = (blk * stride_kb + (kp % BLOCK_SIZE).to(tl.int64) * stride_ks)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr + base, mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + base, mask=ok[:, None], other=0.0)
+        acc += k.to(tl.float32) * v.to(tl.float32)
+    tl.store(out_ptr + req * NUM_SEG + seg, tl.sum(tl.sum(acc, 1), 0))
+
+
+def decode_stream() -> None:
+    """How fast the Gemma-3-like decode KV (4 q / 1 KV head, d = 256, 544 keys, 16-token blocks) can be read by
+    a kernel that only streams it through the block table (the same paging, split and PDL chain as attention),
+    next to the attention kernel's own best launch configurations: the gap is what attention's structure costs."""
+    from hybridkv.backends.pdl import pdl_kwargs
+    from hybridkv.backends.triton_attention import paged_attention_triton
+
+    h, kv, d, ctx = 4, 1, 256, 544
+    for B in (32, 1):
+        b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=B, n_sets=8,
+                       poison=False)
+        mb = b.kv_bytes / 1e6
+        res = []
+        for tile, nw, ns, segs in itertools.product((16, 32, 64), (4, 8), (2, 4), (4, 8, 16, 32)):
+            o = torch.empty(B * segs, device="cuda")
+            res.append((graph_time_us([lambda i=i: _stream_kernel[(B, segs)](
+                o, b.k_cache, b.v_cache, b.cams[i].block_table_tensor, b.cams[i].seq_lens, b.k_cache.stride(0),
+                b.k_cache.stride(1), b.cams[i].block_table_tensor.stride(0), HEAD_DIM=d, TILE=tile, BLOCK_SIZE=16,
+                NUM_SEG=segs, num_warps=nw, num_stages=ns, **pdl_kwargs(o.device)) for i in range(8)], 100),
+                (tile, nw, ns, segs)))
+        res.sort()
+        print(f"B={B} {mb:.1f} MB, read-only kernel, best (us, (TILE, warps, stages, segments)):",
+              [(round(t, 1), c, f"{mb / t:.2f} TB/s") for t, c in res[:5]], flush=True)
+        outs = [torch.empty_like(q) for q in b.q]
+        want = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
+        dflt = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
+                                                                 scale=b.scale, out=outs[i]) for i in range(8)], 100)
+        res = []
+        for tile, nw, ns, segs in itertools.product((16, 32, 64), (4, 8), (2, 3, 4), (None, 8, 16, 32)):
+            cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
+            try:
+                got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,
+                                             num_segments=segs)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                res.append((graph_time_us([lambda i=i: paged_attention_triton(
+                    b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale, out=outs[i], config=cfg,
+                    num_segments=segs) for i in range(8)], 100), err, (tile, nw, ns, segs)))
+            except Exception as e:  # noqa: BLE001  (a config out of resources)
+                print(f"   skipped {cfg} segments {segs}: {type(e).__name__}")
+        res.sort()
+        print(f"B={B} attention default {dflt:.1f} us ({mb / dflt:.2f} TB/s); best:", flush=True)
+        for t, err, c in res[:8]:
             print(f"   {t:.1f} us err {err:.1e} {c}", flush=True)
         torch.cuda.empty_cache()
 
@@ -368,12 +443,13 @@ def triton_next_pow2(v: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "prefill-tiles", "moe-gemv", "moe-tiled",
-                                      "skinny-linear", "skinny-wide", "pdl-chain"))
+    ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "decode-stream", "prefill-tiles",
+                                      "moe-gemv", "moe-tiled", "skinny-linear", "skinny-wide", "pdl-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
-    {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "prefill-tiles": prefill_tiles,
+    {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "decode-stream": decode_stream,
+     "prefill-tiles": prefill_tiles,
      "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear, "skinny-wide": skinny_wide,
      "pdl-chain": pdl_chain}[args.sweep]()
 

@@ -9,7 +9,10 @@ one-program norm kernels 1.60 -> 1.30 µs per kernel, norm + decode-size linear 
 The rule that keeps this correct: every kernel here starts with ``pdl_wait(PDL)``, before its first global
 read or write and before any program can exit. So a kernel never sees its predecessor's half-written outputs,
 never overwrites what the predecessor still reads, and finishes only after the predecessor has (kernels two
-apart stay ordered too). Kernels that are not ours (cuBLAS, torch) launch normally and wait for everything
+apart stay ordered too). One exception: decode attention reads the step's metadata (``query_start_loc``,
+``seq_lens``) before its wait; the host (or a torch op, which never releases its dependents early) writes it,
+never the kernel just before, and a kernel only starts once the one two before it has finished.
+Kernels that are not ours (cuBLAS, torch) launch normally and wait for everything
 before them, as always.
 
 ``HYBRIDKV_PDL=0`` turns it off (for A/B measurements); the Triton interpreter and pre-Hopper GPUs never use it.

@@ -32,6 +32,9 @@ Kernel design (``_paged_attention_kernel``):
   prepares its own q rows (q/k norm, RoPE or NoPE temperature, ``triton_fused._prep_heads``), and the one
   program per (request, KV head) whose key range holds the new key prepares it and writes it and v at the
   token's slot before its loop reads the cache: no separate ``qk_rope_write_kv`` launch.
+- PDL: a split decode batch loads its metadata and computes its key range before ``pdl_wait`` (the exception to
+  ``backends/pdl.py``'s rule: no kernel of a step writes ``query_start_loc`` or ``seq_lens``); everything else,
+  and any exit, comes after it.
 
 ``write_kv`` is one launch: one program per token writes its K and V rows (all KV heads) at the slot;
 a negative slot (padding) is skipped.
@@ -39,7 +42,6 @@ a negative slot (padding) is skipped.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -81,7 +83,7 @@ def _attend_tiles(
     stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, ABL: tl.constexpr = 0,
+    MASKED: tl.constexpr,
 ):
     """Online-softmax update over key tiles [t_start, t_end). MASKED=False: every key of these tiles is
     visible to every row (the caller proved it), so loads and scores skip the masks."""
@@ -105,110 +107,37 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        if (ABL & 2) != 0:
-            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            acc += tl.sum(v.to(tl.float32), 0)[None, :] + tl.sum(tl.sum(k.to(tl.float32), 1), 0)
-            l_i += 1.0
-            m_i = tl.maximum(m_i, 0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)                                   # (BLOCK_M, TILE) fp32
+        if USE_SOFTCAP:
+            x = s * (scale / softcap)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at +-inf, no libdevice needed
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
         else:
-            s = tl.dot(q, k, input_precision=PRECISION)                                   # (BLOCK_M, TILE) fp32
-            if USE_SOFTCAP:
-                x = s * (scale / softcap)
-                # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates correctly at +-inf, no libdevice needed
-                s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
-            else:
-                s = s * qk_scale
-            if MASKED:
-                visible = k_ok[None, :] & row_ok[:, None]
-                if IS_CAUSAL:
-                    visible = visible & (k_pos[None, :] <= q_pos[:, None])
-                if USE_WINDOW:
-                    visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = m_new
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if MASKED:
-                v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)       # (TILE, HEAD_DIM_P)
-            elif HEAD_DIM_P != HEAD_DIM:
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            s = s * qk_scale
+        if MASKED:
+            visible = k_ok[None, :] & row_ok[:, None]
+            if IS_CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)       # (TILE, HEAD_DIM_P)
+        elif HEAD_DIM_P != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_loaded(acc, m_i, l_i, q, k, v, k_pos, k_ok, q_pos, row_ok, scale, softcap, window,
-                   IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Online-softmax update over one key tile already in registers: k (HEAD_DIM_P, TILE), v (TILE, HEAD_DIM_P)."""
-    s = tl.dot(q, k, input_precision=PRECISION)                                       # (BLOCK_M, TILE) fp32
-    if USE_SOFTCAP:
-        x = s * (scale / softcap)
-        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
-    else:
-        s = s * (scale * 1.4426950408889634)
-    visible = k_ok[None, :] & row_ok[:, None]
-    if IS_CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    if USE_WINDOW:
-        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _load_tile(k_base, v_base, bt_row, k_pos, k_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K (HEAD_DIM_P, TILE) and V (TILE, HEAD_DIM_P) of the keys at k_pos (0 where not k_ok)."""
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_ok = offs_d < HEAD_DIM
-    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    off = (k_pos % BLOCK_SIZE).to(tl.int64)
-    k = tl.load(k_base + (blk * stride_kb + off * stride_ks)[None, :] + offs_d[:, None],
-                mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(v_base + (blk * stride_vb + off * stride_vs)[:, None] + offs_d[None, :],
-                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _new_kv_rows(k_row, v_row, slot_ptr, k_dst, v_dst, stride_kb, stride_ks, stride_vb, stride_vs,
-                 kw_ptr, pos, inv_freq_ptr, eps, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
-                 POST_NORM: tl.constexpr, GEMMA: tl.constexpr):
-    """One token's KV head: k prepared and v written at the token's slot (none for a negative slot), and both
-    returned as the cache holds them, (HEAD_DIM_P,) fp32 each, so the program attends to the new key from
-    registers instead of reading it back."""
-    ty = k_dst.dtype.element_ty
-    k = _prep_heads(k_row, 0, 1, kw_ptr, pos, inv_freq_ptr, eps, 0.0, 1.0, k_row.dtype.element_ty, 2, HEAD_DIM,
-                    HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA, False)   # (2, HEAD_DIM_P)
-    rows = tl.arange(0, 2)[:, None]
-    d = tl.arange(0, HEAD_DIM_P)[None, :]
-    ok = (rows < 1) & (d < HEAD_DIM)
-    v = tl.load(v_row + rows * 0 + d, mask=ok, other=0.0)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    write = ok & (rows * 0 + slot >= 0)
-    tl.store(k_dst + blk * stride_kb + off * stride_ks + rows * 0 + d, k.to(ty), mask=write)
-    tl.store(v_dst + blk * stride_vb + off * stride_vs + rows * 0 + d, v.to(v_dst.dtype.element_ty), mask=write)
-    k1 = tl.sum(tl.where(ok, k.to(ty).to(tl.float32), 0.0), 0)
-    v1 = tl.sum(tl.where(ok, v.to(v_dst.dtype.element_ty).to(tl.float32), 0.0), 0)
-    return k1, v1
 
 
 @triton.jit
@@ -253,10 +182,9 @@ def _paged_attention_kernel(
     NUM_SEG: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
     PREP: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
     POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
-    EARLY: tl.constexpr = 0, ABL: tl.constexpr = 0, GROUP_P: tl.constexpr = 0, QREP: tl.constexpr = 0, NEWREG: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    if EARLY == 0:
+    if not (DECODE and NUM_SEG > 1):
         pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -307,58 +235,26 @@ def _paged_attention_kernel(
         t_hi = tl.minimum(t_hi, t_lo + per_seg)
     t_a = tl.minimum(tl.maximum(t_a, t_lo), t_hi)
     t_b = tl.minimum(tl.maximum(t_b, t_a), t_hi)
-
-    if EARLY >= 2:      # DECODE + PREP: the segment's first tiles of old keys (never written this step) stream
-        # in while the previous kernel finishes; the new key (written below) is patched in after the wait
-        bt_row0 = bt_ptr + req.to(tl.int64) * stride_bt
-        offs_t0 = tl.arange(0, TILE)
-        old_hi = tl.minimum(key_hi, seq_len - 1)
-        k_pos0 = t_lo * TILE + offs_t0
-        in0 = (k_pos0 >= key_lo) & (k_pos0 < tl.minimum(key_hi, t_hi * TILE))   # tile t_lo < t_hi
-        k0, v0 = _load_tile(k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_row0, k_pos0,
-                            in0 & (k_pos0 < old_hi), stride_kb, stride_ks, stride_vb, stride_vs,
-                            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE)
-        if EARLY >= 3:
-            k_pos1 = k_pos0 + TILE
-            in1 = (k_pos1 >= key_lo) & (k_pos1 < tl.minimum(key_hi, t_hi * TILE))
-            k1, v1 = _load_tile(k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_row0, k_pos1,
-                                in1 & (k_pos1 < old_hi), stride_kb, stride_ks, stride_vb, stride_vs,
-                                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE)
-    if EARLY > 0:
+    if DECODE and NUM_SEG > 1:
+        # The metadata above (query_start_loc, seq_lens) comes from the host, never from the kernel before this
+        # one, so a split decode batch (short programs: the fixed chain counts) reads it and sizes its key range
+        # while that kernel finishes; q, k and the cache only after the wait. (Unsplit decode batches measured
+        # ~1% slower so on the Llama-4-like model at batch 32, session 19: they wait first.)
         pdl_wait(PDL)
     if q_blk * BLOCK_Q >= q_len:
         return
 
-    if PREP and (ABL & 1) != 0:
-        pos = tl.load(pos_ptr + q0).to(tl.float32)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    elif PREP:        # DECODE: rows 0..GROUP-1 are the token's heads kvh * GROUP + row, the others masked
+    if PREP:        # DECODE: rows 0..GROUP-1 are the token's heads kvh * GROUP + row, the others masked
         pos = tl.load(pos_ptr + q0).to(tl.float32)
         q = _prep_heads(q_ptr + q0.to(tl.int64) * stride_qt + (kvh * GROUP) * stride_qh, stride_qh, GROUP, qw_ptr,
-                        pos, inv_freq_ptr, eps, attn_scale, floor_scale, q_ptr.dtype.element_ty, GROUP_P, HEAD_DIM,
+                        pos, inv_freq_ptr, eps, attn_scale, floor_scale, q_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM,
                         HEAD_DIM_P, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA, TEMPERATURE)
-        if GROUP_P < BLOCK_M and QREP == 1:
-            # prepared once per head (GROUP_P rows), then repeated to the dot's BLOCK_M rows: row r holds head
-            # r % GROUP_P; rows past GROUP are another token's (masked by row_ok)
-            q = tl.reshape(tl.broadcast_to(q[None, :, :], (BLOCK_M // GROUP_P, GROUP_P, HEAD_DIM_P)),
-                           (BLOCK_M, HEAD_DIM_P))
     else:
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
 
-    holds_new = False
-    if PREP and NEWREG:
-        last_t = (seq_len - 1) // TILE
-        holds_new = (last_t >= t_lo) & (last_t < t_hi)
-        k_new, v_new = _new_kv_rows(k_new_ptr + q0.to(tl.int64) * stride_nkt + kvh * stride_nkh,
-                                    v_new_ptr + q0.to(tl.int64) * stride_nvt + kvh * stride_nvh, slot_ptr + q0,
-                                    k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, stride_kb, stride_ks,
-                                    stride_vb, stride_vs, kw_ptr, pos, inv_freq_ptr, eps, HEAD_DIM, HEAD_DIM_P,
-                                    BLOCK_SIZE, ROT_DIM, INTERLEAVED, QK_NORM, POST_NORM, GEMMA)
-        key_hi = key_hi - 1         # the cache loop stops before the new key
-    elif PREP and (ABL & 1) == 0:
+    if PREP:
         last_t = (seq_len - 1) // TILE
         if (last_t >= t_lo) & (last_t < t_hi):      # the one segment that reads the new key writes it first
             _write_new_kv(k_new_ptr + q0.to(tl.int64) * stride_nkt + kvh * stride_nkh,
@@ -373,26 +269,11 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    t_loop = t_lo
-    if EARLY >= 2:
-        new0 = in0 & (k_pos0 == seq_len - 1)
-        kf, vf = _load_tile(k_base, v_base, bt_row, k_pos0, new0, stride_kb, stride_ks, stride_vb, stride_vs,
-                            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_loaded(acc, m_i, l_i, q, k0 + kf, v0 + vf, k_pos0, in0, q_pos, row_ok, scale,
-                                       softcap, window, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP, PRECISION)
-        t_loop = t_lo + 1
-        if EARLY >= 3:
-            new1 = in1 & (k_pos1 == seq_len - 1)
-            kf, vf = _load_tile(k_base, v_base, bt_row, k_pos1, new1, stride_kb, stride_ks, stride_vb, stride_vs,
-                                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE)
-            acc, m_i, l_i = _attend_loaded(acc, m_i, l_i, q, k1 + kf, v1 + vf, k_pos1, in1, q_pos, row_ok, scale,
-                                           softcap, window, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP, PRECISION)
-            t_loop = t_lo + 2
     if DECODE:              # one masked loop: the loads of every tile stream in one pipeline
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_loop, t_hi, key_lo, key_hi, q_pos,
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_hi, key_lo, key_hi, q_pos,
                                       row_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
                                       HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
-                                      PRECISION, True, ABL)
+                                      PRECISION, True)
     else:
         # window front (masked), fully visible middle (no masks), causal diagonal (masked)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, t_lo, t_a, key_lo, key_hi, q_pos,
@@ -408,23 +289,6 @@ def _paged_attention_kernel(
                                       HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
                                       PRECISION, True)
 
-    if NEWREG:
-        if holds_new:       # the new key, visible to every row of this decode token
-            s_new = tl.sum(q.to(tl.float32) * k_new[None, :], 1)
-            if USE_SOFTCAP:
-                x_new = s_new * (scale / softcap)
-                s_new = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x_new) + 1.0))
-            else:
-                s_new = s_new * (scale * 1.4426950408889634)
-            s_new = tl.where(row_ok, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_new = tl.exp2(s_new - m_safe)
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + p_new
-            p_r = p_new.to(k_ptr.dtype.element_ty).to(tl.float32)
-            acc = acc * alpha[:, None] + p_r[:, None] * v_new[None, :]
-            m_i = m_new
     if NUM_SEG == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -648,8 +512,6 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
                 # seq_len (a captured graph's is the widest row its buffers hold, so replays stay correct).
                 tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
                 num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // progs)), _next_pow2(-(-tiles // 2)))
-                if os.environ.get("HYBRIDKV_ATTN_SEGS") and progs > 8:
-                    num_segments = int(os.environ["HYBRIDKV_ATTN_SEGS"])
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
@@ -682,13 +544,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
         IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", DECODE=decode,
-        GROUP_P=_next_pow2(group) if os.environ.get("HYBRIDKV_ATTN_QREP", "0") == "1" else cfg["BLOCK_M"],
-        QREP=int(os.environ.get("HYBRIDKV_ATTN_QREP", "0")),
-        NEWREG=prep and decode and os.environ.get("HYBRIDKV_ATTN_NEWREG", "0") == "1",
-        PREP=prep, ABL=int(os.environ.get("HYBRIDKV_ATTN_ABL", "0")), EARLY=int(os.environ.get("HYBRIDKV_ATTN_EARLY", "0")) if prep and decode else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fresh, **pdl_kwargs(out.device),
+        PREP=prep, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fresh, **pdl_kwargs(out.device),
     )
-    if num_segments > 1 and not int(os.environ.get("HYBRIDKV_ATTN_ABL", "0")) & 4:
+    if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_SEG=num_segments, num_warps=4, **pdl_kwargs(out.device),
