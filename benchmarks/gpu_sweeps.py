@@ -64,36 +64,42 @@ def decode_segments() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_tiles() -> None:
+def _attention_configs(b: PagedBatch, warps: tuple[int, ...]) -> tuple[float, list]:
+    """The decode attention's default time and sorted (µs, rel. error vs the default, (TILE, warps, stages,
+    segments)) over TILE 16-64 x ``warps`` x 2-4 stages x segments (None = the default rule), CUDA-graph timed."""
     from hybridkv.backends.triton_attention import paged_attention_triton
 
+    outs = [torch.empty_like(q) for q in b.q]
+    want = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
+    default = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
+                                                                scale=b.scale, out=outs[i]) for i in range(8)], 100)
+    res = []
+    for tile, nw, ns, segs in itertools.product((16, 32, 64), warps, (2, 3, 4), (None, 8, 16, 32)):
+        cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
+        try:
+            got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,
+                                         num_segments=segs)
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            t = graph_time_us([lambda i=i: paged_attention_triton(
+                b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale, out=outs[i], config=cfg,
+                num_segments=segs) for i in range(8)], 100)
+            res.append((t, err, (tile, nw, ns, segs)))
+        except Exception as e:  # noqa: BLE001  (a config out of resources)
+            print(f"   skipped {(tile, nw, ns, segs)}: {type(e).__name__}")
+    return default, sorted(res)
+
+
+def decode_tiles() -> None:
     for h, kv, d, B, ctx in [(4, 1, 256, 1, 544), (4, 1, 256, 32, 544), (32, 8, 64, 1, 544), (32, 8, 64, 32, 544),
                              (16, 8, 128, 32, 544)]:
         b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=B + ctx,
                        n_sets=8, poison=False)
-        outs = [torch.empty_like(q) for q in b.q]
-        want = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
-        default = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
-                                                                    scale=b.scale, out=outs[i]) for i in range(8)], 100)
-        res = []
-        for tile, nw, ns, segs in itertools.product((16, 32, 64), (4,), (2, 3, 4), (None, 8, 16, 32)):
-            cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
-            try:
-                got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,
-                                             num_segments=segs)
-                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                t = graph_time_us([lambda i=i: paged_attention_triton(
-                    b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale, out=outs[i], config=cfg,
-                    num_segments=segs) for i in range(8)], 100)
-                res.append((t, err, (tile, nw, ns, segs)))
-            except Exception as e:  # noqa: BLE001  (a config out of resources)
-                print(f"   skipped {(tile, nw, ns, segs)}: {type(e).__name__}")
+        default, res = _attention_configs(b, (4,))
         print(f"{h}/{kv}/{d} B={B} ctx={ctx}: default {default:.1f} us; best (TILE, warps, stages, segments):",
               flush=True)
-        for t, err, c in sorted(res)[:6]:
+        for t, err, c in res[:6]:
             print(f"   {t:.1f} us err {err:.1e} {c}", flush=True)
         torch.cuda.empty_cache()
-
 
 @triton.jit
 def _stream_kernel(out_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, stride_kb, stride_ks, stride_bt,
@@ -124,7 +130,6 @@ def decode_stream() -> None:
     a kernel that only streams it through the block table (the same paging, split and PDL chain as attention),
     next to the attention kernel's own best launch configurations: the gap is what attention's structure costs."""
     from hybridkv.backends.pdl import pdl_kwargs
-    from hybridkv.backends.triton_attention import paged_attention_triton
 
     h, kv, d, ctx = 4, 1, 256, 544
     for B in (32, 1):
@@ -142,23 +147,7 @@ def decode_stream() -> None:
         res.sort()
         print(f"B={B} {mb:.1f} MB, read-only kernel, best (us, (TILE, warps, stages, segments)):",
               [(round(t, 1), c, f"{mb / t:.2f} TB/s") for t, c in res[:5]], flush=True)
-        outs = [torch.empty_like(q) for q in b.q]
-        want = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
-        dflt = graph_time_us([lambda i=i: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i],
-                                                                 scale=b.scale, out=outs[i]) for i in range(8)], 100)
-        res = []
-        for tile, nw, ns, segs in itertools.product((16, 32, 64), (4, 8), (2, 3, 4), (None, 8, 16, 32)):
-            cfg = dict(TILE=tile, num_warps=nw, num_stages=ns)
-            try:
-                got = paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale, config=cfg,
-                                             num_segments=segs)
-                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                res.append((graph_time_us([lambda i=i: paged_attention_triton(
-                    b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale, out=outs[i], config=cfg,
-                    num_segments=segs) for i in range(8)], 100), err, (tile, nw, ns, segs)))
-            except Exception as e:  # noqa: BLE001  (a config out of resources)
-                print(f"   skipped {cfg} segments {segs}: {type(e).__name__}")
-        res.sort()
+        dflt, res = _attention_configs(b, (4, 8))
         print(f"B={B} attention default {dflt:.1f} us ({mb / dflt:.2f} TB/s); best:", flush=True)
         for t, err, c in res[:8]:
             print(f"   {t:.1f} us err {err:.1e} {c}", flush=True)
