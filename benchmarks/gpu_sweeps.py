@@ -10,7 +10,6 @@
     python benchmarks/gpu_sweeps.py skinny-linear     # dense linears at 1-128 rows: Triton tiles vs cuBLAS
     python benchmarks/gpu_sweeps.py skinny-wide       # wider tile sweep for the Gemma-3-like down and gate|up
     python benchmarks/gpu_sweeps.py pdl-chain         # kernel chains in a CUDA graph with / without PDL
-    python benchmarks/gpu_sweeps.py add-norm-linear   # residual add + norm, then a projection: 2 kernels vs 1
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
 also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
@@ -427,66 +426,6 @@ def pdl_chain() -> None:
         print(f"{name}: {off[name]:.2f} us per layer plain, {on[name]:.2f} us with PDL")
 
 
-# (name, out channels, in features, gated, Gemma sandwich post-norm): projections that read a normed stream
-_NORMED_SHAPES = (("gemma qkv", 1536, 1152, False, True), ("gemma gate_up", 6912, 1152, True, True),
-                  ("llama qkv", 3072, 2048, False, False), ("llama mlp gate_up", 8192, 2048, True, False),
-                  ("mamba2 in_proj", 10304, 2048, False, False))
-
-
-def add_norm_linear() -> None:
-    """Chains of 24+ distinct layers in one CUDA graph (PDL on where available), per layer: the residual add +
-    next norm as its own kernel then the projection (what the model runs), the projection reading an
-    ``AddNorm`` (one kernel; the 1 / rms scale applied after the product, or ``exact``: the reference's
-    rounding, the rms computed in a first pass), and the projection alone on a ready input (the floor).
-    err: relative error against the two-kernel output; residual: whether the new residual is bit-equal."""
-    from hybridkv.backends.triton_fused import add_rms_norm_triton
-    from hybridkv.backends.triton_linear import linear_act_mul_triton, linear_triton
-    from hybridkv.layers.ops.fused_ref import AddNorm
-
-    dev, l2 = "cuda", torch.cuda.get_device_properties(0).L2_cache_size
-    for name, n, k, gated, post in _NORMED_SHAPES:
-        w_rows = 2 * n if gated else n
-        n_sets = int(min(48, max(24, math.ceil(3 * l2 / (w_rows * k * 2)))))
-        g = torch.Generator(device=dev).manual_seed(n + k)
-        ws = [torch.randn(w_rows, k, device=dev, dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(n_sets)]
-        nw = torch.randn(k, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
-        dw = torch.randn(k, device=dev, dtype=torch.bfloat16, generator=g) * 0.1 if post else None
-
-        def proj(x, i, exact=False):
-            if gated:
-                return linear_act_mul_triton(x, ws[i], activation="gelu_tanh", exact=exact)
-            return linear_triton(x, ws[i], exact=exact)
-
-        for rows in (1, 8, 32):
-            ds = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(n_sets)]
-            rs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) * 4 for _ in range(n_sets)]
-            outs = [torch.empty_like(r) for r in rs]
-            kw = dict(eps=1e-6, gemma=post, delta_weight=dw)
-
-            def two(i):
-                normed, _ = add_rms_norm_triton(ds[i], rs[i], weight=nw, residual_out=outs[i], **kw)
-                return proj(normed, i)
-
-            def one(i, exact=False):
-                return proj(AddNorm(delta=ds[i], residual=rs[i], residual_out=outs[i], weight=nw, **kw), i, exact)
-
-            ready = [add_rms_norm_triton(ds[i], rs[i], weight=nw, **kw)[0] for i in range(n_sets)]
-            want, want_res = two(0).float(), outs[0].clone()
-            errs = {}
-            for label, f in (("late", lambda: one(0)), ("exact", lambda: one(0, True))):
-                outs[0].fill_(float("nan"))
-                got = f().float()
-                errs[label] = (((got - want).norm() / want.norm()).item(), torch.equal(outs[0], want_res))
-            t = {label: graph_time_us([lambda: [fn(i) for i in range(n_sets)]], 1) / n_sets
-                 for label, fn in (("two", two), ("late", one), ("exact", lambda i: one(i, True)),
-                                   ("floor", lambda i: proj(ready[i], i)))}
-            print(f"{name} ({w_rows}x{k}) rows {rows}: add+norm then linear {t['two']:.2f} us, fused "
-                  f"{t['late']:.2f} (err {errs['late'][0]:.1e}, residual {errs['late'][1]}), fused exact "
-                  f"{t['exact']:.2f} (err {errs['exact'][0]:.1e}, residual {errs['exact'][1]}), "
-                  f"linear alone {t['floor']:.2f}", flush=True)
-        torch.cuda.empty_cache()
-
-
 def triton_next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -494,15 +433,14 @@ def triton_next_pow2(v: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "decode-stream", "prefill-tiles",
-                                      "moe-gemv", "moe-tiled", "skinny-linear", "skinny-wide", "pdl-chain",
-                                      "add-norm-linear"))
+                                      "moe-gemv", "moe-tiled", "skinny-linear", "skinny-wide", "pdl-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "decode-stream": decode_stream,
      "prefill-tiles": prefill_tiles,
      "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear, "skinny-wide": skinny_wide,
-     "pdl-chain": pdl_chain, "add-norm-linear": add_norm_linear}[args.sweep]()
+     "pdl-chain": pdl_chain}[args.sweep]()
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
-                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Same contract as ``add_rms_norm_ref``."""
     _rows(delta, "add_rms_norm delta")
     _rows(residual, "add_rms_norm residual")
@@ -106,13 +106,7 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: 
         raise ValueError(f"add_rms_norm: the post-norm weight ({delta_weight.dtype}) must have the branch "
                          f"output's dtype ({delta.dtype})")
     rows, n = residual.shape
-    if residual_out is None:
-        res_out = torch.empty_like(residual)
-    else:
-        res_out = _rows(residual_out, "add_rms_norm residual_out")
-        if res_out.shape != residual.shape or res_out.dtype != residual.dtype:
-            raise ValueError(f"add_rms_norm: residual_out {tuple(res_out.shape)} {res_out.dtype} vs residual "
-                             f"{tuple(residual.shape)} {residual.dtype}")
+    res_out = torch.empty_like(residual)
     out = torch.empty(rows, n, dtype=weight.dtype, device=residual.device) if weight is not None else res_out
     if rows:
         block = _pow2(n)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation, act_mul_triton
-from hybridkv.layers.ops.fused_ref import AddNorm, linear_ref
+from hybridkv.layers.ops.fused_ref import linear_ref
 
 __all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "linear_triton", "takes"]
 
@@ -83,53 +83,12 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
 
 
 @triton.jit
-def _added_tile(res_rows, d_rows, dw_ptr, kk, mask, k_ok, r1, res_scale, ty,
-                POST: tl.constexpr, HAS_SCALE: tl.constexpr, GEMMA: tl.constexpr):
-    """(BLOCK_M, BLOCK_K) of the new residual ``residual + scale * post_norm(delta)``, rounded where
-    ``add_rms_norm_ref`` rounds (r1: the rows' 1 / rms(delta) for the post-norm), in the residual's dtype."""
-    d = tl.load(d_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-    if POST:
-        dw = tl.load(dw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        normed = d * r1[:, None]
-        if GEMMA:
-            d = (normed * (1.0 + dw)).to(ty).to(tl.float32)
-        else:
-            d = (normed.to(ty).to(tl.float32) * dw).to(ty).to(tl.float32)
-    if HAS_SCALE:
-        d = (d * res_scale).to(ty).to(tl.float32)
-    r = tl.load(res_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (r + d).to(res_rows.dtype.element_ty)
-
-
-@triton.jit
-def _normed_tile(hb, nw_ptr, kk, k_ok, r2, ty, GEMMA: tl.constexpr, EXACT: tl.constexpr):
-    """The pre-norm's output for a tile of the (model-dtype) residual ``hb``. EXACT: ``rms_norm_ref``'s
-    rounding with the rows' 1 / rms ``r2``; else the weight step only (the caller scales the product by r2)."""
-    w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    if EXACT:
-        normed = hb * r2[:, None]
-        if GEMMA:
-            return (normed * (1.0 + w)).to(ty)
-        return (normed.to(ty).to(tl.float32) * w).to(ty)
-    if GEMMA:
-        return (hb * (1.0 + w)).to(ty)
-    return (hb * w).to(ty)
-
-
-@triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, gate_mult, stride_xm, stride_wn, stride_ym,
-    d_ptr, nw_ptr, dw_ptr, h_ptr, ss_ptr, eps, res_scale, stride_dm, stride_hm,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr = False, POST: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-    GEMMA: tl.constexpr = False, EXACT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    """NORM: x is the residual stream and the projection's input is ``add_rms_norm``'s normed output, made
-    tile by tile from x, the branch output d (post-norm weight dw, residual multiplier res_scale) and the
-    norm weight nw; the column-block-0 programs store the new residual (h). Without EXACT the input is
-    the weight step only and the product is scaled by 1 / rms at the end (summed over the K slices)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -146,57 +105,21 @@ def _skinny_linear_kernel(
         up_cols = w_ptr + (N + rn)[None, :].to(tl.int64) * stride_wn
     else:
         up_cols = w_cols
-    ty = d_ptr.dtype.element_ty                      # the model dtype (d is x itself without NORM)
-    d_rows = d_ptr + rm[:, None].to(tl.int64) * stride_dm
-    h_rows = h_ptr + rm[:, None].to(tl.int64) * stride_hm
-    r1 = tl.full((BLOCK_M,), 1.0, tl.float32)
-    r2 = tl.full((BLOCK_M,), 1.0, tl.float32)
-    if NORM and POST:                                # the post-norm needs 1 / rms(d) of whole rows first
-        ssd = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)     # summed over K once, after the loop
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            d = tl.load(d_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            ssd += d * d
-        r1 = 1.0 / tl.sqrt(tl.sum(ssd, 1) / K + eps)
-    if NORM and EXACT:
-        ssh = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            h = _added_tile(x_rows, d_rows, dw_ptr, kk, m_ok[:, None] & k_ok[None, :], k_ok, r1, res_scale, ty,
-                            POST, HAS_SCALE, GEMMA).to(ty).to(tl.float32)
-            ssh += h * h
-        r2 = 1.0 / tl.sqrt(tl.sum(ssh, 1) / K + eps)
-    ss2 = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
-        amask = m_ok[:, None] & k_ok[None, :]
-        if NORM:
-            h = _added_tile(x_rows, d_rows, dw_ptr, kk, amask, k_ok, r1, res_scale, ty, POST, HAS_SCALE, GEMMA)
-            tl.store(h_rows + kk[None, :], h, mask=amask & ((kk * 0 + pid_n) == 0)[None, :])
-            hb = h.to(ty).to(tl.float32)
-            ss2 += hb * hb
-            a = _normed_tile(hb, nw_ptr, kk, k_ok, r2, ty, GEMMA, EXACT)
-        else:
-            a = tl.load(x_rows + kk[None, :], mask=amask, other=0.0)               # (BLOCK_M, BLOCK_K)
+        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # (BLOCK_M, BLOCK_K)
         wm = k_ok[:, None] & n_ok[None, :]         # W^T tiles (BLOCK_K, BLOCK_N)
         acc = tl.dot(a, tl.load(up_cols + kk[:, None], mask=wm, other=0.0), acc, input_precision="ieee")
         if GATED:
             acc_g = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wm, other=0.0), acc_g, input_precision="ieee")
-    late: tl.constexpr = NORM and not EXACT
-    ss = tl.sum(ss2, 1)
     if SPLIT_K == 1:
-        if late:
-            r2 = 1.0 / tl.sqrt(ss / K + eps)
-            acc = acc * r2[:, None]
-            acc_g = acc_g * r2[:, None]
-        _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, ty,
+        _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, x_ptr.dtype.element_ty,
                   ACT, GATED, HAS_BIAS, HAS_MULT)
     else:
-        # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles; ss: (SPLIT_K, column blocks, BLOCK_M)
+        # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles
         width = N + 0 * pid_n.to(tl.int64)             # int64 offsets (N may be specialised to a constant)
         tile = rm[:, None].to(tl.int64) * width + rn[None, :]
         n_parts: tl.constexpr = 2 if GATED else 1
@@ -204,29 +127,19 @@ def _skinny_linear_kernel(
         tl.store(mine + tile, acc, mask=n_ok[None, :])
         if GATED:
             tl.store(mine + BLOCK_M * width + tile, acc_g, mask=n_ok[None, :])
-        n_blocks = tl.num_programs(0)
-        if late:
-            tl.store(ss_ptr + (pid_k * n_blocks + pid_n) * BLOCK_M + rm, ss)
         tl.debug_barrier()                              # every thread's partial issued before the release
         if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            ss = tl.zeros((BLOCK_M,), tl.float32)
             for s in range(SPLIT_K):                     # fixed order: the same sums whichever program is last
                 src = part_ptr + s * (n_parts * BLOCK_M) * width
                 acc += tl.load(src + tile, mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_g += tl.load(src + BLOCK_M * width + tile, mask=n_ok[None, :], other=0.0,
                                      cache_modifier=".cg")
-                if late:
-                    ss += tl.load(ss_ptr + (s * n_blocks + pid_n) * BLOCK_M + rm, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)              # ready for the next launch (or graph replay)
-            if late:
-                r2 = 1.0 / tl.sqrt(ss / K + eps)
-                acc = acc * r2[:, None]
-                acc_g = acc_g * r2[:, None]
-            _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, ty,
-                      ACT, GATED, HAS_BIAS, HAS_MULT)
+            _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
+                      x_ptr.dtype.element_ty, ACT, GATED, HAS_BIAS, HAS_MULT)
 
 
 _SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
@@ -255,74 +168,44 @@ def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2)
                 num_stages=max(1, stages))
 
 
-def _launch(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int,
-            gated: bool, gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None,
-            exact: bool = False) -> torch.Tensor:
-    norm = x if isinstance(x, AddNorm) else None
-    inp = norm.delta if norm is not None else x                       # the model dtype's (rows, K) input
-    rows, k = inp.shape
-    if inp.stride(-1) != 1 or weight.stride(-1) != 1:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
+            gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    rows, k = x.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear_triton: x and weight need a contiguous last dim")
     if weight.shape[1] != k:
         raise ValueError(f"linear_triton: x has {k} input features, weight {tuple(weight.shape)}")
     if rows > MAX_ROWS:
         raise ValueError(f"linear_triton: at most {MAX_ROWS} rows (one M tile), got {rows}")
-    if norm is not None:
-        _check_norm(norm, weight)
-    y = torch.empty(rows, n, dtype=out_dtype or inp.dtype, device=inp.device)
+    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    cfg = dict(config or default_config(rows, n, k, gated=gated, itemsize=inp.element_size()))
+    cfg = dict(config or default_config(rows, n, k, gated=gated, itemsize=x.element_size()))
     split = cfg.pop("SPLIT_K")
     column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1 and column_blocks > _MAX_COLUMN_BLOCKS:
         raise ValueError(f"linear_triton: split-K over {column_blocks} column blocks (at most {_MAX_COLUMN_BLOCKS})")
-    part = (torch.empty(split, 2 if gated else 1, cfg["BLOCK_M"], n, dtype=torch.float32, device=inp.device)
+    part = (torch.empty(split, 2 if gated else 1, cfg["BLOCK_M"], n, dtype=torch.float32, device=x.device)
             if split > 1 else y)
-    if norm is None:
-        src, d, nw, dw, h, ss, eps, scale = inp, inp, weight, weight, inp, part, 0.0, 1.0
-        norm_args = {}
-    else:
-        src, d, nw, h, eps, scale = norm.residual, norm.delta, norm.weight, norm.residual_out, norm.eps, norm.scale
-        dw = norm.delta_weight if norm.delta_weight is not None else nw
-        ss = (torch.empty(split, column_blocks, cfg["BLOCK_M"], dtype=torch.float32, device=inp.device)
-              if split > 1 and not exact else part)
-        norm_args = dict(NORM=True, POST=norm.delta_weight is not None, HAS_SCALE=scale != 1.0, GEMMA=norm.gemma,
-                         EXACT=exact)
     _skinny_linear_kernel[(column_blocks, split)](
-        src, weight, bias if bias is not None else weight, y, part, _counters(inp.device), rows, n, k,
-        gate_multiplier, src.stride(0), weight.stride(0), y.stride(0),
-        d, nw, dw, h, ss, eps, scale, d.stride(0), h.stride(0),
-        ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, SPLIT_K=split,
-        **norm_args, **cfg, **pdl_kwargs(inp.device))
+        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), rows, n, k,
+        gate_multiplier, x.stride(0), weight.stride(0), y.stride(0), ACT=act, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, SPLIT_K=split, **cfg,
+        **pdl_kwargs(x.device))
     return y
 
 
-def _check_norm(norm: AddNorm, weight: torch.Tensor) -> None:
-    ty = norm.delta.dtype
-    if weight.dtype != ty or norm.weight.dtype != ty or (norm.delta_weight is not None and
-                                                         norm.delta_weight.dtype != ty):
-        raise ValueError(f"linear_triton: a fused add + norm needs one model dtype (branch output {ty}, projection "
-                         f"{weight.dtype}, norm {norm.weight.dtype})")
-    if norm.residual.dtype not in (ty, torch.float32):
-        raise ValueError(f"linear_triton: the residual stream is {norm.residual.dtype}; expected {ty} or float32")
-    for name, t in (("residual", norm.residual), ("residual_out", norm.residual_out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"linear_triton: the {name} needs a contiguous last dim")
-
-
-def linear_triton(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out_dtype: torch.dtype | None = None, config: dict | None = None, exact: bool = False
-                  ) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
     """x (rows <= MAX_ROWS, K), weight (N, K), bias (N,) or None -> (rows, N) rounded to x's dtype, stored in
-    ``out_dtype`` (default: x's). x may be an ``AddNorm``: its add + norm then run inside this kernel."""
+    ``out_dtype`` (default: x's)."""
     return _launch(x, weight, bias, n=weight.shape[0], act=_NO_ACT, gated=False, gate_multiplier=1.0,
-                   config=config, out_dtype=out_dtype, exact=exact)
+                   config=config, out_dtype=out_dtype)
 
 
-def linear_act_mul_triton(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                           activation: str, gated: bool = True, gate_multiplier: float = 1.0,
-                          config: dict | None = None, exact: bool = False) -> torch.Tensor:
+                          config: dict | None = None) -> torch.Tensor:
     """``act_mul_ref(F.linear(x, weight, bias), ...)``: weight (2 * inter, K) packed gate|up when gated, else
     (inter, K) -> (rows, inter)."""
     if activation not in _ACT_IDS:
@@ -331,7 +214,7 @@ def linear_act_mul_triton(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias:
         raise ValueError(f"linear_act_mul: a gated weight has an even row count (gate|up), got {weight.shape[0]}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return _launch(x, weight, bias, n=n, act=_ACT_IDS[activation], gated=gated, gate_multiplier=gate_multiplier,
-                   config=config, exact=exact)
+                   config=config)
 
 
 @functools.cache

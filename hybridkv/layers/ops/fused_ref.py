@@ -47,55 +47,22 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bo
 
 
 def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                     gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``residual + scale * post_norm(delta)``, then the next pre-norm of it.
 
     delta: (num_tokens, hidden) a branch output in the model dtype; residual: (num_tokens, hidden), the model
     dtype or fp32 (``residual_in_fp32``). ``delta_weight``: a post-norm on the branch (Gemma's sandwich
-    norms); ``weight``: the next norm, None for none; ``residual_out``: where to write the new residual (a new
-    tensor if None). Returns (normed in ``weight``'s dtype or None, the new residual in the residual's dtype).
-    The norm reads the residual rounded to the model dtype, as HF does."""
+    norms); ``weight``: the next norm, None for none. Returns (normed in ``weight``'s dtype or None, the new
+    residual in the residual's dtype). The norm reads the residual rounded to the model dtype, as HF does."""
     if delta_weight is not None:
         delta = rms_norm_ref(delta, delta_weight, eps=eps, gemma=gemma)
     if scale != 1.0:
         delta = delta * scale
-    residual = torch.add(residual, delta, out=residual_out)
+    residual = residual + delta
     if weight is None:
         return None, residual
     return rms_norm_ref(residual.to(weight.dtype), weight, eps=eps, gemma=gemma), residual
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class AddNorm:
-    """``add_rms_norm(delta, residual, weight=...)`` not run yet: the input of the one projection that reads the
-    normed stream (``linear`` / ``linear_act_mul`` accept it in place of x).
-
-    A backend either runs the add and the norm inside the projection (Triton at decode sizes: one launch
-    fewer per residual add) or calls its ``add_rms_norm`` first; either way the new residual lands in
-    ``residual_out``, which the layer allocated and reads afterwards."""
-
-    delta: torch.Tensor                  # (num_tokens, hidden) the branch output, model dtype
-    residual: torch.Tensor               # (num_tokens, hidden) model dtype or fp32
-    residual_out: torch.Tensor           # like residual: receives residual + scale * post_norm(delta)
-    weight: torch.Tensor                 # (hidden,) the projection input's pre-norm
-    eps: float
-    gemma: bool = False
-    delta_weight: torch.Tensor | None = None
-    scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (self.delta.shape == self.residual.shape == self.residual_out.shape):
-            raise ValueError(f"AddNorm: delta {tuple(self.delta.shape)}, residual {tuple(self.residual.shape)} "
-                             f"and residual_out {tuple(self.residual_out.shape)} must have one shape")
-        if self.residual_out.dtype != self.residual.dtype:
-            raise ValueError(f"AddNorm: residual_out is {self.residual_out.dtype}, the residual {self.residual.dtype}")
-
-    def run(self, add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
-        """The normed input via a backend's ``add_rms_norm`` (which writes ``residual_out``)."""
-        normed, _ = add_rms_norm(self.delta, self.residual, weight=self.weight, eps=self.eps, gemma=self.gemma,
-                                 delta_weight=self.delta_weight, scale=self.scale, residual_out=self.residual_out)
-        return normed
 
 
 def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
@@ -111,23 +78,18 @@ def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_mu
     return act(gate) * up
 
 
-def linear_ref(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x (num_tokens, in_features) or an ``AddNorm`` producing it, weight (out_features, in_features) ->
-    (num_tokens, out_features), rounded to x's dtype, then converted to ``out_dtype`` if given (fp32 logits:
-    the kernel stores them directly)."""
-    if isinstance(x, AddNorm):
-        x = x.run(add_rms_norm_ref)
+    """x (num_tokens, in_features), weight (out_features, in_features) -> (num_tokens, out_features), rounded
+    to x's dtype, then converted to ``out_dtype`` if given (fp32 logits: the kernel stores them directly)."""
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def linear_act_mul_ref(x: torch.Tensor | AddNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                       activation: str, gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
+def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
+                       gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
     """``act_mul_ref(F.linear(x, weight, bias))``: weight is the packed gate|up (2 * inter, in_features) when
-    gated -> (num_tokens, inter). x may be an ``AddNorm`` (see ``linear_ref``)."""
-    if isinstance(x, AddNorm):
-        x = x.run(add_rms_norm_ref)
+    gated -> (num_tokens, inter)."""
     return act_mul_ref(F.linear(x, weight, bias), activation=activation, gated=gated, gate_multiplier=gate_multiplier)
 
 
