@@ -10,6 +10,7 @@
     python benchmarks/gpu_sweeps.py skinny-linear     # dense linears at 1-128 rows: Triton tiles vs cuBLAS
     python benchmarks/gpu_sweeps.py skinny-wide       # wider tile sweep for the Gemma-3-like down and gate|up
     python benchmarks/gpu_sweeps.py pdl-chain         # kernel chains in a CUDA graph with / without PDL
+    python benchmarks/gpu_sweeps.py small-warps       # warps of the add + norm and split-KV reduction kernels
 
 Times are CUDA-graph replays (``gpu_attention.graph_time_us``) or ``triton.testing.do_bench`` (moe-gemv, which
 also times the grouped-GEMM path end to end, launches included). Prefill prints the relative error of each
@@ -426,6 +427,67 @@ def pdl_chain() -> None:
         print(f"{name}: {off[name]:.2f} us per layer plain, {on[name]:.2f} us with PDL")
 
 
+def small_warps() -> None:
+    """Warps per program of the latency-bound small kernels, each timed in a chain of 24 distinct layers in
+    one CUDA graph (PDL on where available): ``add_rms_norm`` then the projection that reads it (Gemma-3-like
+    sandwich norms at 1152, Llama-4-like at 2048, Mamba2's fp32 residual at 2048), and the split-KV
+    reduction of decode attention alone (Gemma-3-like 4 heads x 256, Llama-4-like 32 x 64, NemotronH-like
+    16 x 128; 8-32 segments; each timed twice)."""
+    from hybridkv.backends.pdl import pdl_kwargs
+    from hybridkv.backends.triton_attention import _reduce_segments_kernel, reduce_warps
+    from hybridkv.backends.triton_fused import _warps, add_rms_norm_triton
+    from hybridkv.backends.triton_linear import linear_triton
+
+    dev, layers = torch.device("cuda"), 24
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, dim, out, post, res_dtype in (("gemma", 1152, 1536, True, torch.bfloat16),
+                                            ("llama", 2048, 3072, False, torch.bfloat16),
+                                            ("mamba2", 2048, 10304, False, torch.float32)):
+        ws = [torch.randn(out, dim, device=dev, dtype=torch.bfloat16, generator=g) * dim ** -0.5
+              for _ in range(layers)]
+        nw = torch.randn(dim, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
+        dw = torch.randn(dim, device=dev, dtype=torch.bfloat16, generator=g) * 0.1 if post else None
+        for rows in (1, 8, 32):
+            ds = [torch.randn(rows, dim, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(layers)]
+            rs = [torch.randn(rows, dim, device=dev, generator=g).to(res_dtype) for _ in range(layers)]
+            kw = dict(weight=nw, eps=1e-6, gemma=post, delta_weight=dw)
+            want = add_rms_norm_triton(ds[0], rs[0], **kw)
+            cells = []
+            for warps in (1, 2, 4, 8, 16):
+                got = add_rms_norm_triton(ds[0], rs[0], num_warps=warps, **kw)
+                same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+                norms = graph_time_us([lambda w=warps: [add_rms_norm_triton(ds[i], rs[i], num_warps=w, **kw)
+                                                        for i in range(layers)]], 1) / layers
+                pair = graph_time_us([lambda w=warps: [
+                    linear_triton(add_rms_norm_triton(ds[i], rs[i], num_warps=w, **kw)[0], ws[i])
+                    for i in range(layers)]], 1) / layers
+                cells.append(f"{warps} warps {norms:.2f} / {pair:.2f}{'' if same else ' (differs)'}")
+            default = _warps(triton_next_pow2(dim))
+            print(f"{name} add+norm ({dim}) rows {rows}, norm alone / norm + linear us per layer (default "
+                  f"{default} warps): " + ", ".join(cells), flush=True)
+    for (name, tokens, heads, d), seg in itertools.product(
+            (("gemma", 1, 4, 256), ("gemma", 32, 4, 256), ("llama", 1, 32, 64), ("llama", 32, 32, 64),
+             ("nemotronh", 1, 16, 128)), (8, 16, 32)):
+        parts = [(torch.randn(tokens * heads * seg, d, device=dev, generator=g),
+                  torch.stack([torch.randn(tokens * heads * seg, device=dev, generator=g),
+                               torch.rand(tokens * heads * seg, device=dev, generator=g) + 1], -1).contiguous())
+                 for _ in range(layers)]
+        outs = [torch.empty(tokens, heads, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+
+        def reduce(i, warps):
+            o = outs[i]
+            _reduce_segments_kernel[(tokens, heads)](o, parts[i][0], parts[i][1], heads, o.stride(0), o.stride(1),
+                                                     HEAD_DIM=d, HEAD_DIM_P=d, NUM_SEG=seg, num_warps=warps,
+                                                     **pdl_kwargs(dev))
+        cells = []
+        for warps in (1, 2, 4, 8):
+            ts = [graph_time_us([lambda w=warps: [reduce(i, w) for i in range(layers)]], 1) / layers
+                  for _ in range(2)]
+            cells.append(f"{warps} warps {ts[0]:.2f}/{ts[1]:.2f}")
+        print(f"{name} split-KV reduction ({tokens} tokens x {heads} heads x {d}, {seg} segments; default "
+              f"{reduce_warps(d)} warps) us per launch, two runs: " + ", ".join(cells), flush=True)
+
+
 def triton_next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -433,14 +495,15 @@ def triton_next_pow2(v: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", choices=("decode-segments", "decode-tiles", "decode-stream", "prefill-tiles",
-                                      "moe-gemv", "moe-tiled", "skinny-linear", "skinny-wide", "pdl-chain"))
+                                      "moe-gemv", "moe-tiled", "skinny-linear", "skinny-wide", "pdl-chain",
+                                      "small-warps"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sweeps.py needs a CUDA device")
     {"decode-segments": decode_segments, "decode-tiles": decode_tiles, "decode-stream": decode_stream,
      "prefill-tiles": prefill_tiles,
      "moe-gemv": moe_gemv, "moe-tiled": moe_tiled, "skinny-linear": skinny_linear, "skinny-wide": skinny_wide,
-     "pdl-chain": pdl_chain}[args.sweep]()
+     "pdl-chain": pdl_chain, "small-warps": small_warps}[args.sweep]()
 
 
 if __name__ == "__main__":

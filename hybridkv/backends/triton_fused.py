@@ -95,9 +95,9 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
-                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Same contract as ``add_rms_norm_ref``."""
+                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
+                        num_warps: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Same contract as ``add_rms_norm_ref``; ``num_warps`` overrides the default (for sweeps)."""
     _rows(delta, "add_rms_norm delta")
     _rows(residual, "add_rms_norm residual")
     if delta.shape != residual.shape:
@@ -115,7 +115,8 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: 
             delta_weight if delta_weight is not None else residual, n, eps, scale,
             delta.stride(0), residual.stride(0), res_out.stride(0), out.stride(0),
             HAS_DELTA=True, HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0,
-            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block), **pdl_kwargs(delta.device))
+            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=num_warps or _warps(block),
+            **pdl_kwargs(delta.device))
     return (out if weight is not None else None), res_out
 
 
