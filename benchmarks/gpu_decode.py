@@ -195,7 +195,8 @@ def prefill_rate(llm, weight_bytes_per_token: int, n_tokens: int, device) -> dic
 def replay_ms(llm, batch: int) -> float | None:
     """Mean ms of the batch's captured decode graph replayed back to back on the step's own inputs (call it
     between two decode steps): the device's time for a step with no host work at all (None without CUDA
-    graphs). What the replays write (Mamba states, the step's KV slots) is restored afterwards."""
+    graphs). What the replays write (Mamba states, the step's KV slots, the greedy tokens the next step reads)
+    is restored afterwards."""
     eng = llm.engine
     graphs = getattr(eng.runner, "graphs", None)
     if graphs is None:
@@ -204,6 +205,9 @@ def replay_ms(llm, batch: int) -> float | None:
     torch.cuda.synchronize()
     lay, caches, bs = graphs.layout, eng.runner.caches, llm.plan.block_size
     saved = [(s, s.clone()) for g in llm.plan.mamba_groups for name in g.layer_names for s in caches[name]]
+    tokens = getattr(graphs, "_tokens", None)         # the next step's pending input ids (absent in A/B runs
+    if tokens is not None:                            # of a package from before session 21)
+        saved.append((tokens, tokens.clone()))
     for a, gi in enumerate(lay.attention):        # (num_blocks, 2, block_size, kv_heads, dim) at the step's slots
         slots = lay.slots(graphs._dev64, a, batch)
         slots = slots[slots >= 0]

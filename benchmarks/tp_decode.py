@@ -265,7 +265,7 @@ def run_engine(llm, prompts: list[list[int]], steps: int, device, record_logits:
         def spy(batch):
             out = execute(batch)
             if not first:
-                first.append(out.detach().float().cpu())
+                first.append(out.logits.detach().float().cpu())
             return out
 
         runner.execute = spy

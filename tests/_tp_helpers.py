@@ -104,7 +104,7 @@ def run(model: HybridConfig | Path | str, tp: int, batch: list[list[int]], *, se
 
         def spy_execute(step):
             out = execute(step)
-            record.logits.append(out.detach().clone())
+            record.logits.append(out.logits.detach().clone())
             return out
 
         def spy_copies(copies):

@@ -90,6 +90,35 @@ def test_graphs_match_eager_tokens() -> None:
 
 
 @gpu
+def test_graph_and_eager_steps_interleave_through_the_pending_tokens() -> None:
+    """Requests arriving while others decode: eager steps (prefills) and graph steps alternate, each taking
+    its pending input ids from the other kind's tokens (the graph's own buffer after a graph step, a copy
+    into it after an eager or a sampled one); greedy and seeded-sampled requests mixed. == eager and
+    synchronous."""
+    from hybridkv import LLM, SamplingParams
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(5, 60, 9)]
+    params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=30, ignore_eos=True)
+              for i in range(9)]
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(_mix_config(), device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
+                  cuda_graphs=graphs, async_scheduling=graphs, seed=0)
+        eng, done = llm.engine, {}
+        for step in range(200):
+            if step % 4 == 0 and step // 4 < len(prompts):
+                i = step // 4
+                eng.add_request(str(i), prompts[i], params[i])
+            for out in eng.step(only_finished=True):
+                done[out.request_id] = out.outputs[0].token_ids
+            if len(done) == len(prompts):
+                break
+        runs.append(done)
+    assert runs[0] == runs[1]
+
+
+@gpu
 def test_graphs_requested_with_the_torch_backend_is_an_error() -> None:
     from hybridkv import LLM
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from hybridkv import LLM
 from hybridkv.engine.cuda_graphs import DecodeTables, _Layout, fill_padding, pack_host
-from hybridkv.engine.model_runner import StepBatch, StepTables
+from hybridkv.engine.model_runner import StepBatch, StepOutput, StepTables
 from hybridkv.kv_groups.plan import plan_kv_cache
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
@@ -116,7 +116,7 @@ def test_step_table_packing_equals_the_cam_packing(data: st.DataObject, bs: int,
     rows = 0                                      # what the fast buffers' last packing filled
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
 
-    def execute(step: StepBatch) -> torch.Tensor:
+    def execute(step: StepBatch) -> StepOutput:
         nonlocal rows
         if is_decode(step):
             assert isinstance(step.block_tables, StepTables)
@@ -129,7 +129,8 @@ def test_step_table_packing_equals_the_cam_packing(data: st.DataObject, bs: int,
                 pack_host(lay, *oracle, ids, positions, runner.group_inputs(variant, CPU), sources=step.input_sources)
                 assert_same_buffers(lay, fast, oracle, step.num_reqs)
             rows = step.num_reqs
-        return torch.from_numpy(rng.standard_normal((len(step.logits_indices), VOCAB)).astype(np.float32))
+        logits = rng.standard_normal((len(step.logits_indices), VOCAB)).astype(np.float32)
+        return StepOutput(logits=torch.from_numpy(logits))
 
     runner.execute = execute
     add_random_requests(engine, rng, vocab=VOCAB, count=data.draw(st.integers(1, 9)), max_tokens=100)

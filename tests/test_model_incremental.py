@@ -71,7 +71,7 @@ def test_incremental_equals_full_forward(setup, data):
         batch = StepBatch(input_ids=np.concatenate([seqs[r][done[r]:done[r] + step[r]] for r in live]).astype(np.int64),
                           query_lens=q, seq_lens=s, block_tables=[t[live] for t in tables],
                           logits_indices=np.arange(int(q.sum())))
-        logits = runner.execute(batch)
+        logits = runner.execute(batch).logits
         offset = 0
         for r in live:
             got[r].append(logits[offset:offset + step[r]])

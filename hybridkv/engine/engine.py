@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepRunner, StepTables
+from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput, StepRunner, StepTables
 from hybridkv.engine.request import (
     PENDING_TOKEN,
     CompletionOutput,
@@ -193,11 +193,12 @@ class LLMEngine:
         try:
             self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
             step = self._step_batch(batch, prev)
-            logits = self.runner.execute(step)
+            out = self.runner.execute(step)
         except BaseException:
             self._inflight = prev       # its tokens stay readable; this step's tokens were never committed
             raise
-        launched = self._launch(batch, step, logits)
+        assert out is not None          # (None only on tensor-parallel ranks > 0, which run no engine)
+        launched = self._launch(batch, step, out)
         outputs: list[RequestOutput] = []
         stopped = False
         if prev is not None:
@@ -235,14 +236,16 @@ class LLMEngine:
                 pending = np.where(positions == sched.row_num_tokens[token_rows] - 1, pending, -1)
             if np.count_nonzero(pending >= 0):
                 sources = pending
-        device_ids = {} if sources is None else dict(input_sources=sources, prev_tokens=prev.tokens)
+        extra = dict(greedy=bool((sched.row_sampling[rows, 0] == 0).all()))    # temperature 0 everywhere
+        if sources is not None:
+            extra.update(input_sources=sources, prev_tokens=prev.tokens)
         # Logits: the last token of requests that reach their end this step; every token of prompt
         # chunks whose request asked for prompt logprobs. (Decodes always reach their end.)
         if decode and not self._num_prompt_logprob_requests:
             if n > self._arange.shape[0]:
                 self._arange = np.arange(n, dtype=np.int64)
             return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                             logits_indices=self._arange[:n], **device_ids)
+                             logits_indices=self._arange[:n], **extra)
         ends = np.cumsum(new)
         samples = seq_lens == sched.row_num_tokens[rows]
         wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
@@ -250,7 +253,7 @@ class LLMEngine:
         starts = np.where(wants, ends - new, ends - 1)
         index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
-                         logits_indices=index.astype(np.int64), **device_ids)
+                         logits_indices=index.astype(np.int64), **extra)
 
     def _step_tables(self, rows: np.ndarray, seq_lens: np.ndarray, token_rows: np.ndarray,
                      positions: np.ndarray) -> StepTables:
@@ -275,7 +278,7 @@ class LLMEngine:
                 slots.append(attn_slots[i])
         return StepTables(tables=tables, starts=starts, slots=slots, width=width)
 
-    def _launch(self, batch: ScheduledBatch, step: StepBatch, logits: torch.Tensor) -> _Launched:
+    def _launch(self, batch: ScheduledBatch, step: StepBatch, out: StepOutput) -> _Launched:
         """Sample on the device for the requests that reach their end this step and start copying the
         tokens to the host; each sampler gets a ``PENDING_TOKEN`` until ``_finish`` reads its token."""
         reqs, sched = batch.requests, self.scheduler
@@ -283,6 +286,7 @@ class LLMEngine:
         samples = computed + new == sched.row_num_tokens[batch.rows]
         sample_idx = np.flatnonzero(samples)
         samplers = reqs if sample_idx.size == len(reqs) else [reqs[i] for i in sample_idx.tolist()]
+        logits, greedy = out.logits, out.greedy
         prompt_logprobs = []
         if self._num_prompt_logprob_requests:        # logits rows of prompt chunks come first per request
             wants = np.array([r.params.prompt_logprobs is not None for r in reqs], bool)
@@ -299,9 +303,13 @@ class LLMEngine:
         self._prompt_tokens += int(np.maximum(np.minimum(computed + new, sched.row_num_prompt[batch.rows])
                                               - computed, 0).sum())
         rows = batch.rows[sample_idx]
-        picked = (logits[:sample_idx.size] if sample_rows is None
-                  else logits[torch.as_tensor(sample_rows, device=logits.device)])
-        tokens, logprobs = self._sample(rows, picked)
+        if sample_rows is None:
+            picked = logits[:sample_idx.size]
+            greedy = None if greedy is None else greedy[:sample_idx.size]
+        else:
+            index = torch.as_tensor(sample_rows, device=logits.device)
+            picked, greedy = logits[index], (None if greedy is None else greedy[index])
+        tokens, logprobs = self._sample(rows, picked, greedy)
         positions = sched.row_num_tokens[rows].copy()
         sched.add_sampled(rows)
         for r in samplers:
@@ -379,11 +387,11 @@ class LLMEngine:
         done = set(stopped)
         return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
 
-    def _sample(self, rows: np.ndarray, logits: torch.Tensor
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), and
-        the logprobs asked for. The per-row parameters come from the scheduler's arrays: no loop over
-        requests."""
+        the logprobs asked for; ``greedy``: the logits' argmax when the step computed it. The per-row
+        parameters come from the scheduler's arrays: no loop over requests."""
         device, sched = logits.device, self.scheduler
         knobs = sched.row_sampling[rows]                                   # (B, 3): temperature, top_p, min_p
         top_k = sched.row_top_k[rows]
@@ -391,8 +399,8 @@ class LLMEngine:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
-        if (knobs[:, 0] == 0).all():     # greedy batch: one argmax, no parameter tensors to ship
-            tokens = logits.argmax(-1)
+        if (knobs[:, 0] == 0).all():     # greedy batch: the argmax, no parameter tensors to ship
+            tokens = logits.argmax(-1) if greedy is None else greedy
         else:
             st = SamplingTensors(
                 temperature=dev(knobs[:, 0]), top_k=dev(top_k), top_p=dev(knobs[:, 1]), min_p=dev(knobs[:, 2]),

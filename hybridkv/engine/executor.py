@@ -32,7 +32,7 @@ from hybridkv.engine.distributed import (
     pack_step,
     unpack_step,
 )
-from hybridkv.engine.model_runner import ModelRunner, StepBatch
+from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput
 
 logger = logging.getLogger("hybridkv.executor")
 
@@ -63,8 +63,9 @@ class TensorParallelExecutor:
         self.runner.copy_states(copies)
         self._copies.extend(copies)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step on every rank; returns rank 0's fp32 logits (num_outputs, vocab_size)."""
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step on every rank; returns rank 0's fp32 logits (num_outputs, vocab_size) (and their
+        argmax for a greedy batch)."""
         self._check_usable()
         if batch.input_sources is not None:
             raise ValueError("tensor-parallel steps take host input ids only (asynchronous scheduling is off)")
@@ -74,15 +75,15 @@ class TensorParallelExecutor:
                                         batch.logits_indices, self._copies)
             self._copies = []
             self.ctx.send(header, payload)
-            logits = self.runner.execute(batch)
+            out = self.runner.execute(batch)
             if self.ctx.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
                 self.ctx.wait_for(done.query, "the step")
         except Exception as err:
             self._fail(err)
-        assert logits is not None            # rank 0 receives the gathered logits
-        return logits
+        assert out is not None               # rank 0 receives the gathered logits
+        return out
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the groups (idempotent)."""

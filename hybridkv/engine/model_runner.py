@@ -81,6 +81,7 @@ class StepBatch:
     logits_indices: np.ndarray             # (num_outputs,) token indices whose logits are returned
     input_sources: np.ndarray | None = None   # (num_tokens,) int64 index into prev_tokens, -1 = input_ids
     prev_tokens: torch.Tensor | None = None   # (S,) int64 on the device
+    greedy: bool = False                   # every output row samples greedily: return their argmax too
 
     @property
     def num_reqs(self) -> int:
@@ -125,13 +126,23 @@ class _DecodeConstants:
         return views
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    """A step's results on the device: fp32 ``logits`` (num_outputs, vocab_size) at the batch's
+    ``logits_indices`` and, for a ``greedy`` batch, ``greedy`` (num_outputs,) int64, their argmax. A captured
+    graph's outputs are its buffers: valid until the next step runs."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
+
+
 class StepRunner(Protocol):
     """What the engine drives each step: ``ModelRunner`` in-process, or the tensor-parallel executor
     (``engine/executor.py``) that runs a ``ModelRunner`` on every rank."""
 
     plan: KVCachePlan
 
-    def execute(self, batch: StepBatch) -> torch.Tensor | None: ...
+    def execute(self, batch: StepBatch) -> StepOutput | None: ...
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None: ...
 
@@ -288,23 +299,29 @@ class ModelRunner:
         return self.group_inputs(batch, torch.device("cpu"))
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices``. On a
-        tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices`` (and their
+        argmax for a greedy batch). On a tensor-parallel rank other than 0 the logits go to rank 0 and this
+        returns None."""
         if self._graph_eligible(batch):
             assert self.graphs is not None
-            return self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1,
-                                   self.graph_inputs(batch), sources=batch.input_sources,
-                                   prev_tokens=batch.prev_tokens)
+            logits, greedy = self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1,
+                                             self.graph_inputs(batch), sources=batch.input_sources,
+                                             prev_tokens=batch.prev_tokens)
+            return StepOutput(logits=logits, greedy=greedy)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         if batch.input_sources is not None:
             assert batch.prev_tokens is not None
             ids = take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
         positions = host_to_device(batch.positions(), self.device)
-        with forward_context(self.build_context(batch)):
-            hidden = self.model(ids, positions)
         index = host_to_device(np.ascontiguousarray(batch.logits_indices, dtype=np.int64), self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        with forward_context(self.build_context(batch)):      # the head too runs on the step's backend
+            hidden = self.model(ids, positions).index_select(0, index)
+            if batch.greedy:
+                out = self.model.compute_logits_and_greedy(hidden)
+                return None if out is None else StepOutput(logits=out[0], greedy=out[1])
+            logits = self.model.compute_logits(hidden)
+        return None if logits is None else StepOutput(logits=logits)
 
     @torch.inference_mode()
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -349,6 +366,6 @@ def reference_logits(model: HybridModel, token_ids: Sequence[int], *, backend: s
         tables.append(ids if group.spec.is_attention else np.ones((1, 1), np.int32))
     batch = StepBatch(input_ids=np.asarray(token_ids, np.int64), query_lens=np.array([n]),
                       seq_lens=np.array([n]), block_tables=tables, logits_indices=np.arange(n))
-    logits = runner.execute(batch)
-    assert logits is not None
-    return logits
+    out = runner.execute(batch)
+    assert out is not None
+    return out.logits

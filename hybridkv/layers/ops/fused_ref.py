@@ -9,6 +9,8 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
 - ``act_mul``: the gated MLP's ``act(gate) * up`` over the packed gate|up projection (or ``act(x)``);
 - ``linear`` / ``linear_act_mul``: a projection (``F.linear``), and one followed by ``act_mul`` (the Triton
   backend runs both as one weight-streaming kernel at decode sizes, ``backends/triton_linear.py``);
+- ``argmax`` / ``linear_argmax``: greedy tokens from logits, and the logits head with them (the Triton
+  backend takes each column block's maximum in the head's epilogue, ``backends/triton_sampling.py``);
 - ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
   K/V write into the paged cache;
 - ``rope_attention``: ``qk_rope_write_kv`` then ``paged_attention`` (the Triton backend runs a decode batch's
@@ -84,6 +86,21 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     to x's dtype, then converted to ``out_dtype`` if given (fp32 logits: the kernel stores them directly)."""
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy tokens: logits (rows, vocab) -> (rows,) int64, each row's first maximum (NaN above every number,
+    as ``torch.argmax``), written into ``out`` when given (a captured graph's persistent buffer)."""
+    tokens = logits.argmax(-1)
+    return tokens if out is None else out.copy_(tokens)
+
+
+def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits head of a greedy step: fp32 logits ``linear_ref(x, weight, bias, out_dtype=fp32)`` and
+    ``argmax_ref`` of them."""
+    logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
+    return logits, argmax_ref(logits, out=out)
 
 
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
