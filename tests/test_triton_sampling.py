@@ -1,8 +1,7 @@
 """Greedy tokens on the device (``backends/triton_sampling.py``, and the logits head's fused argmax in
 ``backends/triton_linear.py``) against ``argmax_ref`` (``torch.argmax``): the first maximum, NaN above every
-number; the pending input ids against ``take_pending_ref``. Without CUDA the kernels run under Triton's
-interpreter at tiny sizes, with the chunk sizes shrunk so that a row spans several partials and the reduction
-several iterations.
+number. Without CUDA the kernels run under Triton's interpreter at tiny sizes, with the chunk sizes shrunk so
+that a row spans several partials and the reduction several iterations.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from _triton import DEVICE, kernel_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layers.ops.fused_ref import argmax_ref, linear_argmax_ref, take_pending_ref
+from hybridkv.layers.ops.fused_ref import argmax_ref, linear_argmax_ref
 
 ts = kernel_module("hybridkv.backends.triton_sampling")
 tl_mod = kernel_module("hybridkv.backends.triton_linear")
@@ -157,14 +156,3 @@ def test_bf16_head_at_decode_size(rows):
     assert tokens.data_ptr() == out.data_ptr()
     assert torch.equal(logits, tl_mod.linear(x, w, out_dtype=torch.float32))
     assert torch.equal(tokens, argmax_ref(logits)) and torch.equal(ts.argmax_triton(logits), tokens)
-
-
-@settings(max_examples=10, deadline=None)
-@given(n=st.integers(0, 40), prev=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_take_pending_matches_reference(n, prev, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 1000, (n,), generator=g)
-    sources = torch.randint(-1, prev, (n,), generator=g)          # -1: keep the id
-    tokens = torch.randint(1000, 2000, (prev + 3,), generator=g)
-    ids, sources, tokens = ids.to(DEVICE), sources.to(DEVICE), tokens.to(DEVICE)
-    assert torch.equal(ts.take_pending_triton(ids, sources, tokens), take_pending_ref(ids, sources, tokens))

@@ -66,7 +66,6 @@ class KernelBackend:
     linear_act_mul: Callable[..., torch.Tensor]
     argmax: Callable[..., torch.Tensor]
     linear_argmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    take_pending: Callable[..., torch.Tensor]
     qk_rope_write_kv: Callable[..., torch.Tensor]
     rope_attention: Callable[..., torch.Tensor]       # qk_rope_write_kv, then paged_attention
     gated_rms_norm: Callable[..., torch.Tensor]
@@ -96,7 +95,6 @@ def torch_backend() -> KernelBackend:
         linear_act_mul=fused_ref.linear_act_mul_ref,
         argmax=fused_ref.argmax_ref,
         linear_argmax=fused_ref.linear_argmax_ref,
-        take_pending=fused_ref.take_pending_ref,
         qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
         rope_attention=fused_ref.rope_attention_ref,
         gated_rms_norm=fused_ref.gated_rms_norm_ref,

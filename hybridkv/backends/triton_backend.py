@@ -13,8 +13,7 @@
 - dense linears at decode sizes (the gated activation fused into the gate|up projection, the greedy argmax
   into the logits head), cuBLAS for the shapes and row counts where it was faster (``triton_linear.takes``):
   ``hybridkv.backends.triton_linear``;
-- greedy tokens (each row's argmax) in two short launches, and the next step's pending input ids in one:
-  ``hybridkv.backends.triton_sampling``.
+- greedy tokens (each row's argmax) in two short launches: ``hybridkv.backends.triton_sampling``.
 
 On Hopper every kernel is launched with programmatic dependent launch (``hybridkv.backends.pdl``).
 
@@ -38,7 +37,7 @@ def triton_backend() -> KernelBackend:
     from hybridkv.backends.triton_attention import paged_attention_triton, rope_attention_triton, write_kv_triton
     from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton
     from hybridkv.backends.triton_moe import moe_route
-    from hybridkv.backends.triton_sampling import argmax_triton, take_pending_triton
+    from hybridkv.backends.triton_sampling import argmax_triton
     from hybridkv.backends.triton_ssd import ssd_chunk_scan_triton, ssd_state_update_triton
 
     logger.info("kernel backend triton: Triton paged attention + KV write, causal conv1d (+ update), Mamba2 "
@@ -52,7 +51,6 @@ def triton_backend() -> KernelBackend:
                                rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
                                act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
                                argmax=argmax_triton, linear_argmax=linear.linear_argmax,
-                               take_pending=take_pending_triton,
                                qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
                                gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
                                cuda_graph_safe=True)

@@ -8,9 +8,7 @@ outside the step's CUDA graph (25 µs for 32 x 262144 on an H100, plus a memset 
   column block), while the logits are still in registers, so nothing re-reads them;
 - ``_reduce_kernel``: one program per row takes the first partial with the largest value.
 
-Both run inside the captured decode graph with programmatic dependent launch (``pdl.py``), as does
-``take_pending_triton``, the next step's input ids with those still pending taken from these tokens (one
-launch where torch's ``where`` / gather took four).
+Both run inside the captured decode graph with programmatic dependent launch (``pdl.py``).
 
 Semantics are ``torch.argmax``'s (``argmax_ref``): the first index of the maximum; NaN counts as larger than
 every number (a row with a NaN gives its first NaN), so a broken model's NaN logits are not hidden.
@@ -24,7 +22,7 @@ import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["argmax_triton", "reduce_partials", "take_pending_triton"]
+__all__ = ["argmax_triton", "reduce_partials"]
 
 _BLOCK = 2048           # columns per program of the standalone pass (8 KB of fp32 logits)
 _REDUCE_BLOCK = 1024    # partials per iteration of the per-row reduction
@@ -109,28 +107,3 @@ def argmax_triton(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> t
         _partials_kernel[(parts, rows)](logits, values, indices, vocab, logits.stride(0), parts, BLOCK=_BLOCK,
                                         num_warps=8, **pdl_kwargs(logits.device))
     return reduce_partials(values, indices, out=out)
-
-
-@triton.jit
-def _take_pending_kernel(ids_ptr, src_ptr, prev_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    pdl_wait(PDL)
-    src = tl.load(src_ptr + offs, mask=ok, other=-1)
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-    prev = tl.load(prev_ptr + tl.maximum(src, 0), mask=ok & (src >= 0), other=0)
-    tl.store(out_ptr + offs, tl.where(src >= 0, prev, ids), mask=ok)
-
-
-def take_pending_triton(ids: torch.Tensor, sources: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """``take_pending_ref``: ids (T,) int64, sources (T,) int64 (-1: keep the id), prev_tokens (S,) int64 ->
-    (T,) int64."""
-    if ids.shape != sources.shape or ids.dim() != 1:
-        raise ValueError(f"take_pending: ids {tuple(ids.shape)} and sources {tuple(sources.shape)} must be (T,)")
-    out = torch.empty_like(ids)
-    n = ids.shape[0]
-    if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _take_pending_kernel[(triton.cdiv(n, block),)](ids, sources, prev_tokens, out, n, BLOCK=block,
-                                                       num_warps=1 if block <= 256 else 4, **pdl_kwargs(ids.device))
-    return out

@@ -45,6 +45,7 @@ import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -322,7 +323,7 @@ class DecodeGraphs:
         """A ``b``-row decode step from the persistent buffers: its pending input ids from the previous step's
         tokens, the forward, fp32 logits (returned) and their argmax into ``_tokens``."""
         lay = self.layout
-        ids = self.backend.take_pending(lay.ids(self._dev64, b), lay.sources(self._dev64, b), self._tokens)
+        ids = take_pending(lay.ids(self._dev64, b), lay.sources(self._dev64, b), self._tokens)
         out = self.model.compute_logits_and_greedy(self.model(ids, lay.positions(self._dev64, b)),
                                                    out=self._tokens[:b])
         if out is None:

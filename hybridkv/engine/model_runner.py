@@ -22,6 +22,7 @@ import torch
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
@@ -311,7 +312,7 @@ class ModelRunner:
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         if batch.input_sources is not None:
             assert batch.prev_tokens is not None
-            ids = self.backend.take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
+            ids = take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
         positions = host_to_device(batch.positions(), self.device)
         index = host_to_device(np.ascontiguousarray(batch.logits_indices, dtype=np.int64), self.device)
         with forward_context(self.build_context(batch)):      # the head too runs on the step's backend

@@ -80,3 +80,9 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, top: int
     chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
     values, ids = logp.topk(top, dim=-1) if top > 0 else (logp[:, :0], token_ids[:, None][:, :0])
     return chosen, values, ids
+
+
+def take_pending(ids: torch.Tensor, sources: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Input ids (T,) with every token whose ``sources`` entry is >= 0 taken from ``prev_tokens`` there:
+    the tokens the step in flight sampled, which feed the next step without visiting the host."""
+    return torch.where(sources >= 0, prev_tokens[sources.clamp(min=0)], ids)

@@ -11,7 +11,6 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
   backend runs both as one weight-streaming kernel at decode sizes, ``backends/triton_linear.py``);
 - ``argmax`` / ``linear_argmax``: greedy tokens from logits, and the logits head with them (the Triton
   backend takes each column block's maximum in the head's epilogue, ``backends/triton_sampling.py``);
-  ``take_pending``: a step's input ids, some of them the previous step's tokens still on the device;
 - ``qk_rope_write_kv``: q/k norms, RoPE, Llama-4's post-RoPE norm or NoPE temperature tuning, and the
   K/V write into the paged cache;
 - ``rope_attention``: ``qk_rope_write_kv`` then ``paged_attention`` (the Triton backend runs a decode batch's
@@ -102,13 +101,6 @@ def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ``argmax_ref`` of them."""
     logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
     return logits, argmax_ref(logits, out=out)
-
-
-def take_pending_ref(ids: torch.Tensor, sources: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """Input ids (T,) with every token whose ``sources`` entry is >= 0 taken from ``prev_tokens`` there: the
-    tokens the step in flight sampled (asynchronous scheduling), which feed the next step without visiting
-    the host."""
-    return torch.where(sources >= 0, prev_tokens[sources.clamp(min=0)], ids)
 
 
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
