@@ -97,6 +97,21 @@ def hf_config(family: str, tiny: bool):
     raise ValueError(family)
 
 
+def random_llm(family: str, **llm_kwargs):
+    """A random-init bf16 model of ``family`` saved by HF and loaded by hybridkv (the weights HF would run), on
+    CUDA with the triton backend; ``llm_kwargs`` go to ``LLM``."""
+    from hybridkv import LLM
+
+    config, cls = hf_config(family, False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = cls(config).to(torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        del hf
+        return LLM(tmp, dtype=torch.bfloat16, device="cuda", backend="triton", **llm_kwargs)
+
+
 def state_bytes_per_step(config, family: str, batch: int) -> int:
     """Mamba state bytes a decode step reads and writes: fp32 SSM state + conv state (model dtype), x2."""
     if family not in ("mamba2", "nemotronh"):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_decode import RESULTS, git_commit, hf_config  # noqa: E402
+from gpu_decode import RESULTS, git_commit, random_llm  # noqa: E402
 
 PROMPT = 512
 
@@ -92,22 +92,12 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_gaps.py needs a CUDA device")
-    from hybridkv import LLM
-
     batches = [int(b) for b in args.batches.split(",")]
     result = {"meta": {"device": torch.cuda.get_device_name(0), "commit": git_commit(), "torch": torch.__version__},
               "rows": []}
     for family in args.families.split(","):
-        config, cls = hf_config(family, False)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = cls(config).to(torch.bfloat16)
-        with tempfile.TemporaryDirectory() as tmp:
-            hf.save_pretrained(tmp)
-            del hf
-            llm = LLM(tmp, dtype=torch.bfloat16, device="cuda", backend="triton", max_num_seqs=max(batches) + 1,
-                      max_model_len=PROMPT + args.steps + 96, enable_prefix_caching=False,
-                      max_num_batched_tokens=4096, kv_cache_memory="16GiB")
+        llm = random_llm(family, max_num_seqs=max(batches) + 1, max_model_len=PROMPT + args.steps + 96,
+                         enable_prefix_caching=False, max_num_batched_tokens=4096, kv_cache_memory="16GiB")
         for batch in batches:
             eng = llm.engine
             to_steady_decode(eng, family, batch, args.steps)

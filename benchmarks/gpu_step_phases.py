@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_decode import hf_config  # noqa: E402
+from gpu_decode import random_llm  # noqa: E402
 
 PHASES = (("scheduler", "schedule"), ("engine", "_step_batch"), ("runner", "execute"), ("engine", "_sample"),
           ("engine", "_finish"), ("coordinator", "commit_batch"))
@@ -90,17 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_phases.py needs a CUDA device")
-    from hybridkv import LLM
-
     for family in args.families.split(","):
-        config, cls = hf_config(family, False)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = cls(config).to(torch.bfloat16)
-        with tempfile.TemporaryDirectory() as tmp:
-            hf.save_pretrained(tmp)
-            del hf
-            llm = LLM(tmp, dtype=torch.bfloat16, device="cuda", backend="triton", max_num_seqs=64)
+        llm = random_llm(family, max_num_seqs=64)
         for batch in (int(b) for b in args.batches.split(",")):
             print(measure(llm.engine, family, batch), flush=True)
 
