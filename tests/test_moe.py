@@ -63,11 +63,12 @@ def _skip_interpreted_bf16(impl: str, dtype: torch.dtype) -> None:
         pytest.skip("Triton's CPU interpreter does not round to bf16 as the GPU does; checked on the GPU")
 
 
-def _tol(dtype: torch.dtype, impl: str = "") -> dict[str, float]:
+def _tol(dtype: torch.dtype) -> dict[str, float]:
     if dtype != torch.float32:
         return dict(atol=2e-2, rtol=2e-2)
-    # the Triton kernels sum each dot product in blocks: fp32 sums in another order
-    return dict(atol=2e-5, rtol=1e-5) if impl in TRITON else dict(atol=1e-6, rtol=1e-5)
+    # every fast path sums in another order than the per-expert loop (Triton's blocks, the padded bmm and
+    # grouped GEMM's own CPU kernels, which vary with the machine's BLAS: 1.2e-5 on outputs up to ~54 seen)
+    return dict(atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -90,7 +91,7 @@ def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.
             set_moe_impl(layer, impl)
             got = layer(x)
         assert got.dtype == want.dtype == dtype
-        torch.testing.assert_close(got, want, **_tol(dtype, impl), msg=f"{impl} {name} T={num_tokens}")
+        torch.testing.assert_close(got, want, **_tol(dtype), msg=f"{impl} {name} T={num_tokens}")
 
 
 @pytest.mark.parametrize("impl", FAST)
@@ -107,11 +108,11 @@ def test_skewed_and_empty_routing(impl: str) -> None:
         ids = ids.to(dev)
         want = moe_experts_ref(x, ids, weights, experts)
         got = run_experts(x, ids, weights, experts, impl=impl)
-        torch.testing.assert_close(got, want, **_tol(torch.float32, impl))
+        torch.testing.assert_close(got, want, **_tol(torch.float32))
         assert run_experts(x[:0], ids[:0], weights[:0], experts, impl=impl).shape == (0, HIDDEN)
         perm = torch.randperm(9).to(dev)
         torch.testing.assert_close(run_experts(x[perm], ids[perm], weights[perm], experts, impl=impl), want[perm],
-                                   **_tol(torch.float32, impl))
+                                   **_tol(torch.float32))
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -65,20 +65,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def generate_with_logits(llm: LLM, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """One request through the engine; returns its tokens and the logits the engine sampled them from
-    (captured at ``compute_logits``: with a single request every row it returns is a sampled position)."""
+    (captured at ``compute_logits_and_greedy``, which greedy steps call: with a single request every row it
+    returns is a sampled position)."""
     rows: list[torch.Tensor] = []
-    compute = llm.model.compute_logits
+    compute = llm.model.compute_logits_and_greedy
 
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute(hidden)
-        rows.append(logits.detach().clone())
-        return logits
+    def spy(hidden: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = compute(hidden, **kwargs)
+        assert out is not None
+        rows.append(out[0].detach().clone())
+        return out
 
-    llm.model.compute_logits = spy
+    llm.model.compute_logits_and_greedy = spy
     try:
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     finally:
-        del llm.model.compute_logits
+        del llm.model.compute_logits_and_greedy
     return list(out.outputs[0].token_ids), torch.cat(rows)
 
 

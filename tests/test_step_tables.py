@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from hybridkv import LLM
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
-from hybridkv.engine.model_runner import StepBatch, StepTables
+from hybridkv.engine.model_runner import StepBatch, StepOutput, StepTables
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
 from tests._kv_helpers import add_random_requests
@@ -88,7 +88,7 @@ def test_step_tables_equal_the_rebuild(data: st.DataObject, bs: int, window: int
             assert isinstance(a, AttentionInputs | MambaInputs)
             assert_same(a, b, f"group {g} ({llm.plan.groups[g].spec.kind})")
         logits = torch.from_numpy(rng.standard_normal((len(step.logits_indices), VOCAB)).astype(np.float32))
-        launched = engine._launch(batch, step, logits)
+        launched = engine._launch(batch, step, StepOutput(logits=logits))
         engine._commit(batch, skip_finished=False)
         engine._finish(launched, only_finished=True)
     assert coord.num_requests == 0
