@@ -14,9 +14,9 @@ only, so testable without a GPU), one copy moves it, then the graph of the small
 replays. Everything else a decode step does on the device is inside the graph too: it takes the input ids
 still pending from the previous step's tokens (asynchronous scheduling) and ends with the greedy tokens,
 the logits' argmax, in a persistent buffer that the next step's pending ids come from (the logits head
-takes the argmax in its epilogue: ``HybridModel.compute_logits_and_greedy``). A profile of the eager
-version (Gemma-3-like model, batch 32, one H100) had ~62 µs of device work and gaps between two replays:
-the argmax alone 25.6 µs, the pending-id gather five small launches. The engine's
+takes the argmax in its epilogue: ``HybridModel.compute_logits_and_greedy``). With both outside the graph,
+62-72 µs of device work and gaps separated two replays of the Gemma-3-like model at batch 32 on an H100 (the
+argmax alone 25.4 µs), 16-26 µs since (``benchmarks/gpu_step_gaps.py``, docs/gpu.md session 21). The engine's
 ``StepTables`` are packed directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no
 builder, which at 13 groups were most of a step's host work); any other block tables go through the
 eager path's per-group CAMs and builders on host arrays, whose results are the same by construction
