@@ -1,12 +1,14 @@
 """Greedy sampling on the device: each row's argmax over the vocabulary, in two short launches.
 
-A decode step's greedy tokens are ``logits.argmax(-1)``. torch runs it as one reduction over the fp32 logits
-outside the step's CUDA graph (25 µs for 32 x 262144 on an H100, plus a memset and the launch gaps). Here:
+A decode step's greedy tokens are ``logits.argmax(-1)``. torch ran it as one reduction over the fp32 logits
+outside the step's CUDA graph (25.4 µs for 32 x 262144 on an H100, plus a memset and the launch gaps:
+``benchmarks/gpu_step_gaps.py``). Here:
 
-- ``argmax_partials``: one program per (row, chunk of ``BLOCK`` columns) finds the chunk's first maximum;
-  the logits head (``triton_linear``) can write the same partials from its epilogue instead, one per (row,
-  column block), while the logits are still in registers, so nothing re-reads them;
-- ``_reduce_kernel``: one program per row takes the first partial with the largest value.
+- ``_partials_kernel`` (``argmax_triton``): one program per (row, chunk of ``_BLOCK`` columns) finds the
+  chunk's first maximum; the logits head (``triton_linear.linear_argmax_triton``) writes the same partials
+  from its epilogue instead, one per (row, column block), while the logits are still in registers, so nothing
+  re-reads them;
+- ``_reduce_kernel`` (``reduce_partials``): one program per row takes the first partial with the largest value.
 
 Both run inside the captured decode graph with programmatic dependent launch (``pdl.py``).
 
@@ -83,6 +85,8 @@ def reduce_partials(values: torch.Tensor, indices: torch.Tensor, *, out: torch.T
     """(rows, parts) fp32 partial maxima and their int32 columns, in column order -> (rows,) int64 tokens,
     written into ``out`` when given."""
     rows, parts = values.shape
+    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64):
+        raise ValueError(f"argmax: out must be ({rows},) int64, got {tuple(out.shape)} {out.dtype}")
     tokens = out if out is not None else torch.empty(rows, dtype=torch.int64, device=values.device)
     if rows:
         _reduce_kernel[(rows,)](values, indices, tokens, parts, BLOCK=min(_REDUCE_BLOCK, triton.next_power_of_2(parts)),
@@ -98,8 +102,6 @@ def argmax_triton(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     rows, vocab = logits.shape
     if vocab == 0:
         raise ValueError("argmax: empty vocabulary")
-    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64):
-        raise ValueError(f"argmax: out must be ({rows},) int64, got {tuple(out.shape)} {out.dtype}")
     parts = triton.cdiv(vocab, _BLOCK)
     values = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
