@@ -131,6 +131,25 @@ def test_decode_at_head_dim_256(window, segs):
     _assert_close(out, dense_attention(b, window=window))
 
 
+@pytest.mark.parametrize(("d", "segs"), [(16, 8), (256, 8), (16, 128)])
+def test_empty_segments_read_no_workspace(monkeypatch, d, segs):
+    """Rows much shorter than the split (as in a graph captured for a long max_model_len) leave segments
+    without keys: they write only their (max, sum) pair and the reduction skips their accumulators. Every
+    workspace starts NaN, so a skipped write that is read shows up."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    s_lens = [1, 3, 17, 40]
+    b = make_batch([1] * len(s_lens), s_lens, 16, 3, num_heads=4, num_kv_heads=1, head_dim=d)
+    kc, vc = poison_unreferenced(b, b.cam)
+    k, v = _strided_pool(kc, vc)
+    _assert_close(_run(_to(b.q), k, v, b.cam, scale=b.scale, num_segments=segs), dense_attention(b))
+
+
 @pytest.mark.parametrize("seed", [10, 11])
 def test_trimmed_sliding_window(seed):
     """After trimming, blocks wholly outside every window are NaN; the kernel must not read them."""

@@ -243,6 +243,16 @@ def _paged_attention_kernel(
         pdl_wait(PDL)
     if q_blk * BLOCK_Q >= q_len:
         return
+    if NUM_SEG > 1:  # noqa: SIM102  (constexpr branch)
+        if t_lo >= t_hi:
+            # An empty segment: the grid splits every row as if it were as long as the longest one the launch
+            # allows (a captured graph: its table width), so short rows leave most segments without keys. No
+            # q, no keys; the (max, sum) pair that gives it no weight, and no accumulator, which the reduction
+            # does not read for such a segment.
+            row = (tok * (GROUP * tl.num_programs(1)) + head) * NUM_SEG + seg
+            tl.store(part_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(part_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
 
     if PREP:        # DECODE: rows 0..GROUP-1 are the token's heads kvh * GROUP + row, the others masked
         pos = tl.load(pos_ptr + q0).to(tl.float32)
@@ -318,7 +328,9 @@ def _reduce_segments_kernel(
     w = tl.exp2(m - m_safe)                                 # empty segment: m = -inf -> weight 0
     denom = tl.sum(lsum * w, 0)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])
+    # a segment without keys wrote no accumulator: not read (and no bytes moved for it)
+    has_keys = (m > float("-inf"))[:, None] & (offs_d < HEAD_DIM_P)[None, :]
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
