@@ -29,6 +29,7 @@ and written per step) / copy bandwidth (measured here). A short torch.profiler t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -218,13 +219,19 @@ def replay_ms(llm, batch: int) -> float | None:
         return None
     graph = graphs._graphs[graphs.bucket_for(batch)][0]
     torch.cuda.synchronize()
-    lay, caches, bs = graphs.layout, eng.runner.caches, llm.plan.block_size
+    caches, bs = eng.runner.caches, llm.plan.block_size
+    buffers = getattr(graphs, "buffers", None)        # one layout per bucket (absent in A/B runs of a package
+    if buffers is not None:                           # from before session 22: one layout, the largest bucket)
+        view = buffers.views[graphs.bucket_for(batch)]
+        lay, dev64 = view.layout, view.dev64
+    else:
+        lay, dev64 = graphs.layout, graphs._dev64
     saved = [(s, s.clone()) for g in llm.plan.mamba_groups for name in g.layer_names for s in caches[name]]
     tokens = getattr(graphs, "_tokens", None)         # the next step's pending input ids (absent in A/B runs
     if tokens is not None:                            # of a package from before session 21)
         saved.append((tokens, tokens.clone()))
     for a, gi in enumerate(lay.attention):        # (num_blocks, 2, block_size, kv_heads, dim) at the step's slots
-        slots = lay.slots(graphs._dev64, a, batch)
+        slots = lay.slots(dev64, a, batch)
         slots = slots[slots >= 0]
         blk, off = slots // bs, slots % bs
         saved += [((t, blk, off), t[blk, :, off].clone()) for name in llm.plan.groups[gi].layer_names
@@ -439,6 +446,10 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--kv-memory", default="4GiB", help="KV cache + Mamba state budget (64 Mamba2 requests need more)")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt length of the prefill rate (0: skip)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine's max_model_len (0: what the run needs, prompt + steps or --prefill, + 64)")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="the engine's max_num_seqs, which sets the largest CUDA-graph bucket (0: largest batch + 1)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
     ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one --prefill step's kernels")
@@ -480,7 +491,8 @@ def main() -> None:
             backend, _, mode = variant.partition(":")       # "triton:eager+sync": no CUDA graphs, no async
             modes = set(mode.split("+"))
             llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend,
-                      max_model_len=max(ctx_end, args.prefill) + 64, max_num_seqs=max(batches) + 1,
+                      max_model_len=args.max_model_len or max(ctx_end, args.prefill) + 64,
+                      max_num_seqs=args.max_num_seqs or max(batches) + 1,
                       enable_prefix_caching=False,
                       max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory=args.kv_memory,
                       cuda_graphs=False if "eager" in modes else None,
@@ -500,7 +512,9 @@ def main() -> None:
                 row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend}, {graphs})", "batch": B,
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
                        "x_floor": step / floor if floor == floor else float("nan"),
-                       "host_ms": host * 1e3, "host_fraction": host / step}
+                       "host_ms": host * 1e3, "host_fraction": host / step,
+                       # greedy tokens of every request: equal digests = identical outputs (A/B runs)
+                       "tokens_sha1": hashlib.sha1(json.dumps(r["tokens"]).encode()).hexdigest()[:12]}
                 replay = r["replay_ms"]
                 if replay is not None and replay == replay:   # what the step adds to the device's time
                     row.update(replay_ms=replay, exposed_host_fraction=max(step * 1e3 - replay, 0.0) / (step * 1e3))

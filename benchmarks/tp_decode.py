@@ -263,6 +263,8 @@ def run_engine(llm, prompts: list[list[int]], steps: int, device, record_logits:
         execute = runner.execute
 
         def spy(batch):
+            if not first and hasattr(batch, "needs_logits"):      # greedy steps skip the logits otherwise
+                batch = dataclasses.replace(batch, needs_logits=True)
             out = execute(batch)
             if not first:
                 first.append(out.logits.detach().float().cpu())

@@ -8,6 +8,7 @@ group spans both ranks), Mamba-1 channels, µP section multipliers. Windows and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +104,7 @@ def run(model: HybridConfig | Path | str, tp: int, batch: list[list[int]], *, se
         execute, copy_states = runner.execute, runner.copy_states
 
         def spy_execute(step):
-            out = execute(step)
+            out = execute(dataclasses.replace(step, needs_logits=True))     # greedy steps skip them otherwise
             record.logits.append(out.logits.detach().clone())
             return out
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv import LLM
-from hybridkv.engine.cuda_graphs import DecodeTables, _Layout, fill_padding, pack_host
+from hybridkv.engine.cuda_graphs import DecodeBuffers, DecodeTables, _Layout, fill_padding, pack_host
 from hybridkv.engine.model_runner import StepBatch, StepOutput, StepTables
 from hybridkv.kv_groups.plan import plan_kv_cache
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -193,3 +193,61 @@ def test_packing_example() -> None:
         assert table[:3, :len(want_table[0])].tolist() == want_table and table[3, 0] == 0, kinds[gi]
     assert lay.state_slots(h64, 0, 4).tolist() == [3, 4, 5, 0]
     assert lay.ids(h64, 4).tolist() == [7, 8, 9, 0] and lay.positions(h64, 4).tolist() == [5, 8, 1, 0]
+
+
+def _example_plan(max_num_seqs: int):
+    attn = dict(block_size=2, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    specs = {"full": FullAttentionSpec(**attn), "sliding": SlidingWindowSpec(sliding_window=3, **attn),
+             "chunked": ChunkedLocalAttentionSpec(attention_chunk_size=4, **attn),
+             "mamba": MambaSpec(shapes=((4,),), dtypes=(torch.float32,))}
+    return plan_kv_cache(specs, max_model_len=16, kv_memory=1 << 20, max_num_seqs=max_num_seqs, step_tokens=4)
+
+
+def read_fields(lay: _Layout, h64: np.ndarray, h32: np.ndarray, b: int) -> dict[str, list[int]]:
+    """What a bucket-``b`` replay's kernels read: every row's scalar fields, and each row's table up to its
+    last key's block (a padding row: column 0)."""
+    out = {"ids": lay.ids(h64, b).tolist(), "positions": lay.positions(h64, b).tolist(),
+           "sources": lay.sources(h64, b).tolist()}
+    for a in range(len(lay.attention)):
+        seq = lay.seq_lens(h32, a, b)
+        table = lay.table(h32, a, b)
+        bs = lay.rules[a][1]
+        out[f"slots{a}"] = lay.slots(h64, a, b).tolist()
+        out[f"seq{a}"] = seq.tolist()
+        out[f"table{a}"] = [table[r, :-(-int(seq[r]) // bs)].tolist() for r in range(b)]
+    for m in range(len(lay.mamba)):
+        out[f"state{m}"] = lay.state_slots(h64, m, b).tolist()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_buckets_share_one_buffer(data: st.DataObject) -> None:
+    """Random decode batches (sizes 1..8 over buckets 1, 2, 4, 8, so the bucket switches up and down) packed
+    in turn into one ``DecodeBuffers``: each time, the fields the kernels read equal a fresh packing's, and
+    only the bucket's bytes (a prefix of the buffer) are meant to be copied."""
+    plan = _example_plan(8)
+    buckets = (1, 2, 4, 8)
+    shared = DecodeBuffers(plan, buckets, device=CPU, pin=False)
+    for b in reversed(buckets):                     # as capture leaves it
+        shared.pad(b)
+    kinds = [g.spec.kind for g in plan.groups]
+    for _ in range(data.draw(st.integers(1, 6))):
+        n = data.draw(st.integers(1, 8))
+        b = next(x for x in buckets if x >= n)
+        seq = np.array(data.draw(st.lists(st.integers(2, 16), min_size=n, max_size=n)), np.int64)
+        width = -(-int(seq.max()) // 2)
+        tables = [np.full((n, 1), 5, np.int32) if kind == "mamba"
+                  else np.arange(n * width, dtype=np.int32).reshape(n, width) + 100 * g + 1
+                  for g, kind in enumerate(kinds)]
+        slots = [None if kind == "mamba" else (seq - 1) + 20 * g for g, kind in enumerate(kinds)]
+        step = DecodeTables(seq_lens=seq, tables=tables, starts=[None] * len(kinds), slots=slots)
+        ids, positions = np.arange(n, dtype=np.int64) + 3, seq - 1
+        sources = np.where(np.arange(n) % 2 == 0, np.arange(n), -1)
+        size = shared.pack(b, ids, positions, step, sources=sources)
+        fresh = DecodeBuffers(plan, (b,), device=CPU, pin=False)
+        assert fresh.pack(b, ids, positions, step, sources=sources) == size == fresh.host.numel()
+        assert size <= shared.host.numel()
+        got, want = shared.views[b], fresh.views[b]
+        assert read_fields(got.layout, got.host64, got.host32, b) == \
+            read_fields(want.layout, want.host64, want.host32, b)

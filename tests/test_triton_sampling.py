@@ -105,6 +105,27 @@ def test_linear_argmax_matches_reference(small_chunks, rows, vocab, k, block_n, 
     assert torch.equal(logits, tl_mod.linear_triton(x, w, out_dtype=torch.float32, config=cfg))
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("write", [0, 1])
+def test_linear_argmax_write_flag(small_chunks, monkeypatch, split, write):
+    """``write_logits`` (a device scalar) 0: the same tokens, the logits never stored (every buffer starts
+    NaN, so an unwritten one stays NaN); 1: stored as without the flag."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    x, w = _head(5, 40, 96, ties=True, seed=4)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=2)
+    flag = torch.tensor([write], dtype=torch.int64, device=DEVICE)
+    logits, tokens = tl_mod.linear_argmax_triton(x, w, config=cfg, write_logits=flag)
+    want_logits, want = tl_mod.linear_argmax_triton(x, w, config=cfg)
+    assert torch.equal(tokens, want)
+    assert torch.equal(logits, want_logits) if write else bool(logits.isnan().all())
+
+
 def test_linear_argmax_nan_row():
     x, w = _head(2, 40, 32, ties=False, seed=1)
     x[1, 3] = float("nan")                                   # every logit of row 1 is NaN: its first column

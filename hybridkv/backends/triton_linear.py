@@ -62,11 +62,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, ty, amax_ptr, amax_idx_ptr,
-              ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
-              ARGMAX: tl.constexpr):
-    """Rounds where ``F.linear`` / ``act_mul_ref`` round (to ``ty``, the model dtype), stores in y's dtype;
-    with ``ARGMAX`` also each row's first maximum over this column block (``triton_sampling``'s partials,
-    (M, column blocks) at ``amax_ptr`` / ``amax_idx_ptr``), taken from the values as stored."""
+              write_ptr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
+              ARGMAX: tl.constexpr, WRITE_FLAG: tl.constexpr):
+    """Rounds where ``F.linear`` / ``act_mul_ref`` round (to ``ty``, the model dtype), stores in y's dtype
+    (with ``WRITE_FLAG``, only if the scalar at ``write_ptr`` is nonzero); with ``ARGMAX`` also each row's
+    first maximum over this column block (``triton_sampling``'s partials, (M, column blocks) at ``amax_ptr`` /
+    ``amax_idx_ptr``), taken from the values as stored."""
     if HAS_BIAS:                                         # gated: gate biases [0, N), up biases [N, 2N)
         if GATED:
             acc += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -83,8 +84,11 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
     elif ACT >= 0:
         y = _activation(y, ACT)
     y = y.to(ty)
+    store_ok = m_ok[:, None] & n_ok[None, :]
+    if WRITE_FLAG:                                       # the flag as a tensor: the interpreter masks no scalars
+        store_ok = store_ok & (tl.load(write_ptr + 0 * rn) != 0)[None, :]
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+             mask=store_ok)
     if ARGMAX:
         best, first = first_max(y.to(tl.float32), rn[None, :], n_ok[None, :], 1)
         part = rm * tl.num_programs(0) + tl.program_id(0)
@@ -94,10 +98,10 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, amax_ptr, amax_idx_ptr, M, N, K, gate_mult, stride_xm,
-    stride_wn, stride_ym, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MULT: tl.constexpr,
-    ARGMAX: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, amax_ptr, amax_idx_ptr, write_ptr, M, N, K, gate_mult,
+    stride_xm, stride_wn, stride_ym, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MULT: tl.constexpr, ARGMAX: tl.constexpr, WRITE_FLAG: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,7 +131,7 @@ def _skinny_linear_kernel(
             acc_g = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wm, other=0.0), acc_g, input_precision="ieee")
     if SPLIT_K == 1:
         _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym, x_ptr.dtype.element_ty,
-                  amax_ptr, amax_idx_ptr, ACT, GATED, HAS_BIAS, HAS_MULT, ARGMAX)
+                  amax_ptr, amax_idx_ptr, write_ptr, ACT, GATED, HAS_BIAS, HAS_MULT, ARGMAX, WRITE_FLAG)
     else:
         # part: (SPLIT_K, 2 if GATED else 1, BLOCK_M, N) fp32 partial tiles
         width = N + 0 * pid_n.to(tl.int64)             # int64 offsets (N may be specialised to a constant)
@@ -149,7 +153,8 @@ def _skinny_linear_kernel(
                                      cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)              # ready for the next launch (or graph replay)
             _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride_ym,
-                      x_ptr.dtype.element_ty, amax_ptr, amax_idx_ptr, ACT, GATED, HAS_BIAS, HAS_MULT, ARGMAX)
+                      x_ptr.dtype.element_ty, amax_ptr, amax_idx_ptr, write_ptr, ACT, GATED, HAS_BIAS, HAS_MULT,
+                      ARGMAX, WRITE_FLAG)
 
 
 _SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
@@ -180,8 +185,10 @@ def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2)
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
             gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None,
-            argmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``argmax``: (rows, column blocks) fp32 / int32 tensors for the epilogue's argmax partials."""
+            argmax: tuple[torch.Tensor, torch.Tensor] | None = None,
+            write_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """``argmax``: (rows, column blocks) fp32 / int32 tensors for the epilogue's argmax partials;
+    ``write_logits``: a device scalar, y is stored only where it is nonzero."""
     rows, k = x.shape
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear_triton: x and weight need a contiguous last dim")
@@ -204,10 +211,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear_triton: argmax partials of shape {tuple(amax.shape)}, expected "
                          f"{(rows, column_blocks)}")
     _skinny_linear_kernel[(column_blocks, split)](
-        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), amax, amax_idx, rows, n, k,
-        gate_multiplier, x.stride(0), weight.stride(0), y.stride(0), ACT=act, GATED=gated,
-        HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0, ARGMAX=argmax is not None, SPLIT_K=split,
-        **cfg, **pdl_kwargs(x.device))
+        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), amax, amax_idx,
+        write_logits if write_logits is not None else y, rows, n, k, gate_multiplier, x.stride(0), weight.stride(0),
+        y.stride(0), ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0,
+        ARGMAX=argmax is not None, WRITE_FLAG=write_logits is not None, SPLIT_K=split, **cfg, **pdl_kwargs(x.device))
     return y
 
 
@@ -220,11 +227,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         out: torch.Tensor | None = None, config: dict | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
+                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear_argmax_ref``: fp32 logits (rows, N) as ``linear_triton(..., out_dtype=fp32)`` and each row's
     argmax (rows,) int64 (into ``out`` when given): the kernel's epilogue leaves a first maximum per column
-    block, and one short launch picks among them (``triton_sampling``); the logits are not read again."""
+    block, and one short launch picks among them (``triton_sampling``); the logits are not read again. With
+    ``write_logits`` (a device scalar) the logits are stored only where it is nonzero: a captured greedy step
+    whose caller needs only the tokens skips their (rows x N x 4)-byte write."""
     rows, n = x.shape[0], weight.shape[0]
     if n == 0:
         raise ValueError("linear_argmax: empty vocabulary")
@@ -233,7 +242,7 @@ def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     values = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, blocks, dtype=torch.int32, device=x.device)
     logits = _launch(x, weight, bias, n=n, act=_NO_ACT, gated=False, gate_multiplier=1.0, config=cfg,
-                     out_dtype=torch.float32, argmax=(values, indices))
+                     out_dtype=torch.float32, argmax=(values, indices), write_logits=write_logits)
     return logits, reduce_partials(values, indices, out=out)
 
 
@@ -293,11 +302,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The triton backend's ``linear_argmax`` (``linear_argmax_ref``'s contract): the argmax inside the
-    kernel's epilogue at decode sizes, else cuBLAS's logits and ``argmax_triton``."""
+    kernel's epilogue at decode sizes (``write_logits`` honoured), else cuBLAS's logits and ``argmax_triton``."""
     if _kernel_fits(x, weight, gated=False):
-        return linear_argmax_triton(x, weight, bias, out=out)
+        return linear_argmax_triton(x, weight, bias, out=out, write_logits=write_logits)
     logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
     return logits, argmax_triton(logits, out=out)
 

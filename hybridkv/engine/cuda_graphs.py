@@ -6,22 +6,26 @@ batch-size bucket and replayed. What changes from step to step lives in persiste
 the captured kernels read:
 
     int64 buffer: input ids (B,) | positions (B,) | per attention group: slot mapping (B,) | per Mamba
-                  group: state slot (B,) | sources of pending input ids (B,)
+                  group: state slot (B,) | sources of pending input ids (B,) | write the logits? (1,)
     int32 buffer: per attention group: seq_lens (B,) | block table (B, width)
 
-The two buffers share one allocation on each side. The host packs the pinned twin (``pack_host``, numpy
-only, so testable without a GPU), one copy moves it, then the graph of the smallest bucket >= the batch
-replays. Everything else a decode step does on the device is inside the graph too: it takes the input ids
-still pending from the previous step's tokens (asynchronous scheduling) and ends with the greedy tokens,
-the logits' argmax, in a persistent buffer that the next step's pending ids come from (the logits head
-takes the argmax in its epilogue: ``HybridModel.compute_logits_and_greedy``). With both outside the graph,
-62-72 µs of device work and gaps separated two replays of the Gemma-3-like model at batch 32 on an H100 (the
-argmax alone 25.4 µs), 16-26 µs since (``benchmarks/gpu_step_gaps.py``, docs/gpu.md session 21). The engine's
-``StepTables`` are packed directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no
-builder, which at 13 groups were most of a step's host work); any other block tables go through the
-eager path's per-group CAMs and builders on host arrays, whose results are the same by construction
-(``tests/test_decode_packing.py`` holds the two equal). Only decode batches run this way (one new token per
-request, every request continuing, logits for every row); anything else runs eagerly.
+B is the bucket: each bucket lays its fields out from byte 0 of one shared allocation on each side
+(``DecodeBuffers``: the int64 buffer, then the int32 one), so a step packs and copies only its bucket's
+bytes. With one layout for the largest bucket every step would copy every group's full-width table for
+``max_num_seqs`` rows: 4.6 MB for a Gemma-3-1B-shaped model at its defaults (32k context, 256 sequences), at
+batch 1 too. The host packs the pinned twin (``pack_host``, numpy only, so testable without a GPU), one copy
+moves it, then the graph of the smallest bucket >= the batch replays. Everything else a decode step does on
+the device is inside the graph too: it takes the input ids still pending from the previous step's tokens
+(asynchronous scheduling) and ends with the greedy tokens, the logits' argmax, in a persistent buffer that
+the next step's pending ids come from (the logits head takes the argmax in its epilogue:
+``HybridModel.compute_logits_and_greedy``). With both outside the graph, 62-72 µs of device work and gaps
+separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs), 16-26 µs
+since (``benchmarks/gpu_step_gaps.py``, docs/gpu.md session 21). The engine's ``StepTables`` are packed
+directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no builder, which at 13
+groups were most of a step's host work); any other block tables go through the eager path's per-group CAMs
+and builders on host arrays, whose results are the same by construction (``tests/test_decode_packing.py``
+holds the two equal). Only decode batches run this way (one new token per request, every request continuing,
+logits for every row); anything else runs eagerly.
 
 A decode batch has one query per request, so every group kind has the same shape: sliding-window
 trimming shifts a row's table and shortens its seq_len, local attention's virtual batch is the request
@@ -105,9 +109,14 @@ class _Layout:
         w = np.array(widths, np.int64)
         starts = b * (len(attention) + np.cumsum(w) - w)            # (attention,) where each table begins
         return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths, rules=rules,
-                       table_starts=tuple(starts.tolist()), i64_size=b * (3 + len(attention) + len(mamba)),
+                       table_starts=tuple(starts.tolist()), i64_size=b * (3 + len(attention) + len(mamba)) + 1,
                        i32_size=b * len(attention) + b * sum(widths),
                        column0=starts[:, None] + w[:, None] * np.arange(b))
+
+    @property
+    def nbytes(self) -> int:
+        """Both buffers' bytes: the int64 one, then the int32 one."""
+        return 8 * self.i64_size + 4 * self.i32_size
 
     # int64 fields
     def ids(self, buf: _Buf, n: int) -> _Buf:
@@ -127,6 +136,10 @@ class _Layout:
     def sources(self, buf: _Buf, n: int) -> _Buf:
         start = self.max_batch * (2 + len(self.attention) + len(self.mamba))
         return buf[start:start + n]
+
+    def write_logits(self, buf: _Buf) -> _Buf:
+        """(1,): nonzero = the step's caller reads the logits (else the head may skip writing them)."""
+        return buf[self.i64_size - 1:self.i64_size]
 
     # int32 fields
     def seq_lens(self, buf: _Buf, a: int, n: int) -> _Buf:
@@ -258,12 +271,12 @@ def fill_padding(lay: _Layout, h64: np.ndarray, h32: np.ndarray, n: int, stop: i
 
 def pack_host(lay: _Layout, h64: np.ndarray, h32: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
               inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *,
-              sources: np.ndarray | None = None, stale: int | None = None) -> None:
+              sources: np.ndarray | None = None, stale: int | None = None, write_logits: bool = True) -> None:
     """The host buffers (numpy views of the layout's int64 / int32 buffers) for a decode batch of
     n = len(input_ids) requests: ids and positions (n,), every group's fields from ``inputs``, ``sources``
-    (n,) when given, and padding in rows n..: ``stale`` = the rows a previous packing filled (those past it
-    are padding already; None = any row may be stale). Columns past a row's table keep what they held: no
-    kernel reads them."""
+    (n,) when given, the logits flag, and padding in rows n..: ``stale`` = the rows a previous packing filled
+    (those past it are padding already; None = any row may be stale). Columns past a row's table keep what
+    they held: no kernel reads them."""
     n = int(input_ids.shape[0])
     h64[:n] = input_ids
     lay.positions(h64, n)[:] = positions
@@ -272,7 +285,57 @@ def pack_host(lay: _Layout, h64: np.ndarray, h32: np.ndarray, input_ids: np.ndar
     else:
         _pack_built(lay, h64, h32, inputs, n)
     lay.sources(h64, n)[:] = -1 if sources is None else sources
+    lay.write_logits(h64)[:] = int(write_logits)
     fill_padding(lay, h64, h32, n, lay.max_batch if stale is None else stale)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketViews:
+    """One bucket's layout over the shared buffers: numpy views of the host buffer, views of the device one."""
+
+    layout: _Layout
+    host64: np.ndarray
+    host32: np.ndarray
+    dev64: torch.Tensor
+    dev32: torch.Tensor
+
+
+class DecodeBuffers:
+    """The persistent metadata buffers: one host and one device allocation, every bucket's layout from byte 0
+    of both, and which bucket and rows the host side was last packed for. Needs no GPU (``pin`` False)."""
+
+    def __init__(self, plan: KVCachePlan, buckets: Sequence[int], *, device: torch.device, pin: bool) -> None:
+        layouts = [_Layout.make(plan, b) for b in sorted(set(buckets))]
+        self.host = torch.zeros(layouts[-1].nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.zeros_like(self.host, device=device)
+        self.views: dict[int, BucketViews] = {}
+        for lay in layouts:
+            split, end = 8 * lay.i64_size, lay.nbytes
+            self.views[lay.max_batch] = BucketViews(
+                layout=lay, host64=self.host[:split].view(torch.int64).numpy(),
+                host32=self.host[split:end].view(torch.int32).numpy(),
+                dev64=self.dev[:split].view(torch.int64), dev32=self.dev[split:end].view(torch.int32))
+        self._packed: tuple[int, int] | None = None    # (bucket, rows) of the last packing: rows past it are padding
+
+    def pad(self, bucket: int) -> int:
+        """Every row of ``bucket`` padding (capture's warm-ups: no KV write, no state); returns the bytes to copy."""
+        v = self.views[bucket]
+        fill_padding(v.layout, v.host64, v.host32, 0, bucket)
+        v.layout.write_logits(v.host64)[:] = 1
+        self._packed = (bucket, 0)
+        return v.layout.nbytes
+
+    def pack(self, bucket: int, input_ids: np.ndarray, positions: np.ndarray,
+             inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *,
+             sources: np.ndarray | None = None, write_logits: bool = True) -> int:
+        """``pack_host`` in ``bucket``'s layout; returns the bytes to copy. A switch of bucket re-pads every row:
+        the bytes held another layout."""
+        v = self.views[bucket]
+        stale = self._packed[1] if self._packed is not None and self._packed[0] == bucket else None
+        pack_host(v.layout, v.host64, v.host32, input_ids, positions, inputs, sources=sources, stale=stale,
+                  write_logits=write_logits)
+        self._packed = (bucket, int(input_ids.shape[0]))
+        return v.layout.nbytes
 
 
 class DecodeGraphs:
@@ -286,28 +349,20 @@ class DecodeGraphs:
         self.model, self.plan, self.backend = model, plan, backend
         self.device = next(model.parameters()).device
         self.buckets = tuple(sorted(set(buckets)))
-        self.layout = lay = _Layout.make(plan, self.buckets[-1])
-        # both buffers in one allocation each side: one host-to-device copy per step
-        split = 8 * lay.i64_size
-        self._host = torch.zeros(split + 4 * lay.i32_size, dtype=torch.uint8, pin_memory=True)
-        self._dev = torch.zeros_like(self._host, device=self.device)
-        self._np64 = self._host[:split].view(torch.int64).numpy()
-        self._np32 = self._host[split:].view(torch.int32).numpy()
-        self._dev64, self._dev32 = self._dev[:split].view(torch.int64), self._dev[split:].view(torch.int32)
-        self._arange = torch.arange(lay.max_batch + 1, dtype=torch.int32, device=self.device)
+        self.buffers = DecodeBuffers(plan, self.buckets, device=self.device, pin=True)
+        self._arange = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=self.device)
         # the greedy tokens of the last replay: the next step's pending input ids are read from here
-        self._tokens = torch.zeros(lay.max_batch, dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
-        self._rows = 0                          # rows the last replay packed (those past it are padding)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        fill_padding(self.layout, self._np64, self._np32, 0, self.layout.max_batch)  # warm-ups: no KV, no state
-        self._dev.copy_(self._host)
         for b in reversed(self.buckets):
+            size = self.buffers.pad(b)
+            self.buffers.dev[:size].copy_(self.buffers.host[:size])
             ctx = self._context(b)
             with forward_context(ctx):
                 self._forward(b)                            # compile and warm up outside the capture
@@ -322,10 +377,10 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         """A ``b``-row decode step from the persistent buffers: its pending input ids from the previous step's
         tokens, the forward, fp32 logits (returned) and their argmax into ``_tokens``."""
-        lay = self.layout
-        ids = take_pending(lay.ids(self._dev64, b), lay.sources(self._dev64, b), self._tokens)
-        out = self.model.compute_logits_and_greedy(self.model(ids, lay.positions(self._dev64, b)),
-                                                   out=self._tokens[:b])
+        v = self.buffers.views[b]
+        ids = take_pending(v.layout.ids(v.dev64, b), v.layout.sources(v.dev64, b), self._tokens)
+        out = self.model.compute_logits_and_greedy(self.model(ids, v.layout.positions(v.dev64, b)),
+                                                   out=self._tokens[:b], write_logits=v.layout.write_logits(v.dev64))
         if out is None:
             raise RuntimeError("CUDA graphs: compute_logits returned None (tensor-parallel ranks are not supported)")
         return out[0]
@@ -333,7 +388,8 @@ class DecodeGraphs:
     def _context(self, b: int) -> ForwardContext:
         """Inputs for a ``b``-request decode batch whose device fields are views of the persistent buffers.
         Host fields hold only what is fixed per bucket (the ops read no other host metadata)."""
-        lay, d64, d32 = self.layout, self._dev64, self._dev32
+        v = self.buffers.views[b]
+        lay, d64, d32 = v.layout, v.dev64, v.dev32
         qsl = self._arange[:b + 1]
         qsl_cpu = np.arange(b + 1, dtype=np.int32)
         ones = np.ones(b, np.int32)
@@ -371,24 +427,23 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray,
             inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *, sources: np.ndarray | None = None,
-            prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            prev_tokens: torch.Tensor | None = None, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Replay for a decode batch of (n,) ``input_ids`` at (n,) ``positions``, its groups' fields from
-        ``inputs`` (``pack_host``); returns fp32 logits (n, vocab_size) and their argmax (n,) int64, both
-        valid until the next replay. ``sources`` (n,) >= 0 takes those input ids from ``prev_tokens`` on the
-        device (no copy when they are the tokens of the last replay, as in a run of greedy decode steps)."""
+        ``inputs`` (``pack_host``); returns fp32 logits (n, vocab_size) (None unless ``logits``: the head then
+        skips writing them where it can) and their argmax (n,) int64, both valid until the next replay.
+        ``sources`` (n,) >= 0 takes those input ids from ``prev_tokens`` on the device (no copy when they are
+        the tokens of the last replay, as in a run of greedy decode steps)."""
         n = int(input_ids.shape[0])
         b = self.bucket_for(n)
         assert b is not None
         self._copied.synchronize()
-        pack_host(self.layout, self._np64, self._np32, input_ids, positions, inputs, sources=sources,
-                  stale=self._rows)
-        self._rows = n
-        self._dev.copy_(self._host, non_blocking=True)
+        size = self.buffers.pack(b, input_ids, positions, inputs, sources=sources, write_logits=logits)
+        self.buffers.dev[:size].copy_(self.buffers.host[:size], non_blocking=True)
         self._copied.record()
         if sources is not None:
             assert prev_tokens is not None
             if prev_tokens.data_ptr() != self._tokens.data_ptr():
                 self._tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
-        graph, logits, _ = self._graphs[b]
+        graph, out, _ = self._graphs[b]
         graph.replay()
-        return logits[:n], self._tokens[:n]
+        return (out[:n] if logits else None), self._tokens[:n]

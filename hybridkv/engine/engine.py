@@ -236,7 +236,10 @@ class LLMEngine:
                 pending = np.where(positions == sched.row_num_tokens[token_rows] - 1, pending, -1)
             if np.count_nonzero(pending >= 0):
                 sources = pending
-        extra = dict(greedy=bool((sched.row_sampling[rows, 0] == 0).all()))    # temperature 0 everywhere
+        greedy = bool((sched.row_sampling[rows, 0] == 0).all())                # temperature 0 everywhere
+        needs_logits = (not greedy or bool(self._num_prompt_logprob_requests)     # sampling or logprobs
+                        or bool((sched.row_logprobs[rows] >= 0).any()))
+        extra = dict(greedy=greedy, needs_logits=needs_logits)
         if sources is not None:
             extra.update(input_sources=sources, prev_tokens=prev.tokens)
         # Logits: the last token of requests that reach their end this step; every token of prompt
@@ -304,9 +307,10 @@ class LLMEngine:
                                               - computed, 0).sum())
         rows = batch.rows[sample_idx]
         if sample_rows is None:
-            picked = logits[:sample_idx.size]
+            picked = None if logits is None else logits[:sample_idx.size]
             greedy = None if greedy is None else greedy[:sample_idx.size]
         else:
+            assert logits is not None            # prompt logprobs: the step needed its logits
             index = torch.as_tensor(sample_rows, device=logits.device)
             picked, greedy = logits[index], (None if greedy is None else greedy[index])
         tokens, logprobs = self._sample(rows, picked, greedy)
@@ -387,11 +391,15 @@ class LLMEngine:
         done = set(stopped)
         return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
 
-    def _sample(self, rows: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor | None
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), and
-        the logprobs asked for; ``greedy``: the logits' argmax when the step computed it. The per-row
-        parameters come from the scheduler's arrays: no loop over requests."""
+        the logprobs asked for; ``greedy``: the logits' argmax when the step computed it (``logits`` None: a
+        greedy step that needed nothing else). The per-row parameters come from the scheduler's arrays: no
+        loop over requests."""
+        if logits is None:
+            assert greedy is not None, "a step without logits returns its greedy tokens"
+            return greedy, None
         device, sched = logits.device, self.scheduler
         knobs = sched.row_sampling[rows]                                   # (B, 3): temperature, top_p, min_p
         top_k = sched.row_top_k[rows]

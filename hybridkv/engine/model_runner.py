@@ -82,6 +82,7 @@ class StepBatch:
     input_sources: np.ndarray | None = None   # (num_tokens,) int64 index into prev_tokens, -1 = input_ids
     prev_tokens: torch.Tensor | None = None   # (S,) int64 on the device
     greedy: bool = False                   # every output row samples greedily: return their argmax too
+    needs_logits: bool = True              # False (greedy only): the caller reads only the argmax
 
     @property
     def num_reqs(self) -> int:
@@ -129,10 +130,11 @@ class _DecodeConstants:
 @dataclass(frozen=True, kw_only=True)
 class StepOutput:
     """A step's results on the device: fp32 ``logits`` (num_outputs, vocab_size) at the batch's
-    ``logits_indices`` and, for a ``greedy`` batch, ``greedy`` (num_outputs,) int64, their argmax. A captured
-    graph's outputs are its buffers: valid until the next step runs."""
+    ``logits_indices`` (None for a batch that said it ``needs_logits`` not: a captured step then skips their
+    write, 4 bytes x vocabulary per row) and, for a ``greedy`` batch, ``greedy`` (num_outputs,) int64, their
+    argmax. A captured graph's outputs are its buffers: valid until the next step runs."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     greedy: torch.Tensor | None = None
 
 
@@ -301,13 +303,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices`` (and their
-        argmax for a greedy batch). On a tensor-parallel rank other than 0 the logits go to rank 0 and this
-        returns None."""
+        argmax for a greedy batch; only the argmax for a greedy batch that ``needs_logits`` not). On a
+        tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
         if self._graph_eligible(batch):
             assert self.graphs is not None
             logits, greedy = self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1,
                                              self.graph_inputs(batch), sources=batch.input_sources,
-                                             prev_tokens=batch.prev_tokens)
+                                             prev_tokens=batch.prev_tokens,
+                                             logits=batch.needs_logits or not batch.greedy)
             return StepOutput(logits=logits, greedy=greedy)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         if batch.input_sources is not None:
@@ -319,7 +322,8 @@ class ModelRunner:
             hidden = self.model(ids, positions).index_select(0, index)
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
-                return None if out is None else StepOutput(logits=out[0], greedy=out[1])
+                return None if out is None else StepOutput(logits=out[0] if batch.needs_logits else None,
+                                                           greedy=out[1])
             logits = self.model.compute_logits(hidden)
         return None if logits is None else StepOutput(logits=logits)
 

@@ -96,9 +96,11 @@ def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torc
 
 
 def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits head of a greedy step: fp32 logits ``linear_ref(x, weight, bias, out_dtype=fp32)`` and
-    ``argmax_ref`` of them."""
+    ``argmax_ref`` of them. ``write_logits``: a device scalar; where it is zero an implementation may leave
+    the logits unwritten (their contents are then unspecified; this one always writes them)."""
     logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
     return logits, argmax_ref(logits, out=out)
 
