@@ -2,7 +2,8 @@
 """Vendor kernels on the GPU: each vendor op against our torch reference, then timed against the triton op.
 
     bash benchmarks/build_vendor.sh start; bash benchmarks/build_vendor.sh wait   # mamba-ssm, causal-conv1d
-    PYTHONPATH=/tmp/site python benchmarks/gpu_vendor.py [--quick]   # writes benchmarks/results/gpu_vendor.json
+    VENDOR_PACKAGES=flash_attn bash benchmarks/build_vendor.sh start   # flash-attn (reduced build, ~7.5 min)
+    PYTHONPATH=/tmp/site:. python benchmarks/gpu_vendor.py [--quick]   # writes benchmarks/results/gpu_vendor.json
 
 1. Correctness: random packed batches (new requests, continuations, 0/1-token requests, shuffled slots; fresh
    slots hold NaN that must never be read), fp32 and bf16 inputs. Relative Frobenius error of the output and of
@@ -11,7 +12,7 @@
 2. Speed: ``triton.testing.do_bench`` (median, L2 flushed) of the vendor op vs the triton backend's op on
    model-sized shapes: a Mamba-Codestral-7B-like Mamba2 layer (128 heads x 64, 8 groups, d_state 128, conv
    dim 10240, kernel 4, chunk 256) and a Jamba-like Mamba-1 decode (8192 channels, d_state 16); flash-attn
-   (when importable) on block size 256 vs our paged attention.
+   (when importable) on block size 256 vs our paged attention, at the benchmark models' head shapes.
 Packages that are not importable are reported and skipped.
 """
 
@@ -293,14 +294,19 @@ def timing(mamba_ops, flash_ops, triton_be, quick: bool) -> list[dict]:
                 lambda: mamba_ops["selective_state_update"](pool1, x1, dt1, A1, B1, C1, state_indices=b.idx, **kw1),
                 lambda: triton_be.selective_state_update(pool1, x1, dt1, A1, B1, C1, state_indices=b.idx, **kw1))
     if flash_ops:
-        for name, ql, sl in (("decode B=32 ctx 4096", [1] * 32, [4096] * 32),
-                             ("prefill 1x4096", [4096], [4096]),
-                             ("mixed", [1] * 16 + [2048], [4096] * 16 + [2048])):
-            cam, q, k, v, scale = attention_batch(ql, sl, bs=256, heads=32, kv_heads=8, d=128, dtype=dt_, seed=0)
-            k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
-            add("paged_attention", f"{name} 32/8/128 bs 256",
-                lambda: flash_ops["paged_attention"](q, k, v, cam, scale=scale),
-                lambda: triton_be.paged_attention(q, k, v, cam, scale=scale))
+        # the head shapes of the benchmark models (docs/gpu.md section 4): NemotronH-like 32/8/128 (Llama-like),
+        # Gemma-3-like 4/1/256, Llama-4-like 32/8/64
+        cases = [("decode B=1 ctx 8192", [1], [8192]), ("decode B=32 ctx 4096", [1] * 32, [4096] * 32),
+                 ("prefill 1x4096", [4096], [4096]), ("mixed", [1] * 16 + [2048], [4096] * 16 + [2048])]
+        if not quick:
+            cases.append(("prefill 1x8192", [8192], [8192]))
+        for h, kvh, d in ((32, 8, 128), (4, 1, 256), (32, 8, 64)):
+            for name, ql, sl in cases:
+                cam, q, k, v, scale = attention_batch(ql, sl, bs=256, heads=h, kv_heads=kvh, d=d, dtype=dt_, seed=0)
+                k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+                add("paged_attention", f"{name} {h}/{kvh}/{d} bs 256",
+                    lambda: flash_ops["paged_attention"](q, k, v, cam, scale=scale),
+                    lambda: triton_be.paged_attention(q, k, v, cam, scale=scale))
     return rows
 
 
