@@ -218,11 +218,12 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
 
 
 # Which vendor ops ``auto`` takes over triton's: only those measured faster on an H100
-# (benchmarks/results/gpu_vendor.json, docs/gpu.md). Our Triton conv1d and SSD kernels beat mamba-ssm /
-# causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1 state update beats our
-# reference 4-5x; flash-attn's paged prefill is faster than ours where its block-size rule lets it run.
+# (benchmarks/results/gpu_vendor.json, gpu_vendor_flash_attn.json, docs/gpu.md). Our Triton conv1d and SSD
+# kernels beat mamba-ssm / causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1
+# state update beats our reference 4-5x. flash-attn 2's paged path (its split-KV kernel, at block size 256)
+# was slower than our paged attention on all 15 measured shapes (ours 0.43-0.97x its time), so ``auto`` takes
+# none of it; ``backend="flash_attn"`` still asks for it.
 _AUTO_OPS: dict[str, frozenset[str]] = {
-    "flash_attn": frozenset({"paged_attention"}),
     "mamba_ssm": frozenset({"selective_state_update"}),
 }
 
@@ -246,6 +247,10 @@ def _auto(device: torch.device) -> KernelBackend:
     parts = [base_name]
     for name, entry in _REGISTRY.items():
         if entry.vendor_ops is None:
+            continue
+        if not _AUTO_OPS.get(name):
+            logger.info("kernel backend auto: not using %s (none of its ops measured faster than %s's)",
+                        name, base_name)
             continue
         reason = _unavailable_reason(name, device)
         if reason is not None:

@@ -1,6 +1,8 @@
 """The ``flash_attn`` vendor op: our ``paged_attention`` contract on flash-attn 2's varlen kernel over a paged
 KV cache (``flash_attn_varlen_func(..., block_table=...)``). API read from flash-attn 2.8.3 (needs >= 2.6 for
-``softcap``, >= 2.5 for ``block_table``); not yet run on a GPU here (it takes hours to build).
+``softcap``, >= 2.5 for ``block_table``); verified on an H100 against the reference, op by op and through the
+whole engine (docs/gpu.md, "Vendor backends"). Slower than our Triton kernel on every measured shape, so
+``backend="auto"`` does not take it; ``backend="flash_attn"`` does.
 
 How a ``CommonAttentionMetadata`` maps onto the call:
 
