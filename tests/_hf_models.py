@@ -178,8 +178,14 @@ def save(model: PreTrainedModel, directory: Path, **kwargs) -> Path:
 
 @torch.no_grad()
 def full_logits(model: PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
-    """fp32 logits (len, vocab) of one no-cache forward over ``tokens``."""
+    """fp32 logits (len, vocab) of one no-cache forward over ``tokens``.
+
+    Llama-4's multimodal wrapper runs its ``language_model`` on text-only input (same embedding table, same
+    layers), and that is what is called here: transformers 5.24's wrapper fails after that call, building its
+    output from an ``image_outputs`` field the language model's output does not have."""
     ids = torch.tensor([list(tokens)])
+    if type(model).__name__ == "Llama4ForConditionalGeneration":
+        model = model.language_model
     return model(input_ids=ids, use_cache=False).logits[0].float()
 
 
