@@ -147,6 +147,8 @@ def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
 
 
 def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) -> int:
+    """KV bytes one decode step reads when every request holds ``ctx`` tokens: the keys its new token sees
+    (full: ctx; sliding W: min(ctx, W); chunked C: those of its own chunk, (ctx - 1) % C + 1)."""
     if family == "mamba2":
         return 0
     kv, d = config.num_key_value_heads, config.head_dim
@@ -157,7 +159,7 @@ def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) 
     for i in range(config.num_hidden_layers):
         if family == "llama4":
             local = config.no_rope_layers[i] == 1
-            keys = min(ctx, config.attention_chunk_size) if local else ctx
+            keys = (ctx - 1) % config.attention_chunk_size + 1 if local else ctx
         else:
             local = config.layer_types[i] == "sliding_attention"
             keys = min(ctx, config.sliding_window) if local else ctx
