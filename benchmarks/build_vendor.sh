@@ -16,13 +16,14 @@
 # *_FORCE_BUILD=TRUE stops setup.py from trying to download a prebuilt wheel from GitHub (it would hang
 # offline). The packages build in parallel (mamba-ssm + causal-conv1d ~7-8 min on 16 cores per DESIGN.md).
 #
-# flash-attn's full build (~50 min for one arch) is cut to the kernels our adapter calls: paged KV always runs
+# flash-attn's full build (~50 min for one arch) is cut down to what our adapter needs: paged KV always runs
 # FA2's split-KV forward (`run_mha_fwd(params, stream, /*force_split_kernel=*/paged_KV)`), so only the bf16
-# forward kernels of FLASH_ATTN_HDIMS (default "64 128 256": our models' head dims) compile from their real
-# sources; every other kernel file (fp16, other head dims, backward) becomes a stub that raises "not compiled in
-# this reduced build", and backward, dropout and ALiBi are compiled out with flash-attn's own
-# -DFLASHATTENTION_DISABLE_* switches (its API then refuses them with its own errors). The kernels that do run
-# are flash-attn's unmodified code.
+# forward kernels (split-KV and plain) of FLASH_ATTN_HDIMS (default "64 128 256": our models' head dims; FA2 runs
+# a head dim on the next of 32 64 96 128 192 256) compile from their real sources; every other kernel file (fp16,
+# other head dims, backward) becomes a stub that throws "flash-attn reduced build ...: <file> was not compiled",
+# and backward, dropout and ALiBi are compiled out with flash-attn's own -DFLASHATTENTION_DISABLE_* switches (its
+# API then refuses them with its own errors). The kernels that do run are flash-attn's unmodified code.
+# MAX_JOBS applies to each package: building flash-attn beside the others, lower it (its nvcc jobs take GBs).
 #
 # Env overrides: VENDOR_PACKAGES ("mamba_ssm causal_conv1d"; add or pick flash_attn), FLASH_ATTN_HDIMS,
 # VENDOR_SRC, VENDOR_WORK (/tmp/vendor_build), VENDOR_SITE (/tmp/site), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS (16),
@@ -67,6 +68,9 @@ import re
 import sys
 
 root, hdims = pathlib.Path(sys.argv[1]), sys.argv[2].split()
+bad = [h for h in hdims if h not in ("32", "64", "96", "128", "192", "256")]
+if bad or not hdims:
+    sys.exit(f"FLASH_ATTN_HDIMS {sys.argv[2]!r}: each must be one of flash-attn's kernel head dims 32 64 96 128 192 256")
 setup = root / "setup.py"
 src = setup.read_text()
 anchor = '    "--use_fast_math",\n'
@@ -93,15 +97,15 @@ for cu in sorted((root / "csrc/flash_attn/src").glob("flash_*_sm80.cu")):
         f'    throw std::runtime_error("flash-attn reduced build (hybridkv build_vendor.sh): {cu.stem} '
         'was not compiled");\n}\n\n}  // namespace FLASH_NAMESPACE\n')
     stubbed += 1
-if not kept:
-    sys.exit(f"no kernel file matches head dims {hdims}")
+if len(kept) != 4 * len(hdims):
+    sys.exit(f"{len(kept)} kernel files match head dims {hdims}, expected 4 each (file names changed?)")
 print(f"flash-attn reduced build: compiling {len(kept)} kernel files ({', '.join(kept)}), {stubbed} stubbed")
 PYEOF
 }
 
 build_one() {  # $1 sdist glob prefix, e.g. mamba_ssm
   local name=$1 sdist dir
-  sdist=$(ls "$SRC"/"$name"-*.tar.gz 2>/dev/null | head -n 1)
+  sdist=$(ls "$SRC"/"$name"-*.tar.gz 2>/dev/null | head -n 1 || true)
   [[ -n "$sdist" ]] || { echo "[$name] no sdist $SRC/$name-*.tar.gz"; return 1; }
   dir="$WORK/src/$name"
   rm -rf "$dir" && mkdir -p "$dir"

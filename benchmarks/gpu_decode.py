@@ -507,8 +507,10 @@ def main() -> None:
                 run_hybridkv(llm, prompts[:1], 2, device)  # warm-up (compiles kernels)
                 r = run_hybridkv(llm, prompts, args.steps, device)
                 step = statistics.median(r["step_times"]) if r["step_times"] else float("nan")
-                mid_ctx = args.prompt + args.steps // 2
-                floor = (active_weight_bytes(hf, config, B) + kv_bytes_per_step(config, family, B, mid_ctx)
+                # KV read averaged over the timed steps (a chunked layer's count is a sawtooth in the context)
+                kv = statistics.fmean(kv_bytes_per_step(config, family, B, ctx)
+                                      for ctx in range(args.prompt + 1, args.prompt + args.steps + 1))
+                floor = (active_weight_bytes(hf, config, B) + kv
                          + state_bytes_per_step(config, family, B)) / bw
                 host = statistics.median(r["host_times"]) if r["host_times"] else float("nan")
                 row = {"family": family, "params": n_params, "engine": f"hybridkv ({backend}, {graphs})", "batch": B,

@@ -184,7 +184,7 @@ def full_logits(model: PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
     layers), and that is what is called here: transformers 5.24's wrapper fails after that call, building its
     output from an ``image_outputs`` field the language model's output does not have."""
     ids = torch.tensor([list(tokens)])
-    if type(model).__name__ == "Llama4ForConditionalGeneration":
+    if isinstance(model, Llama4ForConditionalGeneration):
         model = model.language_model
     return model(input_ids=ids, use_cache=False).logits[0].float()
 

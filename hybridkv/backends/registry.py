@@ -249,8 +249,7 @@ def _auto(device: torch.device) -> KernelBackend:
         if entry.vendor_ops is None:
             continue
         if not _AUTO_OPS.get(name):
-            logger.info("kernel backend auto: not using %s (none of its ops measured faster than %s's)",
-                        name, base_name)
+            logger.info("kernel backend auto: not using %s (none of its ops measured faster than triton's)", name)
             continue
         reason = _unavailable_reason(name, device)
         if reason is not None:

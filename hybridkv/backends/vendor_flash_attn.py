@@ -21,9 +21,10 @@ How a ``CommonAttentionMetadata`` maps onto the call:
   ``softcap`` -> ``softcap`` (0.0 = off); ``scale`` -> ``softmax_scale``; ``cam.causal`` -> ``causal``;
 - a query with no visible key gets 0 from FA2, as from the reference.
 
-Where it cannot map (``UnsupportedConfig``, so ``auto`` falls back to triton): block size not a multiple of
-256 (FA2 paged KV; our default is 16), dtype other than fp16/bf16 or caches in another dtype, head_dim not a
-multiple of 8 or above 256 (FA2 would pad by copying the whole cache), a device below sm80.
+Where it cannot map (``UnsupportedConfig``; ``auto``, were it to take this op, would fall back to triton):
+block size not a multiple of 256 (FA2 paged KV; our default is 16), dtype other than fp16/bf16 or caches in
+another dtype, head_dim not a multiple of 8 or above 256 (FA2 would pad by copying the whole cache), a device
+below sm80.
 The KV write stays triton's (``write_kv``): FA2 has no slot-mapping write.
 """
 

@@ -101,7 +101,7 @@ class AttentionLayer(nn.Module):
         attend = dict(scale=cfg.softmax_scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap)
         if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend
             out = ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
-        else:                                   # prefill: the backend's own attention (flash-attn's, under auto)
+        else:                                   # prefill: the backend's own attention (flash-attn's if asked for)
             q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
             out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
         out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)
