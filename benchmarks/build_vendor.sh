@@ -147,7 +147,7 @@ run() {
   trap 'echo FAILED > "$WORK/status"' ERR
   echo "torch: $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'), nvcc: $(nvcc --version | tail -n 2 | head -n 1)"
   rm -f "$WORK"/wheels/*.whl
-  local pids=() ok=0 name
+  local pids=() ok=0 name p
   for name in $PACKAGES; do build_one "$name" & pids+=($!); done
   for p in "${pids[@]}"; do wait "$p" || ok=1; done
   if [[ $ok -ne 0 ]]; then echo FAILED > "$WORK/status"; echo "build FAILED"; exit 1; fi

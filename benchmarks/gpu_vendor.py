@@ -294,8 +294,8 @@ def timing(mamba_ops, flash_ops, triton_be, quick: bool) -> list[dict]:
                 lambda: mamba_ops["selective_state_update"](pool1, x1, dt1, A1, B1, C1, state_indices=b.idx, **kw1),
                 lambda: triton_be.selective_state_update(pool1, x1, dt1, A1, B1, C1, state_indices=b.idx, **kw1))
     if flash_ops:
-        # the head shapes of the benchmark models (docs/gpu.md section 4): NemotronH-like 32/8/128 (Llama-like),
-        # Gemma-3-like 4/1/256, Llama-4-like 32/8/64
+        # head shapes: Llama-like 32/8/128 (NemotronH-like's head dim), and the benchmark models' Gemma-3-like
+        # 4/1/256 and Llama-4-like 32/8/64 (docs/gpu.md section 4)
         cases = [("decode B=1 ctx 8192", [1], [8192]), ("decode B=32 ctx 4096", [1] * 32, [4096] * 32),
                  ("prefill 1x4096", [4096], [4096]), ("mixed", [1] * 16 + [2048], [4096] * 16 + [2048])]
         if not quick:
