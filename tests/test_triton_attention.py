@@ -78,11 +78,16 @@ CASES = [
     (4, 8, 5, 1, 16, 7, 0.5, 1),        # group 5 (Llama-4-like), window + softcap
     (5, 16, 4, 2, 24, None, None, 4),   # head_dim padded 24 -> 32, split-KV
     (6, 16, 8, 2, 16, 3, None, 2),      # window + split
+    (7, 2, 2, 1, 256, None, None, 32),  # more segments than the reduction reads per trip (16 at d = 256)
 ]
 
 
+@pytest.mark.parametrize("graph_split", [False, True])
 @pytest.mark.parametrize(("seed", "bs", "heads", "kv_heads", "d", "window", "softcap", "segs"), CASES)
-def test_matches_reference_and_oracle(seed, bs, heads, kv_heads, d, window, softcap, segs):
+def test_matches_reference_and_oracle(seed, bs, heads, kv_heads, d, window, softcap, segs, graph_split, monkeypatch):
+    """``graph_split``: the split count compiled in, as under CUDA-graph capture (eager steps pass it at run
+    time)."""
+    monkeypatch.setattr(ta, "capturing", lambda t: graph_split)
     rng = np.random.default_rng(seed)
     q_lens, s_lens = _random_spec(rng, max_reqs=4, max_len=40)
     b = make_batch(q_lens, s_lens, bs, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,

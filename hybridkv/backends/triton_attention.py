@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.jit_forms import capturing, two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.registry import UnsupportedConfig
 from hybridkv.backends.triton_fused import _prep_heads, qk_prep_arguments, qk_rope_write_kv_triton
@@ -163,11 +164,10 @@ def _write_new_kv(k_row, v_row, slot_ptr, k_dst, v_dst, stride_kb, stride_ks, st
     tl.debug_barrier()
 
 
-@triton.jit
-def _paged_attention_kernel(
+def _paged_attention(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
-    num_reqs, scale, softcap, window,
+    num_reqs, num_seg, scale, softcap, window,
     stride_ot, stride_oh,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -179,13 +179,15 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SEG: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    SPLIT: tl.constexpr, SEGS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
     PREP: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
     POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if not (DECODE and NUM_SEG > 1):
+    if not (DECODE and SPLIT):
         pdl_wait(PDL)
+    # a captured graph's split is a compile-time count (compiled at capture); eager steps' one kernel serves all
+    n_seg = SEGS if SEGS > 0 else num_seg
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -229,13 +231,13 @@ def _paged_attention_kernel(
         t_a = 0
     t_lo = key_lo // TILE
     t_hi = (key_hi + TILE - 1) // TILE
-    if NUM_SEG > 1:
-        per_seg = (t_hi - t_lo + NUM_SEG - 1) // NUM_SEG
+    if SPLIT:
+        per_seg = (t_hi - t_lo + n_seg - 1) // n_seg
         t_lo = t_lo + seg * per_seg
         t_hi = tl.minimum(t_hi, t_lo + per_seg)
     t_a = tl.minimum(tl.maximum(t_a, t_lo), t_hi)
     t_b = tl.minimum(tl.maximum(t_b, t_a), t_hi)
-    if DECODE and NUM_SEG > 1:
+    if DECODE and SPLIT:
         # The metadata above (query_start_loc, seq_lens) comes from the host, never from the kernel before this
         # one, so a split decode batch (short programs: the fixed chain counts) reads it and sizes its key range
         # while that kernel finishes; q, k and the cache only after the wait. (Unsplit decode batches measured
@@ -243,13 +245,13 @@ def _paged_attention_kernel(
         pdl_wait(PDL)
     if q_blk * BLOCK_Q >= q_len:
         return
-    if NUM_SEG > 1:  # noqa: SIM102  (constexpr branch)
+    if SPLIT:  # noqa: SIM102  (constexpr branch)
         if t_lo >= t_hi:
             # An empty segment: the grid splits every row as if it were as long as the longest one the launch
             # allows (a captured graph: its table width), so short rows leave most segments without keys. No
             # q, no keys; the (max, sum) pair that gives it no weight, and no accumulator, which the reduction
             # does not read for such a segment.
-            row = (tok * (GROUP * tl.num_programs(1)) + head) * NUM_SEG + seg
+            row = (tok * (GROUP * tl.num_programs(1)) + head) * n_seg + seg
             tl.store(part_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             tl.store(part_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
             return
@@ -299,41 +301,79 @@ def _paged_attention_kernel(
                                       HEAD_DIM, HEAD_DIM_P, TILE, BLOCK_SIZE, IS_CAUSAL, USE_WINDOW, USE_SOFTCAP,
                                       PRECISION, True)
 
-    if NUM_SEG == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # partials laid out (token, head, segment, ...) contiguous; ml holds (max, sum) pairs
-        row = (tok * (GROUP * tl.num_programs(1)) + head) * NUM_SEG + seg
+        row = (tok * (GROUP * tl.num_programs(1)) + head) * n_seg + seg
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _reduce_segments_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SEG: tl.constexpr,
+def _reduce_segments(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, num_seg, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SEGS: tl.constexpr, SEG_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
+    """Combine the (max, sum, accumulator) partials of the segments. ``SEGS`` > 0 (a captured graph): that many,
+    in one shot. ``SEGS`` = 0 (eager steps): ``num_seg`` of them, ``SEG_BLOCK`` at a time with an online
+    rescale, so one compiled kernel serves every split."""
     pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    row = (tok * num_heads + h) * NUM_SEG + tl.arange(0, NUM_SEG)
-    m = tl.load(part_ml_ptr + row * 2)
-    lsum = tl.load(part_ml_ptr + row * 2 + 1)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)                                 # empty segment: m = -inf -> weight 0
-    denom = tl.sum(lsum * w, 0)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    # a segment without keys wrote no accumulator: not read (and no bytes moved for it)
-    has_keys = (m > float("-inf"))[:, None] & (offs_d < HEAD_DIM_P)[None, :]
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    if SEGS > 0:
+        row = (tok * num_heads + h) * SEGS + tl.arange(0, SEGS)
+        m = tl.load(part_ml_ptr + row * 2)
+        lsum = tl.load(part_ml_ptr + row * 2 + 1)
+        m_max = tl.max(m, 0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_safe)                             # empty segment: m = -inf -> weight 0
+        denom = tl.sum(lsum * w, 0)
+        # a segment without keys wrote no accumulator: not read (and no bytes moved for it)
+        has_keys = (m > float("-inf"))[:, None] & (offs_d < HEAD_DIM_P)[None, :]
+        acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    else:
+        base = (tok * num_heads + h) * num_seg
+        offs_s = tl.arange(0, SEG_BLOCK)
+        m_run = tl.max(tl.full([SEG_BLOCK], float("-inf"), tl.float32), 0)
+        denom = tl.sum(tl.zeros([SEG_BLOCK], tl.float32), 0)
+        acc = tl.zeros([HEAD_DIM_P], tl.float32)
+        for s0 in range(0, num_seg, SEG_BLOCK):
+            ok = s0 + offs_s < num_seg
+            row = base + s0 + offs_s
+            m = tl.load(part_ml_ptr + row * 2, mask=ok, other=float("-inf"))
+            lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)                 # the trips before, rescaled (first trip: 0 x 0)
+            w = tl.exp2(m - m_safe)
+            has_keys = (m > float("-inf"))[:, None] & (offs_d < HEAD_DIM_P)[None, :]
+            part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
+            acc = acc * alpha + tl.sum(part * w[:, None], 0)
+            denom = denom * alpha + tl.sum(lsum * w, 0)
+            m_run = m_new
+        o = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
+
+
+# Graph and eager forms (``jit_forms.py``): a captured graph also compiles its split count in (``SEGS``); eager
+# steps pass it at run time, and ``_attend`` gives their block tables a stride that is a multiple of 16 (so that
+# specialization, which vectorizes the table loads, stays one).
+_paged_attention_kernel = two_forms(_paged_attention, per_step=["num_reqs", "num_seg"],
+                                    per_step_pointers=["qsl_ptr", "seq_lens_ptr", "pos_ptr", "slot_ptr"])
+_reduce_segments_kernel = two_forms(_reduce_segments, per_step=["num_seg"])
+
+
+def reduce_seg_block(head_dim_p: int) -> int:
+    """Segments the reduction reads per loop trip: a (SEG_BLOCK x head_dim) fp32 tile of at most 4096 elements,
+    so the 1-2 warps of ``reduce_warps`` hold it in registers (the common 16-32-segment splits take one trip)."""
+    return max(1, min(32, 4096 // head_dim_p))
 
 
 def reduce_warps(head_dim_p: int) -> int:
@@ -535,6 +575,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
+    # A captured graph replays one split forever: its count is compiled in (as fast as a fixed-count kernel can
+    # be); eager steps pass it at run time, so their varying splits share one compile (no JIT while serving).
+    segs = num_segments if num_segments > 1 and capturing(q) else 0
     if num_segments > 1:
         part_acc = torch.empty(num_tokens, num_heads, num_segments, hd_p, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, num_segments, 2, dtype=torch.float32, device=q.device)
@@ -543,6 +586,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
     bt = cam.block_table_tensor
     if bt.device != q.device:
         bt = bt.to(q.device)
+    if bt.is_cuda and bt.dim() == 2 and bt.stride(0) % 16 and not capturing(bt):
+        # a per-step table width: null columns up to a multiple of 16, one specialization for every step
+        # (a captured graph's tables have a fixed width: compiled at capture)
+        bt = torch.nn.functional.pad(bt, (0, -bt.shape[1] % 16))
     qsl = cam.query_start_loc if cam.query_start_loc.device == q.device else cam.query_start_loc.to(q.device)
     seq = cam.seq_lens if cam.seq_lens.device == q.device else cam.seq_lens.to(q.device)
     if fresh is None:
@@ -552,10 +599,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
         prep = False
     else:
         prep = True
-    _paged_attention_kernel[(n_qblocks, num_kv_heads, num_segments)](
+    _paged_attention_kernel.pick(q)[(n_qblocks, num_kv_heads, num_segments)](
         out_ptr=out, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, bt_ptr=bt, qsl_ptr=qsl, seq_lens_ptr=seq,
-        num_reqs=cam.num_reqs, scale=float(scale), softcap=float(softcap or 1.0), window=int(sliding_window or 0),
+        num_reqs=cam.num_reqs, num_seg=num_segments, scale=float(scale), softcap=float(softcap or 1.0),
+        window=int(sliding_window or 0),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
@@ -563,13 +611,15 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
         HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, GROUP=group,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
         IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-        NUM_SEG=num_segments, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", DECODE=decode,
+        SPLIT=num_segments > 1, SEGS=segs, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DECODE=decode,
         PREP=prep, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fresh, **pdl_kwargs(out.device),
     )
     if num_segments > 1:
-        _reduce_segments_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_SEG=num_segments, num_warps=reduce_warps(hd_p),
+        _reduce_segments_kernel.pick(q)[(num_tokens, num_heads)](
+            out, part_acc, part_ml, num_heads, num_segments, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, SEGS=segs, SEG_BLOCK=reduce_seg_block(hd_p),
+            num_warps=reduce_warps(hd_p),
             **pdl_kwargs(out.device),
         )
     return out

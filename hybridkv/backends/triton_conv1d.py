@@ -53,7 +53,8 @@ def _silu(y):
     return y / (1.0 + tl.exp(-y))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"],      # per-step values: one compile serves all
+            do_not_specialize_on_alignment=["qsl_ptr", "idx_ptr", "init_ptr"])
 def _conv1d_varlen_kernel(
     y_ptr, x_ptr, w_ptr, b_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr,
     num_reqs, num_tokens, dim, num_slots,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.jit_forms import two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation, act_mul_triton
 from hybridkv.backends.triton_sampling import argmax_triton, first_max, reduce_partials
@@ -96,8 +97,7 @@ def _epilogue(acc, acc_g, b_ptr, y_ptr, rm, rn, m_ok, n_ok, N, gate_mult, stride
         tl.store(amax_idx_ptr + part, first, mask=m_ok)
 
 
-@triton.jit
-def _skinny_linear_kernel(
+def _skinny_linear(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, amax_ptr, amax_idx_ptr, write_ptr, M, N, K, gate_mult,
     stride_xm, stride_wn, stride_ym, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MULT: tl.constexpr, ARGMAX: tl.constexpr, WRITE_FLAG: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -160,6 +160,10 @@ def _skinny_linear_kernel(
 _SMEM_BUDGET = 160 * 1024          # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
 
 
+# rows change per step (the graph form knows its bucket's); BLOCK_M's classes are built by the start-up warm-up
+_skinny_linear_kernel = two_forms(_skinny_linear, per_step=["M"])
+
+
 def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2) -> dict:
     """Tiles for a (rows x k) @ (k x n) product (n output channels; gated: per half). From the H100 sweep
     (``benchmarks/gpu_sweeps.py skinny-linear``): 32-channel column blocks (64 for vocabulary-size outputs,
@@ -210,7 +214,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if argmax is not None and amax.shape != (rows, column_blocks):
         raise ValueError(f"linear_triton: argmax partials of shape {tuple(amax.shape)}, expected "
                          f"{(rows, column_blocks)}")
-    _skinny_linear_kernel[(column_blocks, split)](
+    _skinny_linear_kernel.pick(x)[(column_blocks, split)](
         x, weight, bias if bias is not None else weight, y, part, _counters(x.device), amax, amax_idx,
         write_logits if write_logits is not None else y, rows, n, k, gate_multiplier, x.stride(0), weight.stride(0),
         y.stride(0), ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0,

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.jit_forms import two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
 from hybridkv.layers.ops.fused_ref import ROUTERS, moe_route_ref
@@ -144,8 +145,7 @@ def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
     return y.to(out_ty)
 
 
-@triton.jit
-def _gate_up_tiled_kernel(
+def _gate_up_tiled(
     x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, rows, dim, inter, k_slots,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
     ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
@@ -186,8 +186,11 @@ def _gate_up_tiled_kernel(
         tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h.to(ty), mask=mine[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _down_tiled_kernel(
+# assignments (and the chunk offsets of a large batch) change per step
+_gate_up_tiled_kernel = two_forms(_gate_up_tiled, per_step=["rows"], per_step_pointers=["ids_ptr", "w_ptr"])
+
+
+def _down_tiled(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, rows, dim, inter,
     stride_h, stride_de, stride_dn, stride_y, stride_add,
     SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr,
@@ -216,6 +219,9 @@ def _down_tiled_kernel(
         m = mine[:, None] & n_ok[None, :]
         y = _plus(y, add_ptr + r[:, None] * stride_add + n[None, :], m, y_ptr.dtype.element_ty, HAS_ADD)
         tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y, mask=m)
+
+
+_down_tiled_kernel = two_forms(_down_tiled, per_step=["rows"], per_step_pointers=["ids_ptr", "w_ptr"])
 
 
 def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
@@ -283,12 +289,12 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         r0, r1 = t0 * k, t1 * k
         block_m = max(16, triton.next_power_of_2(r1 - r0))
         cfg = _tiled_config("gate_up", block_m, x.element_size())
-        _gate_up_tiled_kernel[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
+        _gate_up_tiled_kernel.pick(x)[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
             x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], r1 - r0, dim, inter, k, x.stride(0),
             g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), ACT=_ACT_IDS[activation],
             GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
         cfg = _tiled_config("down", block_m, x.element_size())
-        _down_tiled_kernel[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
+        _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
             h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y,
             r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
             addend.stride(0) if fused_add else 0, SCALE_INPUT=scale_input, HAS_ADD=fused_add, BLOCK_M=block_m,

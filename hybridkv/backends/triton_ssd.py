@@ -72,7 +72,8 @@ def _discretize(dt, dt_bias, dt_min, dt_max, HAS_DT_BIAS: tl.constexpr, SOFTPLUS
     return tl.minimum(tl.maximum(dt, dt_min), dt_max)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"],      # a per-step value: one compile serves every step
+            do_not_specialize_on_alignment=["qsl_ptr", "idx_ptr", "init_ptr"])
 def _ssd_scan_kernel(
     y_ptr, state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, qsl_ptr, idx_ptr, init_ptr,
     num_tokens, headdim, dstate, heads_per_group, num_slots, dt_min, dt_max,

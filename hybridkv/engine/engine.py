@@ -474,6 +474,12 @@ class LLMEngine:
                              prompt_logprobs=(tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None
                                               else None))
 
+    def reset_counters(self) -> None:
+        """Zero the counters ``stats`` reports (after the start-up warm-up)."""
+        self._steps = self._prompt_tokens = self._generated = 0
+        self.scheduler.num_preemptions = 0
+        self.coordinator.reset_stats()
+
     def stats(self) -> EngineStats:
         s = self.coordinator.stats
         return EngineStats(steps=self._steps, prompt_tokens=self._prompt_tokens,

@@ -25,6 +25,7 @@ from hybridkv.engine.executor import TensorParallelExecutor, serve
 from hybridkv.engine.model_runner import ModelRunner, out_of_memory_message
 from hybridkv.engine.request import CompletionOutput, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.warmup import warm_up
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.layers.parallel import SINGLE, TensorParallel
 from hybridkv.loaders.hf_config import load_config
@@ -138,7 +139,8 @@ class LLM:
     ``distributed_timeout`` (seconds) bounds every collective of a step: a dead or stuck rank is an error,
     not a hang. ``cuda_graphs``: replay captured decode steps (None = on when the device and backend allow it).
     ``async_scheduling``: prepare step N+1 on the host while the device runs step N (None = on CUDA without
-    tensor parallelism; ``LLMEngine`` says what changes).
+    tensor parallelism; ``LLMEngine`` says what changes). ``warmup``: serve a few synthetic requests at start-up
+    so no kernel is compiled while serving (``engine/warmup.py``; None = on CUDA).
     With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
     the other ranks (done at exit otherwise)."""
 
@@ -148,7 +150,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
                  backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout: float = 600.0,
-                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
+                 warmup: bool | None = None) -> None:
         dev = _resolve_device(device)
         self._executor: TensorParallelExecutor | None = None
         ctx = None
@@ -216,6 +219,8 @@ class LLM:
                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
                                 backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner,
                                 cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+        if warmup or (warmup is None and dev.type == "cuda"):
+            warm_up(self.engine)
         self._next_id = 0
 
     def shutdown(self) -> None:
