@@ -20,14 +20,12 @@ import torch
 
 from hybridkv.layers import moe as moe_module
 from hybridkv.layers.moe import (
-    IMPL_ENV,
     MoEFeedForward,
     choose_impl,
     moe_experts_grouped,
     moe_experts_padded,
     moe_experts_ref,
     run_experts,
-    set_moe_impl,
 )
 from hybridkv.models.config import MoE
 
@@ -86,9 +84,9 @@ def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.
     for num_tokens in (1, 3, 17, 64):
         x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)).to(dev, dtype)
         with torch.no_grad():
-            set_moe_impl(layer, "ref")
+            layer.impl = "ref"
             want = layer(x)
-            set_moe_impl(layer, impl)
+            layer.impl = impl
             got = layer(x)
         assert got.dtype == want.dtype == dtype
         torch.testing.assert_close(got, want, **_tol(dtype), msg=f"{impl} {name} T={num_tokens}")
@@ -176,11 +174,7 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_impl("padded", x, ids(4), layer.experts()) == "padded"
     with pytest.raises(ValueError, match="not one of"):
         MoEFeedForward(HIDDEN, CONFIGS["llama4"], impl="fast")
-    monkeypatch.setenv(IMPL_ENV, "grouped")
-    assert MoEFeedForward(HIDDEN, CONFIGS["llama4"]).impl == "grouped"
-    monkeypatch.setenv(IMPL_ENV, "nope")
-    with pytest.raises(ValueError, match="nope"):
-        MoEFeedForward(HIDDEN, CONFIGS["llama4"])
+    assert MoEFeedForward(HIDDEN, CONFIGS["llama4"]).impl == "auto"
 
     class FakeCuda:                      # the GPU rules without a GPU: decide from device, dtype and sizes
         type = "cuda"
@@ -231,7 +225,7 @@ def test_packed_experts_run_on_the_backend_act_mul(impl: str) -> None:
     path's (E, T, 2 * inter) is flattened for it (the torch reference would take any shape)."""
     import dataclasses
 
-    from hybridkv.backends.registry import torch_backend
+    from hybridkv.backends.base import torch_backend
     from hybridkv.forward_context import ForwardContext, forward_context
     from tests._triton import DEVICE, kernel_module
 
@@ -241,9 +235,9 @@ def test_packed_experts_run_on_the_backend_act_mul(impl: str) -> None:
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     backend = dataclasses.replace(torch_backend(), act_mul=tf.act_mul_triton)
     with torch.no_grad():
-        set_moe_impl(layer, "ref")
+        layer.impl = "ref"
         want = layer(x)
-        set_moe_impl(layer, impl)
+        layer.impl = impl
         with forward_context(ForwardContext(inputs={}, backend=backend)):
             got = layer(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
