@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "debug", "master_address", "torchrun_world",
+__all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "debug", "hf_cache_dirs", "master_address", "torchrun_world",
            "tp_spawned", "triton_interpret"]
 
 
@@ -47,6 +48,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            meaning="torchrun: this process's rank on its host (its GPU index)"),
     EnvVar(name="MASTER_ADDR", type="str", default="", meaning="torchrun: rank 0's host"),
     EnvVar(name="MASTER_PORT", type="int", default="", meaning="torchrun: rank 0's port"),
+    EnvVar(name="HF_HOME", type="str", default="~/.cache/huggingface",
+           meaning="Hugging Face's cache root, searched for an already downloaded GSM8K (never downloaded)"),
+    EnvVar(name="HF_DATASETS_CACHE", type="str", default="", meaning="Hugging Face's datasets cache, searched first"),
+    EnvVar(name="HF_HUB_CACHE", type="str", default="$HF_HOME/hub", meaning="Hugging Face's hub cache"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -101,6 +106,15 @@ def master_address() -> tuple[str, int]:
     if missing:
         raise RuntimeError(f"environment variable(s) {', '.join(missing)} not set (set by the launcher)")
     return os.environ["MASTER_ADDR"], _int("MASTER_PORT")
+
+
+def hf_cache_dirs() -> list[Path]:
+    """Where a Hugging Face dataset may already be on disk, in search order: ``HF_DATASETS_CACHE`` (if set),
+    ``$HF_HOME/datasets``, then ``HF_HUB_CACHE`` (default ``$HF_HOME/hub``)."""
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    first = [Path(os.environ["HF_DATASETS_CACHE"])] if "HF_DATASETS_CACHE" in os.environ else []
+    hub = Path(os.environ["HF_HUB_CACHE"]) if "HF_HUB_CACHE" in os.environ else home / "hub"
+    return [*first, home / "datasets", hub]
 
 
 def benchmark_commit() -> str | None:

@@ -19,7 +19,7 @@ OTHER_READERS = {
     "engine/distributed.py": "torchrun's WORLD_SIZE / RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and the "
                              "spawn marker; it also sets the spawned ranks' environment",
     "engine/executor.py": "HYBRIDKV_TP_FAULT, a test fault hook removed by the tensor-parallel work",
-    "eval/gsm8k.py": "HF_HOME / HF_DATASETS_CACHE / HF_HUB_CACHE, where a downloaded GSM8K may already be",
+    "eval/gsm8k.py": "HF_HOME / HF_DATASETS_CACHE / HF_HUB_CACHE (envs.hf_cache_dirs has the same search)",
     "eval/sandbox.py": "PATH, handed to the sandboxed child",
 }
 # HYBRIDKV_* names the package may mention without documenting them in envs.py.
@@ -110,3 +110,13 @@ def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch: pytest.MonkeyP
     assert envs.triton_interpret()
     monkeypatch.setenv("TRITON_INTERPRET", "anything")
     assert not envs.triton_interpret()
+
+
+def test_hf_cache_search_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert envs.hf_cache_dirs() == [tmp_path / "home" / "datasets", tmp_path / "home" / "hub"]
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert envs.hf_cache_dirs() == [tmp_path / "ds", tmp_path / "home" / "datasets", tmp_path / "hub"]

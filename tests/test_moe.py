@@ -40,6 +40,9 @@ CONFIGS = {
 }
 FAST = ("grouped", "padded", "gemv", "tiled")     # gemv, tiled: Triton kernels (the interpreter on the CPU)
 TRITON = ("gemv", "tiled")
+# The interpreted Triton paths take seconds per layer on 2 cores: their whole-layer grids are slow-tier, and the
+# quick tier keeps them in ``test_addend_is_added_to_the_rounded_sum`` (both kernels, one and two slots).
+FAST_TIERED = [pytest.param(impl, marks=pytest.mark.slow) if impl in TRITON else impl for impl in FAST]
 
 
 def _layer(name: str, dtype: torch.dtype, seed: int = 0) -> MoEFeedForward:
@@ -70,9 +73,9 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("impl", FAST_TIERED)
 def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.dtype, packed: bool) -> None:
     """The whole layer (router, latent projections, shared expert) with each expert implementation; packed:
     gate|up as one tensor (``fuse_projections``), which the fast paths project with once."""
@@ -92,7 +95,7 @@ def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.
         torch.testing.assert_close(got, want, **_tol(dtype), msg=f"{impl} {name} T={num_tokens}")
 
 
-@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("impl", FAST_TIERED)
 def test_skewed_and_empty_routing(impl: str) -> None:
     """Every token to one expert (the others empty), every expert empty but one, and a permutation of a batch
     permutes the output (no mixing between tokens)."""

@@ -43,7 +43,13 @@ class Family:
     oracle: dict[str, tuple[list[int], torch.Tensor]]     # prompt -> (HF greedy tokens, their logits)
 
 
-@pytest.fixture(scope="module", params=list(BUILDERS))
+# The quick tier (``-m "not slow"``) keeps one family with Mamba2, attention and MoE layers; the others are slow
+# (their HF oracles alone take tens of seconds on 2 cores).
+QUICK_FAMILIES = ("nemotron_h",)
+
+
+@pytest.fixture(scope="module", params=[name if name in QUICK_FAMILIES else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in BUILDERS])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name = request.param
     hf = BUILDERS[name]()
