@@ -16,7 +16,6 @@ The choice is logged.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import logging
 import sys
