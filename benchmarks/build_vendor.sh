@@ -14,7 +14,7 @@
 # Each setup.py is patched in a scratch copy: its -gencode list is replaced by one arch (9.0 = H100/H200: the
 # full list compiles ~8 archs), and bdist_wheel comes from setuptools when the `wheel` package is absent.
 # *_FORCE_BUILD=TRUE stops setup.py from trying to download a prebuilt wheel from GitHub (it would hang
-# offline). The packages build in parallel (mamba-ssm + causal-conv1d ~7-8 min on 16 cores per DESIGN.md).
+# offline). The packages build in parallel (mamba-ssm + causal-conv1d ~7-8 min on 16 cores).
 #
 # flash-attn's full build (~50 min for one arch) is cut down to what our adapter needs: paged KV always runs
 # FA2's split-KV forward (`run_mha_fwd(params, stream, /*force_split_kernel=*/paged_KV)`), so only the bf16

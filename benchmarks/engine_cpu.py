@@ -9,19 +9,18 @@ without running the model), then each timed step does exactly what ``LLMEngine.s
 host, with a fixed token standing in for sampling. "metadata" is the eager path's per-group CAMs and
 transforms (the CPU engine's); "graph_packing" is what a CUDA decode step does instead (the step tables
 packed into the captured graph's buffers, here host arrays of that layout); "total" and "total_graphs"
-add schedule, step batch and commit to each. Prints a table and writes
-``benchmarks/results/engine_cpu.json`` (``engine_cpu_no_mamba.json``). Target
-(issue 6): <= 300 µs per step at 256 requests.
+add schedule, step batch and commit to each. Prints a table and writes ``engine_cpu.json``
+(``engine_cpu_no_mamba.json``; ``--save``: the tracked result, see ``_results.py``). Target: <= 300 µs per
+step at 256 requests.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,11 +28,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, commit, write_json  # noqa: E402
+
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.cuda_graphs import _Layout, pack_host
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
-
-RESULTS = Path(__file__).parent / "results" / "engine_cpu.json"
 
 
 def bench_config(context: int, *, mamba: bool = True) -> HybridConfig:
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--no-mamba", action="store_true",
                         help="3 attention groups only: every decode block is hashed and registered for prefix "
                              "caching (with Mamba, only blocks up to the last state checkpoint are)")
+    add_output_args(parser, "engine_cpu[_no_mamba]")
     args = parser.parse_args()
     rows = {}
     for n in args.requests:
@@ -116,12 +117,10 @@ def main() -> None:
     for n, r in rows.items():
         table.add_row(str(n), *(f"{v:.0f}" for v in r.values()), "<= 300" if n == 256 else "")
     Console().print(table)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    out = RESULTS.with_name("engine_cpu_no_mamba.json") if args.no_mamba else RESULTS
-    out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "commit": commit,
-                               "groups": groups, "context": args.context,
-                               "us_per_step": {str(k): v for k, v in rows.items()}}, indent=1))
+    write_json(args, "engine_cpu_no_mamba" if args.no_mamba else "engine_cpu",
+               {"cpu": platform.processor() or platform.machine(), "commit": commit(), "groups": groups,
+                "context": args.context, "command": " ".join(sys.argv),
+                "us_per_step": {str(k): v for k, v in rows.items()}})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What a kernel kind costs a decode step: ``gpu_decode.py`` with that kind's launches skipped.
 
-    python benchmarks/gpu_ablation.py --skip norm -- --families gemma3 --batches 1,32 --backends triton \\
-        --no-hf --prefill 0 --check-len 512 --out benchmarks/results/gpu_ablation_norm.json
+    python benchmarks/gpu_ablation.py --skip attention -- --families gemma3 --batches 1,32 --backends triton \\
+        --no-hf --prefill 0 --check-len 64 --tag ablation_gemma3_attention
 
 ``--skip`` (comma-separated): ``norm`` (every add + RMS norm launch), ``reduce`` (the split-KV reduction),
 ``attention`` (paged attention and its reduction). The skipped kernels' outputs are left unwritten, so the

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """Triton paged attention on the GPU: correctness vs fp32, then speed vs the torch reference and SDPA.
 
-    python benchmarks/gpu_attention.py [--quick] [--sweep]   # writes benchmarks/results/gpu_attention.json
+    python benchmarks/gpu_attention.py [--quick] [--save]   # writes gpu_attention.json (``_results.py``)
 
 1. Copy bandwidth (bytes read + written of a large device copy): the decode roofline.
 2. Correctness, bf16 inputs, random mixed batches (decode / prefill / chunked prefill, shuffled block ids,
@@ -14,15 +14,12 @@
    copy bandwidth. SDPA: flash on the dense (B, kv_heads, S, d) cache with the GQA group as the query axis.
    The torch reference (a Python loop over requests) is timed eagerly.
 4. Prefill: causal, whole prompt per request; TFLOP/s vs SDPA (is_causal, enable_gqa) on dense tensors.
-``--sweep`` also times tile shapes (TILE, num_warps, num_stages, BLOCK_M) and prints the best.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,24 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, commit, write_json  # noqa: E402
+
 from hybridkv.backends.triton_attention import launch_config, paged_attention_triton
 from hybridkv.layers.ops.attention_ref import paged_attention_ref
 from hybridkv.metadata import CommonAttentionMetadata
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def git_commit() -> str:
-    """HEAD's short hash (or $HYBRIDKV_COMMIT, for copies of the tree without .git)."""
-    import os
-
-    if os.environ.get("HYBRIDKV_COMMIT"):
-        return os.environ["HYBRIDKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def device_meta() -> dict:
@@ -57,7 +42,7 @@ def device_meta() -> dict:
 
     props = torch.cuda.get_device_properties(0)
     return {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
-            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+            "torch": torch.__version__, "triton": triton.__version__, "commit": commit(),
             "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -260,19 +245,15 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / (us * 1e-6)
 
 
-def decode_bench(copy_bw: float, quick: bool, sweep: bool, sweep_only: bool = False
-                 ) -> tuple[list[dict], list[dict]]:
+def decode_bench(copy_bw: float, quick: bool) -> list[dict]:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256)]
     batches = [1, 8, 32, 128] if not quick else [1, 32]
     ctxs = [1024, 8192] if not quick else [4096]
-    rows, sweep_rows = [], []
+    rows = []
     for sname, h, kv, d in shapes:
         for B in batches:
             for ctx in ctxs:
-                swept = sweep and ctx == ctxs[-1] and B in (1, 32)
-                if sweep_only and not swept:
-                    continue
                 s_lens = [ctx] * B
                 set_bytes = 2 * B * ctx * kv * d * 2
                 n_sets = int(min(64, max(1, math.ceil(4 * l2 / set_bytes))))
@@ -283,54 +264,37 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool, sweep_only: bool = Fa
                 # the segment count the eager heuristic picks, fixed for the graph
                 segs = _eager_segments(b, cfg)
 
-                def ours(i, config=None, segs=segs):
+                def ours(i, segs=segs):
                     return lambda: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, b.cams[i], scale=b.scale,
-                                                          out=outs[i], num_segments=segs, config=config)
+                                                          out=outs[i], num_segments=segs)
 
                 nbytes = b.kv_bytes
-                if not sweep_only:
-                    t_ours = graph_time_us([ours(i) for i in range(n_sets)])
-                    t_eager = eager_time_us(ours(0))
-                    # SDPA flash on a dense cache: q (B, kv, G, d) non-causal == decode GQA
-                    kd = [torch.stack(b.k_dense[i]).transpose(1, 2).contiguous() for i in range(n_sets)]
-                    vd = [torch.stack(b.v_dense[i]).transpose(1, 2).contiguous() for i in range(n_sets)]
-                    qd = [q.view(B, kv, h // kv, d) for q in b.q]
-                    t_sdpa = graph_time_us([
-                        (lambda i=i: F.scaled_dot_product_attention(qd[i], kd[i], vd[i], scale=b.scale))
-                        for i in range(n_sets)])
-                    t_ref = float("nan")
-                    if B <= 32:
-                        def ref():
-                            return paged_attention_ref(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
+                t_ours = graph_time_us([ours(i) for i in range(n_sets)])
+                t_eager = eager_time_us(ours(0))
+                # SDPA flash on a dense cache: q (B, kv, G, d) non-causal == decode GQA
+                kd = [torch.stack(b.k_dense[i]).transpose(1, 2).contiguous() for i in range(n_sets)]
+                vd = [torch.stack(b.v_dense[i]).transpose(1, 2).contiguous() for i in range(n_sets)]
+                qd = [q.view(B, kv, h // kv, d) for q in b.q]
+                t_sdpa = graph_time_us([
+                    (lambda i=i: F.scaled_dot_product_attention(qd[i], kd[i], vd[i], scale=b.scale))
+                    for i in range(n_sets)])
+                t_ref = float("nan")
+                if B <= 32:
+                    def ref():
+                        return paged_attention_ref(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale)
+                    ref()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
                         ref()
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        for _ in range(3):
-                            ref()
-                        torch.cuda.synchronize()
-                        t_ref = (time.perf_counter() - t0) / 3 * 1e6
-                    rows.append({"shape": sname, "batch": B, "ctx": ctx, "segments": segs, "us_graph": t_ours,
-                                 "us_eager": t_eager, "us_sdpa_graph": t_sdpa, "us_ref_eager": t_ref,
-                                 "GB/s": nbytes / t_ours / 1e3, "pct_copy_bw": 100 * nbytes / (t_ours * 1e-6) / copy_bw,
-                                 "sdpa_pct_copy_bw": 100 * nbytes / (t_sdpa * 1e-6) / copy_bw})
-                if swept:
-                    for tile in (32, 64, 128):
-                        for warps in (4, 8):
-                            for stages in (2, 3):
-                                for sg in sorted({segs, min(128, segs * 2)} if B == 1 else {segs}):
-                                    c = {"TILE": tile, "num_warps": warps, "num_stages": stages,
-                                         "BLOCK_M": cfg["BLOCK_M"]}
-                                    try:
-                                        t = graph_time_us([ours(i, c, sg) for i in range(n_sets)], 100)
-                                    except Exception as e:  # out of resources etc.
-                                        t = float("nan")
-                                        print("sweep error", c, type(e).__name__, str(e)[:80])
-                                    sweep_rows.append({"kind": "decode", "shape": sname, "batch": B, "ctx": ctx,
-                                                       "segments": sg, **c, "us": t,
-                                                       "pct_copy_bw": 100 * nbytes / (t * 1e-6) / copy_bw})
-                                    print("sweep", sweep_rows[-1], flush=True)
+                    torch.cuda.synchronize()
+                    t_ref = (time.perf_counter() - t0) / 3 * 1e6
+                rows.append({"shape": sname, "batch": B, "ctx": ctx, "segments": segs, "us_graph": t_ours,
+                             "us_eager": t_eager, "us_sdpa_graph": t_sdpa, "us_ref_eager": t_ref,
+                             "GB/s": nbytes / t_ours / 1e3, "pct_copy_bw": 100 * nbytes / (t_ours * 1e-6) / copy_bw,
+                             "sdpa_pct_copy_bw": 100 * nbytes / (t_sdpa * 1e-6) / copy_bw})
                 torch.cuda.empty_cache()
-    return rows, sweep_rows
+    return rows
 
 
 def _eager_segments(b: PagedBatch, cfg: dict) -> int:
@@ -348,24 +312,18 @@ def _eager_segments(b: PagedBatch, cfg: dict) -> int:
     return max(1, min(segs, ta._next_pow2(-(-tiles // 2))))
 
 
-def prefill_bench(quick: bool, sweep: bool, sweep_only: bool = False) -> tuple[list[dict], list[dict]]:
-    rows, sweep_rows = [], []
+def prefill_bench(quick: bool) -> list[dict]:
+    rows = []
     shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256)]
     for sname, h, kv, d in shapes:
         for B, S in ([(1, 2048), (1, 8192), (4, 2048)] if not quick else [(1, 4096)]):
-            swept = sweep and B == 1 and S == 8192
-            if sweep_only and not swept:
-                continue
             b = PagedBatch([S] * B, [S] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=S + B,
                            poison=False)
             out = torch.empty_like(b.q[0])
             flops = 4 * B * h * d * S * (S + 1) / 2
 
-            def ours(config=None):
-                return lambda: paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale,
-                                                      out=out, config=config)
-
-            t = eager_time_us(ours())
+            t = eager_time_us(lambda: paged_attention_triton(b.q[0], b.k_cache, b.v_cache, b.cams[0], scale=b.scale,
+                                                             out=out))
             qd = b.q[0].view(B, S, h, d).transpose(1, 2)
             kd = torch.stack(b.k_dense[0]).transpose(1, 2)
             vd = torch.stack(b.v_dense[0]).transpose(1, 2)
@@ -373,24 +331,8 @@ def prefill_bench(quick: bool, sweep: bool, sweep_only: bool = False) -> tuple[l
                                                                           enable_gqa=True))
             rows.append({"shape": sname, "batch": B, "seq": S, "us": t, "TFLOP/s": flops / t / 1e6,
                          "us_sdpa": t_sdpa, "sdpa_TFLOP/s": flops / t_sdpa / 1e6})
-            if swept:
-                for bm in (32, 64, 128):
-                    for tile in (32, 64):
-                        for warps in (4, 8):
-                            for stages in (2,):
-                                if bm == 32 and d <= 128:
-                                    continue
-                                c = {"BLOCK_M": bm, "TILE": tile, "num_warps": warps, "num_stages": stages}
-                                try:
-                                    tt = eager_time_us(ours(c))
-                                except Exception as e:
-                                    tt = float("nan")
-                                    print("sweep error", c, type(e).__name__, str(e)[:80])
-                                sweep_rows.append({"kind": "prefill", "shape": sname, "batch": B, "seq": S, **c,
-                                                   "us": tt, "TFLOP/s": flops / tt / 1e6})
-                                print("sweep", sweep_rows[-1], flush=True)
             torch.cuda.empty_cache()
-    return rows, sweep_rows
+    return rows
 
 
 def fmt(x, p=1):
@@ -400,37 +342,19 @@ def fmt(x, p=1):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-only", action="store_true", help="only the tile sweep (no correctness, no tables)")
-    ap.add_argument("--sweep-kinds", default="decode,prefill")
-    ap.add_argument("--out", default=str(RESULTS / "gpu_attention.json"))
+    add_output_args(ap, "gpu_attention")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
 
     meta = device_meta()
     copy_bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
-    sweep = args.sweep or args.sweep_only
-    corr = [] if args.sweep_only else correctness(args.quick)
-    kinds = args.sweep_kinds.split(",")
-    if args.sweep_only and "decode" not in kinds:
-        dec, dec_sweep = [], []
-    else:
-        dec, dec_sweep = decode_bench(copy_bw, args.quick, sweep, args.sweep_only)
-    pre, pre_sweep = prefill_bench(args.quick, sweep, args.sweep_only)
-    result = {"meta": meta, "correctness": corr, "decode": dec, "prefill": pre, "sweep": dec_sweep + pre_sweep}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    meta["command"] = " ".join(sys.argv)
+    corr = correctness(args.quick)
+    dec = decode_bench(copy_bw, args.quick)
+    pre = prefill_bench(args.quick)
+    write_json(args, "gpu_attention", {"meta": meta, "correctness": corr, "decode": dec, "prefill": pre})
 
-    if dec_sweep or pre_sweep:
-        best = {}
-        for r in dec_sweep + pre_sweep:
-            key = (r["kind"], r["shape"], r.get("batch"), r.get("ctx", r.get("seq")))
-            if math.isfinite(r["us"]) and (key not in best or r["us"] < best[key]["us"]):
-                best[key] = r
-        print_table("sweep: best configs", ["kind", "shape", "B", "len", "config", "µs"],
-                    [[*k, {c: v[c] for c in ("BLOCK_M", "TILE", "num_warps", "num_stages", "segments") if c in v},
-                      fmt(v["us"])] for k, v in best.items()])
     print_table(f"prefill (causal) on {meta['device']}", ["shape", "B", "S", "ours µs", "ours TFLOP/s", "SDPA µs",
                                                       "SDPA TFLOP/s"],
                 [[r["shape"], r["batch"], r["seq"], fmt(r["us"]), fmt(r["TFLOP/s"]), fmt(r["us_sdpa"]),

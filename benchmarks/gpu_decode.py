@@ -2,8 +2,8 @@
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
     python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh] [--batches 1,8,32]
-                                    [--backends triton,triton:eager] [--tiny]
-    # writes benchmarks/results/gpu_decode.json
+                                    [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
+    # writes gpu_decode[_NAME].json (``_results.py``)
 
 Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer,
 shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head),
@@ -23,7 +23,9 @@ Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read
 and written per step) / copy bandwidth (measured here). A short torch.profiler trace of batch-1
 (``--profile-batch``) decode steps gives GPU busy time vs wall time and the top kernels, which explains the gap
 (launch-bound vs kernel-bound).
-``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless).
+``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless, nothing written).
+``--tag`` names the scenario in the file name (the tracked results keep one file per scenario:
+``docs/performance.md`` lists the commands).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_attention import git_commit, print_table  # noqa: E402
+from _results import add_output_args, commit, write_json  # noqa: E402
+from gpu_attention import print_table  # noqa: E402
 
 
 def hf_config(family: str, tiny: bool):
@@ -222,16 +224,10 @@ def replay_ms(llm, batch: int) -> float | None:
     graph = graphs._graphs[graphs.bucket_for(batch)][0]
     torch.cuda.synchronize()
     caches, bs = eng.runner.caches, llm.plan.block_size
-    buffers = getattr(graphs, "buffers", None)        # one layout per bucket (absent in A/B runs of a package
-    if buffers is not None:                           # from before session 22: one layout, the largest bucket)
-        view = buffers.views[graphs.bucket_for(batch)]
-        lay, dev64 = view.layout, view.dev64
-    else:
-        lay, dev64 = graphs.layout, graphs._dev64
+    view = graphs.buffers.views[graphs.bucket_for(batch)]
+    lay, dev64 = view.layout, view.dev64
     saved = [(s, s.clone()) for g in llm.plan.mamba_groups for name in g.layer_names for s in caches[name]]
-    tokens = getattr(graphs, "_tokens", None)         # the next step's pending input ids (absent in A/B runs
-    if tokens is not None:                            # of a package from before session 21)
-        saved.append((tokens, tokens.clone()))
+    saved.append((graphs._tokens, graphs._tokens.clone()))       # the next step's pending input ids
     for a, gi in enumerate(lay.attention):        # (num_blocks, 2, block_size, kv_heads, dim) at the step's slots
         slots = lay.slots(dev64, a, batch)
         slots = slots[slots >= 0]
@@ -456,8 +452,10 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one --prefill step's kernels")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
-    ap.add_argument("--out", default=str(RESULTS / "gpu_decode.json"))
+    ap.add_argument("--tag", default="", help="scenario name: the result is gpu_decode_TAG.json")
+    add_output_args(ap, "gpu_decode[_TAG]")
     args = ap.parse_args()
+    name = f"gpu_decode_{args.tag}" if args.tag else "gpu_decode"
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
@@ -468,10 +466,10 @@ def main() -> None:
 
     bw = copy_bandwidth(device)
     mm = matmul_rate(device)
-    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": git_commit(),
-            "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "matmul_tflops": mm / 1e12,
-            "prompt_len": args.prompt,
-            "decode_steps": args.steps, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
+            "command": " ".join(sys.argv), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
+            "matmul_tflops": mm / 1e12, "prompt_len": args.prompt, "decode_steps": args.steps,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import transformers
 
@@ -517,7 +515,7 @@ def main() -> None:
                        "step_ms": step * 1e3, "tok_s": B / step, "floor_ms": floor * 1e3,
                        "x_floor": step / floor if floor == floor else float("nan"),
                        "host_ms": host * 1e3, "host_fraction": host / step,
-                       # greedy tokens of every request: equal digests = identical outputs (A/B runs)
+                       # greedy tokens of every request: equal digests = identical outputs (two builds compared)
                        "tokens_sha1": hashlib.sha1(json.dumps(r["tokens"]).encode()).hexdigest()[:12]}
                 replay = r["replay_ms"]
                 if replay is not None and replay == replay:   # what the step adds to the device's time
@@ -559,9 +557,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
         del hf
     result = {"meta": meta, "rows": rows, "profiles": profiles, "logits": logit_rows, "prefill": prefill_rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if not args.tiny:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args, name, result)
     print_table("logits of one prompt, all positions (rel. error vs HF in fp32; argmax agreement)",
                 ["family", "engine", "len", "rel err", "argmax = fp32", "HF bf16 rel err", "HF bf16 argmax = fp32"],
                 [[r["family"], r["engine"], r["len"], f"{r['rel_err']:.2e}", f"{r['argmax_agree']:.3f}",

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """Triton Mamba kernels on the GPU: correctness vs the fp32 references, then speed vs the torch references.
 
-    python benchmarks/gpu_mamba.py [--quick] [--sweep]     # writes benchmarks/results/gpu_mamba.json
+    python benchmarks/gpu_mamba.py [--quick] [--save]     # writes gpu_mamba.json (``_results.py``)
 
 Kernels: ``causal_conv1d_triton`` / ``causal_conv1d_update_triton`` (hybridkv/backends/triton_conv1d.py) and
 ``ssd_chunk_scan_triton`` / ``ssd_state_update_triton`` (hybridkv/backends/triton_ssd.py).
@@ -18,14 +18,11 @@ Kernels: ``causal_conv1d_triton`` / ``causal_conv1d_update_triton`` (hybridkv/ba
 4. Decode: the SSD state update and the conv update at batch 1, 8, 32, 128; time per call as CUDA-graph
    replays over rotated state-slot sets (> 4x L2 touched, so HBM is measured) and eager; bytes = state read
    + written (+ the small inputs / outputs); % of the copy bandwidth.
-``--sweep`` also times launch configs (scan: CHUNK, BLOCK_P, num_warps, num_stages; decode: BLOCK_P,
-num_warps), each checked against the reference first, and prints the best.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -36,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, write_json  # noqa: E402
 from gpu_attention import copy_bandwidth, device_meta, eager_time_us, fmt, graph_time_us, print_table  # noqa: E402
 
 from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
@@ -47,7 +45,6 @@ from hybridkv.backends.triton_ssd import (  # noqa: E402
 from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref  # noqa: E402
 from hybridkv.layers.ops.ssd_ref import ssd_chunk_scan_ref, ssd_state_update_ref  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 NAN = float("nan")
 
 # name, nheads, headdim, dstate, ngroups, conv width
@@ -246,8 +243,8 @@ def time_ref_us(fn, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def prefill_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], list[dict]]:
-    rows, sweep_rows = [], []
+def prefill_bench(copy_bw: float, quick: bool) -> list[dict]:
+    rows = []
     batches = [(1, 4096), (8, 2048)] if not quick else [(1, 4096)]
     for sname, H, P, N, G, W in (SHAPES if not quick else SHAPES[:1]):
         for nreq, S in batches:
@@ -261,11 +258,7 @@ def prefill_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict],
             n_init = sum(pk.init_list)
             ssd_bytes = (T * (2 * H * P + H + 2 * G * N) * el + (n_init + nreq) * H * P * N * 4)
 
-            def scan(config=None):
-                return lambda: ssd_chunk_scan_triton(**p, chunk_size=256, ssm_states=spool, out=out, config=config,
-                                                     **meta)
-
-            t = eager_time_us(scan())
+            t = eager_time_us(lambda: ssd_chunk_scan_triton(**p, chunk_size=256, ssm_states=spool, out=out, **meta))
             t_ref = time_ref_us(lambda: ssd_chunk_scan_ref(**p, chunk_size=256, ssm_states=spool, **meta), 2)
             rows.append({"op": "ssd scan", "shape": sname, "reqs": nreq, "seq": S, "us": t, "us_ref": t_ref,
                          "Mtok/s": T / t, "bytes": ssd_bytes, "GB/s": ssd_bytes / t / 1e3,
@@ -291,55 +284,13 @@ def prefill_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict],
                          "pct_copy_bw": 100 * conv_bytes / (t * 1e-6) / copy_bw, "config": {}})
             print("prefill", rows[-1], flush=True)
 
-            if sweep and nreq == 1 and sname == SHAPES[0][0]:
-                cpool0 = cpool.clone()           # the timing runs update ``cpool``; every config starts here
-                ref_c = cpool0.clone()
-                ref = causal_conv1d_ref(x, w, b, conv_states=ref_c, **meta)
-                for bt in (16, 32, 64):
-                    for bd in (64, 128, 256):
-                        for warps in (2, 4, 8):
-                            c = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps}
-                            try:
-                                test_c = cpool0.clone()
-                                y = causal_conv1d_triton(x, w, b, conv_states=test_c, config=c, **meta)
-                                err = rel_err(y, ref)
-                                ok = err < 1e-2 and torch.equal(test_c, ref_c)
-                                tt = eager_time_us(lambda: causal_conv1d_triton(x, w, b, conv_states=cpool, out=yc,
-                                                                                config=c, **meta)) if ok else NAN
-                            except Exception as e:
-                                err = tt = NAN
-                                print("sweep error", c, type(e).__name__, str(e)[:80])
-                            sweep_rows.append({"kind": "conv1d", "shape": sname, "reqs": nreq, "seq": S, **c,
-                                               "us": tt, "err": err})
-                            print("sweep", sweep_rows[-1], flush=True)
-                spool0 = spool.clone()           # the timing runs update ``spool``; every config starts here
-                ref_pool = spool0.clone()
-                ref = ssd_chunk_scan_ref(**f32(p), chunk_size=256, ssm_states=ref_pool, **meta)
-                for chunk in (32, 64, 128):
-                    for bp in (16, 32, 64):
-                        for warps in (4, 8):
-                            for stages in (2,):
-                                c = {"CHUNK": chunk, "BLOCK_P": bp, "num_warps": warps, "num_stages": stages}
-                                try:
-                                    test_pool = spool0.clone()
-                                    y = ssd_chunk_scan_triton(**p, chunk_size=256, ssm_states=test_pool, config=c,
-                                                              **meta)
-                                    err = rel_err(y, ref)
-                                    err_st = rel_err(test_pool, ref_pool)
-                                    tt = eager_time_us(scan(c)) if err < 2e-2 and err_st < 2e-2 else float("nan")
-                                except Exception as e:  # out of resources etc.
-                                    err = err_st = tt = float("nan")
-                                    print("sweep error", c, type(e).__name__, str(e)[:80])
-                                sweep_rows.append({"kind": "ssd scan", "shape": sname, "reqs": nreq, "seq": S, **c,
-                                                   "us": tt, "err": err, "state_err": err_st})
-                                print("sweep", sweep_rows[-1], flush=True)
             torch.cuda.empty_cache()
-    return rows, sweep_rows
+    return rows
 
 
-def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], list[dict]]:
+def decode_bench(copy_bw: float, quick: bool) -> list[dict]:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rows, sweep_rows = [], []
+    rows = []
     batches = [1, 8, 32, 128] if not quick else [1, 32]
     for sname, H, P, N, G, W in (SHAPES if not quick else SHAPES[:1]):
         conv_dim = H * P + 2 * G * N
@@ -355,9 +306,8 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], 
             outs = [torch.empty(B, H, P, dtype=torch.bfloat16, device="cuda") for _ in range(n_sets)]
             nbytes = 2 * set_bytes + B * (2 * H * P + H + 2 * G * N) * 2
 
-            def upd(i, config=None):
-                return lambda: ssd_state_update_triton(pool, **ins[i], state_indices=idx[i], out=outs[i],
-                                                       config=config)
+            def upd(i):
+                return lambda: ssd_state_update_triton(pool, **ins[i], state_indices=idx[i], out=outs[i])
 
             t_graph = graph_time_us([upd(i) for i in range(n_sets)])
             t_eager = eager_time_us(upd(0))
@@ -367,25 +317,6 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], 
                          "pct_copy_bw": 100 * nbytes / (t_graph * 1e-6) / copy_bw,
                          "config": ssd_launch_config(headdim=P, dstate=N, decode=True)})
             print("decode", rows[-1], flush=True)
-            if sweep and B in (1, 32) and sname == SHAPES[0][0]:
-                pool0 = pool.clone()             # the timing runs update ``pool``; every config starts here
-                ref_pool = pool0.clone()
-                ref = ssd_state_update_ref(ref_pool, **f32(ins[0]), state_indices=idx[0])
-                for bp in (4, 8, 16, 32, 64):
-                    for warps in (1, 2, 4, 8):
-                        c = {"BLOCK_P": bp, "num_warps": warps}
-                        try:
-                            test_pool = pool0.clone()
-                            y = ssd_state_update_triton(test_pool, **ins[0], state_indices=idx[0], config=c)
-                            err = rel_err(y, ref)
-                            ok = err < 1e-2 and rel_err(test_pool, ref_pool) < 1e-5
-                            tt = graph_time_us([upd(i, c) for i in range(n_sets)], 100) if ok else float("nan")
-                        except Exception as e:
-                            err = tt = float("nan")
-                            print("sweep error", c, type(e).__name__, str(e)[:80])
-                        sweep_rows.append({"kind": "ssd state update", "shape": sname, "batch": B, **c, "us": tt,
-                                           "err": err})
-                        print("sweep", sweep_rows[-1], flush=True)
             torch.cuda.empty_cache()
 
             # --- conv update
@@ -406,29 +337,6 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], 
 
             t_graph = graph_time_us([cupd(i) for i in range(n_sets)])
             t_eager = eager_time_us(cupd(0))
-            if sweep and B in (1, 32, 128) and sname == SHAPES[0][0]:
-                cpool0 = cpool.clone()           # the timing runs update ``cpool``; every config starts here
-                ref_c = cpool0.clone()
-                ref = causal_conv1d_update_ref(xs[0], conv_states=ref_c, weight=w, bias=b, state_indices=idx[0])
-                for bd in (64, 128, 256, 512, 1024):
-                    for warps in (1, 2, 4, 8):
-                        c = {"BLOCK_D": bd, "num_warps": warps}
-                        try:
-                            test_c = cpool0.clone()
-                            y = causal_conv1d_update_triton(xs[0], conv_states=test_c, weight=w, bias=b,
-                                                            state_indices=idx[0], config=c)
-                            err = rel_err(y, ref)
-                            ok = err < 1e-2 and torch.equal(test_c, ref_c)
-                            fns = [lambda i=i, c=c: causal_conv1d_update_triton(
-                                xs[i], conv_states=cpool, weight=w, bias=b, state_indices=idx[i], out=ys[i], config=c)
-                                for i in range(n_sets)]
-                            tt = graph_time_us(fns, 100) if ok else NAN
-                        except Exception as e:
-                            err = tt = NAN
-                            print("sweep error", c, type(e).__name__, str(e)[:80])
-                        sweep_rows.append({"kind": "conv1d update", "shape": sname, "batch": B, **c, "us": tt,
-                                           "err": err})
-                        print("sweep", sweep_rows[-1], flush=True)
             t_ref = time_ref_us(lambda: causal_conv1d_update_ref(xs[0], conv_states=cpool, weight=w, bias=b,
                                                                  state_indices=idx[0]))
             rows.append({"op": "conv1d update", "shape": sname, "batch": B, "us_graph": t_graph,
@@ -436,18 +344,18 @@ def decode_bench(copy_bw: float, quick: bool, sweep: bool) -> tuple[list[dict], 
                          "pct_copy_bw": 100 * nbytes / (t_graph * 1e-6) / copy_bw, "config": {}})
             print("decode", rows[-1], flush=True)
             torch.cuda.empty_cache()
-    return rows, sweep_rows
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "gpu_mamba.json"))
+    add_output_args(ap, "gpu_mamba")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
 
     meta = device_meta()
+    meta["command"] = " ".join(sys.argv)
     copy_bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
     torch.cuda.empty_cache()
@@ -458,23 +366,9 @@ def main() -> None:
                 [[r["op"], r["batch"], r["shape"], f"{r['err_ours']:.2e}", f"{r['err_bf16_eager']:.2e}",
                   f"{r['state_err_ours']:.2e}", f"{r['state_err_bf16_eager']:.2e}", r["states_ok"], r["pass"]]
                  for r in corr])
-    pre, pre_sweep = prefill_bench(copy_bw, args.quick, args.sweep)
-    dec, dec_sweep = decode_bench(copy_bw, args.quick, args.sweep)
-    result = {"meta": meta, "correctness": corr, "prefill": pre, "decode": dec, "sweep": pre_sweep + dec_sweep}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-
-    if pre_sweep or dec_sweep:
-        best = {}
-        for r in pre_sweep + dec_sweep:
-            key = (r["kind"], r["shape"], r.get("batch", r.get("seq")))
-            if math.isfinite(r["us"]) and (key not in best or r["us"] < best[key]["us"]):
-                best[key] = r
-        print_table("sweep: best configs (each checked against the reference)", ["kind", "shape", "B / S", "config",
-                                                                                  "µs"],
-                    [[*k, {c: v[c] for c in ("CHUNK", "BLOCK_P", "BLOCK_T", "BLOCK_D", "num_warps", "num_stages")
-                           if c in v},
-                      fmt(v["us"])] for k, v in best.items()])
+    pre = prefill_bench(copy_bw, args.quick)
+    dec = decode_bench(copy_bw, args.quick)
+    write_json(args, "gpu_mamba", {"meta": meta, "correctness": corr, "prefill": pre, "decode": dec})
     print_table(f"prefill on {meta['device']}; copy bw {copy_bw / 1e9:.0f} GB/s",
                 ["op", "shape", "reqs x seq", "ours µs", "Mtok/s", "GB/s", "% copy", "ref µs", "speedup"],
                 [[r["op"], r["shape"], f"{r['reqs']} x {r['seq']}", fmt(r["us"]), fmt(r["Mtok/s"], 2),
@@ -484,7 +378,6 @@ def main() -> None:
                 ["op", "shape", "B", "ours µs (graph)", "eager µs", "ref µs", "MB moved", "GB/s", "% copy"],
                 [[r["op"], r["shape"], r["batch"], fmt(r["us_graph"]), fmt(r["us_eager"]), fmt(r["us_ref"], 0),
                   fmt(r["bytes"] / 1e6, 2), fmt(r["GB/s"], 0), fmt(r["pct_copy_bw"])] for r in dec])
-    print(f"wrote {args.out}")
     if not all(r["pass"] for r in corr):
         print("CORRECTNESS FAILED")
         sys.exit(1)

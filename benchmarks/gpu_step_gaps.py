@@ -8,7 +8,7 @@ graphs, asynchronous scheduling, 512-token prompts, greedy. For each (family, ba
 (first to last kernel of one replay) and the device's time from one replay's last kernel to the next one's
 first, with every kernel and copy in between (gap before it, duration). Profiling slows the host, so at batch
 1 the host may not keep ahead of the device and the gaps then measure the host; the list of what runs between
-two replays is the point. Writes JSON to benchmarks/results/gpu_step_gaps.json; CUDA only.
+two replays is the point. Writes ``gpu_step_gaps.json`` (``_results.py``); CUDA only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_decode import RESULTS, git_commit, random_llm  # noqa: E402
+from _results import add_output_args, commit, write_json  # noqa: E402
+from gpu_decode import random_llm  # noqa: E402
 
 PROMPT = 512
 
@@ -88,12 +89,13 @@ def main() -> None:
     ap.add_argument("--families", default="gemma3,llama4")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=str(RESULTS / "gpu_step_gaps.json"))
+    add_output_args(ap, "gpu_step_gaps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_gaps.py needs a CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"meta": {"device": torch.cuda.get_device_name(0), "commit": git_commit(), "torch": torch.__version__},
+    result = {"meta": {"device": torch.cuda.get_device_name(0), "commit": commit(), "torch": torch.__version__,
+                       "command": " ".join(sys.argv)},
               "rows": []}
     for family in args.families.split(","):
         llm = random_llm(family, max_num_seqs=max(batches) + 1, max_model_len=PROMPT + args.steps + 96,
@@ -114,7 +116,7 @@ def main() -> None:
             for op in pairs[-1]["ops"]:
                 print(f"    +{op['gap_us']:6.1f} gap {op['us']:6.1f} us  {op['name'][:80]}")
             print(f"    +{pairs[-1]['gap_to_next_us']:6.1f} gap to the next replay", flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args, "gpu_step_gaps", result)
 
 
 if __name__ == "__main__":

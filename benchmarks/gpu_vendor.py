@@ -3,7 +3,8 @@
 
     bash benchmarks/build_vendor.sh start; bash benchmarks/build_vendor.sh wait   # mamba-ssm, causal-conv1d
     VENDOR_PACKAGES=flash_attn bash benchmarks/build_vendor.sh start   # flash-attn (reduced build, ~7.5 min)
-    PYTHONPATH=/tmp/site:. python benchmarks/gpu_vendor.py [--quick]   # writes benchmarks/results/gpu_vendor.json
+    PYTHONPATH=/tmp/site:. python benchmarks/gpu_vendor.py [--quick] [--save]
+    # writes gpu_vendor_<the importable packages>.json, e.g. gpu_vendor_mamba_ssm.json (``_results.py``)
 
 1. Correctness: random packed batches (new requests, continuations, 0/1-token requests, shuffled slots; fresh
    slots hold NaN that must never be read), fp32 and bf16 inputs. Relative Frobenius error of the output and of
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import math
 import sys
 import traceback
@@ -31,11 +31,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_attention import eager_time_us, git_commit, print_table  # noqa: E402
+from _results import add_output_args, commit, write_json  # noqa: E402
+from gpu_attention import eager_time_us, print_table  # noqa: E402
 
+from hybridkv.backends import get_backend  # noqa: E402
 from hybridkv.backends import vendor_flash_attn as vfa  # noqa: E402
 from hybridkv.backends import vendor_mamba as vm  # noqa: E402
-from hybridkv.backends.registry import UnsupportedConfig, get_backend  # noqa: E402
+from hybridkv.backends.base import UnsupportedConfig  # noqa: E402
 from hybridkv.layers.ops import (  # noqa: E402
     causal_conv1d_ref,
     causal_conv1d_update_ref,
@@ -46,7 +48,6 @@ from hybridkv.layers.ops import (  # noqa: E402
 )
 from hybridkv.metadata import CommonAttentionMetadata  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 DEV = "cuda"
 
 
@@ -295,7 +296,7 @@ def timing(mamba_ops, flash_ops, triton_be, quick: bool) -> list[dict]:
                 lambda: triton_be.selective_state_update(pool1, x1, dt1, A1, B1, C1, state_indices=b.idx, **kw1))
     if flash_ops:
         # head shapes: Llama-like 32/8/128 (NemotronH-like's head dim), and the benchmark models' Gemma-3-like
-        # 4/1/256 and Llama-4-like 32/8/64 (docs/gpu.md section 4)
+        # 4/1/256 and Llama-4-like 32/8/64 (benchmarks/gpu_decode.py)
         cases = [("decode B=1 ctx 8192", [1], [8192]), ("decode B=32 ctx 4096", [1] * 32, [4096] * 32),
                  ("prefill 1x4096", [4096], [4096]), ("mixed", [1] * 16 + [2048], [4096] * 16 + [2048])]
         if not quick:
@@ -313,7 +314,7 @@ def timing(mamba_ops, flash_ops, triton_be, quick: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "gpu_vendor.json"))
+    add_output_args(ap, "gpu_vendor_<packages>")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -347,13 +348,11 @@ def main() -> None:
                  for r in speed])
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "commit": git_commit(),
+        "commit": commit(), "command": " ".join(sys.argv),
         "versions": {d: version(d) for d in ("mamba-ssm", "causal-conv1d", "flash-attn")},
         "status": status, "correctness": corr, "timing": speed,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args, "_".join(["gpu_vendor", *(p for p, s in sorted(status.items()) if s == "ok")]), result)
     failed = [r for r in corr if r.get("pass") is False or ("traceback" in r)]
     if failed:
         print(f"{len(failed)} correctness case(s) failed or crashed")

@@ -10,15 +10,15 @@ each step, as in steady-state serving. Also timed: the per-request API doing the
 Decode steps are timed in 64-step windows over 3 seeds: the best window is the uncontended cost, the
 median what a host shared with other jobs sees (both are reported; the JSON keeps the load average).
 
-    python benchmarks/kv_groups.py [--requests 256] [--steps 2000] [--out benchmarks/results/kv_groups.json]
+    python benchmarks/kv_groups.py [--requests 256] [--steps 2000] [--save | --out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,9 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, commit, write_json  # noqa: E402
 
 from hybridkv.kv_groups.block_table import MultiGroupBlockTable
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
@@ -146,7 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_groups.json")
+    add_output_args(ap, "kv_groups")
     args = ap.parse_args()
     n, steps = args.requests, args.steps
     plan = make_plan(n)
@@ -188,9 +191,9 @@ def main() -> None:
     target = rows_out[0][1]
     Console().print(f"target <= 100 µs per decode step: {'met' if target <= 100 else 'NOT met'} ({target:.1f} µs)")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "kv_groups", "requests": n, "steps": steps, "block_size": BS, "max_model_len": MAX_LEN,
+    write_json(args, "kv_groups", {
+        "benchmark": "kv_groups", "commit": commit(), "command": " ".join(sys.argv),
+        "requests": n, "steps": steps, "block_size": BS, "max_model_len": MAX_LEN,
         "groups": ["full", "sliding_window(1024)", "chunked_local(8192)", "mamba"],
         "results_us": {name: round(us, 2) for name, us, _ in rows_out},
         "decode_windows": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in stats.items()},
@@ -198,7 +201,7 @@ def main() -> None:
         "target_us_per_decode_step": 100, "met": target <= 100,
         "machine": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
                     "processor": platform.processor() or platform.machine()},
-    }, indent=2) + "\n")
+    }, indent=2)
 
 
 if __name__ == "__main__":

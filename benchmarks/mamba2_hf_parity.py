@@ -6,7 +6,7 @@ A random-init ``Mamba2ForCausalLM`` with Codestral's layer shapes narrowed (hidd
 state 128, **8 groups**) is saved by HF and loaded by hybridkv's HF loader; prints the relative error of
 the logits of one prompt, HF vs hybridkv, on the CPU and (when present) on the GPU, and the transformers
 version. With transformers 5.23 they agree to ~3e-7; 5.17 (the GPU machine's) normalises the gated RMSNorm
-over the whole inner dimension instead of per group, and differs by ~0.8 (docs/gpu.md, section 4).
+over the whole inner dimension instead of per group, and differs by ~0.8 (docs/performance.md, "Accuracy").
 """
 
 from __future__ import annotations

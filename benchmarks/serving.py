@@ -24,7 +24,7 @@ bf16 matmul rate + decode bytes (weights per step, KV read, Mamba state read and
 bandwidth. HF transformers' continuous-batching engine (``generate_batch``, same weights, same prompts) is
 the peer on ``mixed`` for ``--hf-models``.
 
-Writes the JSON to ``benchmarks/out/serving.json`` (``--save``: ``benchmarks/results/serving.json``).
+Writes ``benchmarks/out/serving.json`` (``--save``: the tracked ``benchmarks/results/serving.json``).
 ``--tiny`` runs tiny models on the CPU: a smoke test of the script (numbers meaningless).
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import tempfile
 import time
@@ -45,7 +44,8 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from gpu_attention import git_commit, print_table  # noqa: E402
+from _results import add_output_args, commit, write_json  # noqa: E402
+from gpu_attention import print_table  # noqa: E402
 from gpu_decode import copy_bandwidth, hf_config, matmul_rate  # noqa: E402
 
 ATTENTION_MODELS = ("llama4", "gemma3")
@@ -403,7 +403,7 @@ def main() -> None:
     ap.add_argument("--startup-only", action="store_true",
                     help="only time LLM start-up per model (run twice: empty, then warm Triton cache)")
     ap.add_argument("--trace-compiles", action="store_true", help="print each kernel built while serving")
-    ap.add_argument("--save", action="store_true", help="write benchmarks/results/serving.json")
+    add_output_args(ap, "serving")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -415,7 +415,7 @@ def main() -> None:
             print(startup(family, args, device, dtype, compiles), flush=True)
         return
     bw, mm = (copy_bandwidth(device), matmul_rate(device)) if device.type == "cuda" else (50e9, 1e12)
-    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": git_commit(),
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
             "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "matmul_tflops": mm / 1e12,
             "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs, "backend": args.backend,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -428,14 +428,11 @@ def main() -> None:
     rows: list[dict] = []
     for family in args.models.split(","):
         rows += bench_model(family, args, device, dtype, bw, mm, compiles)
-    out = HERE / ("results" if args.save else "out") / "serving.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args, "serving", {"meta": meta, "rows": rows})
     print_table(f"serving on {meta['device']} ({meta['commit']}; copy {bw / 1e9:.0f} GB/s, matmul "
                 f"{mm / 1e12:.0f} TFLOP/s)",
                 ["model", "workload", "cache", "pass", "wall s", "steps", "in tok/s", "out tok/s", "hit/reusable",
                  "floor s", "x floor", "compiled", "first/steady", "on vs off", "vs HF"], summarize(rows))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

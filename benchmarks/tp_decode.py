@@ -3,10 +3,11 @@
 decode speed against the HBM floor), a truncated one at tp 1 vs tp 2 (correctness), the MoE layer's
 sync-free paths on the GPU, and what a dead or stuck rank does to rank 0.
 
-    python benchmarks/tp_decode.py                 # full Scout, tp 2 -> results/tp_decode_full.json
-    python benchmarks/tp_decode.py --layers 4 --compare   # truncated, tp 1 vs tp 2 -> results/tp_decode.json
+    python benchmarks/tp_decode.py                 # full Scout, tp 2 -> tp_decode_full.json
+    python benchmarks/tp_decode.py --layers 4 --compare   # truncated, tp 1 vs tp 2 -> tp_decode.json
     python benchmarks/tp_decode.py --tiny          # CPU smoke test (gloo, tiny dims; numbers meaningless)
-    # options: --batches 1,32 --prompt 512 --steps 128 --cases ... (robustness; '' for none) --out PATH
+    # options: --batches 1,32 --prompt 512 --steps 128 --cases ... (robustness; '' for none) --save | --out PATH
+    # (the JSON goes to benchmarks/out/ unless --save: ``_results.py``)
 
 Model: the bundled Llama-4-Scout text config (``load_model_config("llama4-scout")``, hidden 5120, 40 heads, 8
 kv heads, head dim 128, 16 experts of 8192 + a shared expert, vocab 202048, chunk 8192; 48 layers, 107.8 B
@@ -18,7 +19,8 @@ shard, straight on its GPU, in seconds (host draws took ~12 min per rank for the
 Steps, each printed as it happens:
 
 1. MoE on one GPU (``moe_gpu_check``): Scout's MoE layer at one rank's shape (16 experts x 4096 channels) with
-   the reference loop, the grouped GEMM and the padded bmm: max difference, time per call at several batch
+   every expert implementation the batch size allows (reference loop, grouped GEMM, padded bmm, Triton GEMVs
+   and tiles): max difference, time per call at several batch
    sizes, whether a forward makes any device->host sync (``torch.cuda.set_sync_debug_mode("error")``) and
    whether it can be captured and replayed as a CUDA graph.
 2. ``--compare`` only (the model must fit one GPU): tp 1 greedy tokens and first-step logits, teacher-forced
@@ -59,9 +61,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_attention import git_commit, print_table  # noqa: E402
+from _results import add_output_args, commit, output_path  # noqa: E402
+from gpu_attention import print_table  # noqa: E402
 from gpu_decode import copy_bandwidth, profile_steps, sync  # noqa: E402
 
 HBM_TBPS = 4.8          # H200 nominal HBM bandwidth per GPU
@@ -74,15 +76,6 @@ _T0 = time.monotonic()
 
 def log(msg: str) -> None:
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
-
-
-def commit_id() -> str:
-    """HEAD (or $HYBRIDKV_COMMIT), marked "+dirty" when tracked files differ from it."""
-    commit = git_commit()
-    if os.environ.get("HYBRIDKV_COMMIT") or commit == "unknown":
-        return commit
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=Path(__file__).parent).returncode != 0
-    return commit + ("+dirty" if dirty else "")
 
 
 # -- model -------------------------------------------------------------------------------------------------
@@ -159,7 +152,7 @@ def moe_gpu_check(cfg, tp: int, device: torch.device, dtype: torch.dtype) -> dic
     """Scout's MoE layer at one rank's shape (experts and shared expert with 1/tp of their channels; no
     all-reduce): each expert implementation against the reference loop (max |diff| / max |ref|), ms per call,
     device->host syncs in a forward, and a CUDA-graph capture + replay of the auto path."""
-    from hybridkv.layers.moe import MoEFeedForward, choose_impl
+    from hybridkv.layers.moe import GEMV_MAX_ROWS, TILED_MAX_ROWS, MoEFeedForward, choose_impl
     from hybridkv.models.config import MoE
     from hybridkv.models.hybrid import bare_construction
 
@@ -192,10 +185,13 @@ def moe_gpu_check(cfg, tp: int, device: torch.device, dtype: torch.dtype) -> dic
     for tokens in (1, 32, 512, 4096):
         x = torch.randn(tokens, cfg.hidden_size, device=device, generator=gen).to(dtype)
         ref = run(x, "ref").float()
-        row = {"tokens": tokens, "auto_impl": choose_impl("auto", x, layer.experts()), "ms": {}, "rel_diff": {}}
-        for impl in ("ref", "grouped", "padded"):
-            if impl == "padded" and tokens > 512:
-                continue                             # E x the rows: a decode-size path only
+        with torch.inference_mode():
+            ids = layer.route(x)[0]
+        row = {"tokens": tokens, "auto_impl": choose_impl("auto", x, ids, layer.experts()), "ms": {}, "rel_diff": {}}
+        for impl in ("ref", "grouped", "padded", "gemv", "tiled"):
+            if ((impl == "padded" and tokens > 512) or (impl == "gemv" and ids.numel() > GEMV_MAX_ROWS)
+                    or (impl == "tiled" and ids.numel() > TILED_MAX_ROWS)):
+                continue                             # sizes auto never gives these paths
             try:
                 got = run(x, impl).float()
                 row["rel_diff"][impl] = float((got - ref).abs().max() / ref.abs().max())
@@ -240,7 +236,7 @@ def moe_gpu_check(cfg, tp: int, device: torch.device, dtype: torch.dtype) -> dic
             graph.replay()
             eager = run(static.clone(), "auto")
             errs.append(float((static_out.float() - eager.float()).abs().max()))
-        out["cuda_graph"] = {"captured": True, "impl": choose_impl("auto", x, layer.experts()),
+        out["cuda_graph"] = {"captured": True, "impl": choose_impl("auto", x, layer.route(x)[0], layer.experts()),
                              "max_abs_diff_replay_vs_eager": max(errs)}
     except Exception as err:
         out["cuda_graph"] = {"captured": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
@@ -630,8 +626,7 @@ def main() -> None:
     ap.add_argument("--no-moe-check", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (gloo): a smoke test of the script")
-    ap.add_argument("--out", default=None, help="default: results/tp_decode_full.json (48 layers, no --compare), "
-                                                "else results/tp_decode.json")
+    add_output_args(ap, "tp_decode[_full]")
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     ap.add_argument("--case-device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--case-dtype", default="bfloat16", help=argparse.SUPPRESS)
@@ -654,14 +649,14 @@ def main() -> None:
         raise SystemExit(f"needs {args.tp} GPUs, found {torch.cuda.device_count()}")
     args.batch_list = [int(b) for b in args.batches.split(",")]
     full = args.layers >= 48 and not args.compare
-    out = Path(args.out) if args.out else RESULTS / ("tp_decode_full.json" if full else "tp_decode.json")
+    out = output_path(args, "tp_decode_full" if full else "tp_decode")
     from hybridkv import LLM
     from hybridkv.models.hybrid import build_model
 
     cfg = scout_config(args.layers, args.tiny)
     cuda = device.type == "cuda"
     meta = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "num_gpus": torch.cuda.device_count() if cuda
-            else 0, "commit": commit_id(), "torch": torch.__version__,
+            else 0, "commit": commit(), "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "layers": len(cfg.layers),
             "params": count_params(cfg), "params_per_rank": count_params(cfg, args.tp), "dtype": str(dtype),
             "tp": args.tp, "prompt_len": args.prompt, "decode_steps": args.steps, "kv_memory_per_gpu": args.kv_memory,
@@ -684,7 +679,7 @@ def main() -> None:
     save(result, out)
 
     if cuda and not args.no_moe_check:
-        log("MoE layer on one GPU: reference loop vs grouped GEMM vs padded bmm")
+        log("MoE layer on one GPU: every expert implementation against the reference loop")
         result["moe_gpu"] = moe_gpu_check(cfg, args.tp, torch.device("cuda", 0), dtype)
         gc.collect()
         torch.cuda.empty_cache()

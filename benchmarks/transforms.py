@@ -5,16 +5,16 @@ Scenarios: (a) all decodes with ~2k-token contexts, (b) mixed: 3/4 decodes, 1/4 
 Target: <= 50 µs per host transform at batch 256 decode. The device form of the local-attention transform
 is timed on the CPU too, for reference only: it is meant to be recorded in a CUDA graph.
 
-    python benchmarks/transforms.py [--quick]   # writes benchmarks/results/transforms.json
+    python benchmarks/transforms.py [--quick] [--save]   # writes transforms.json (``_results.py``)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -24,6 +24,9 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, commit, write_json  # noqa: E402
 
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.transforms import (
@@ -82,7 +85,7 @@ def cpu_description() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls per measurement")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transforms.json")
+    add_output_args(parser, "transforms")
     args = parser.parse_args()
     min_calls, min_seconds = (50, 0.05) if args.quick else (300, 0.3)
     torch.set_num_threads(1)
@@ -135,9 +138,10 @@ def main() -> None:
             table.add_row(scenario, name, *cells)
     Console().print(table)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "transforms",
+        "commit": commit(),
+        "command": " ".join(sys.argv),
         "unit": "us_per_call_median",
         "target_us_batch256_decode": TARGET_US,
         "config": {
@@ -156,8 +160,7 @@ def main() -> None:
         },
         "results": rows,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args, "transforms", result, indent=2)
 
 
 if __name__ == "__main__":

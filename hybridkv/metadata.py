@@ -16,7 +16,6 @@ silently dropped.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -24,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hybridkv import envs
 
 __all__ = [
     "SLICE_KINDS",
@@ -41,8 +42,9 @@ _max = np.maximum.reduce  # a direct ufunc reduction: ndarray.max goes through a
 
 
 def debug_enabled() -> bool:
-    """True when ``HYBRIDKV_DEBUG=1``: builders and transforms then validate every CAM they return."""
-    return os.environ.get("HYBRIDKV_DEBUG", "0") not in ("", "0")
+    """True when ``HYBRIDKV_DEBUG`` is on (``hybridkv.envs``): builders and transforms then validate every CAM
+    they return."""
+    return envs.debug()
 
 
 def host_to_device(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:

@@ -179,7 +179,7 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
 def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int
               ) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation where every step is one full forward over the whole sequence (no HF cache:
-    the safest oracle, see DESIGN.md §6). Returns the new tokens and their (n, vocab) fp32 logits."""
+    the safest oracle, see docs/design.md "Oracles"). Returns the new tokens and their (n, vocab) fp32 logits."""
     seq, rows = list(prompt), []
     for _ in range(max_new_tokens):
         ids = torch.tensor([seq])

@@ -87,7 +87,7 @@ def visible_start(spec: KVCacheSpec, num_computed: int) -> int:
 
 def accepts(spec: KVCacheSpec, length: int, cached: set[BlockHash], hashes: Sequence[BlockHash],
             checkpoints: set[BlockHash], hash_bs: int) -> bool:
-    """Does one group accept a prefix hit at ``length``? Checked directly from DESIGN.md §3."""
+    """Does one group accept a prefix hit at ``length``? Checked directly from docs/design.md, "Semantics"."""
     if length == 0:
         return True
     if isinstance(spec, MambaSpec):

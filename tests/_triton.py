@@ -4,9 +4,12 @@ process is reloaded so its kernels are re-decorated for the interpreter (it deci
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -23,3 +26,17 @@ def kernel_module(name: str) -> ModuleType:
     if not HAS_CUDA and name in sys.modules:
         importlib.reload(sys.modules[name])
     return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def tiles(module: ModuleType, function: str, overrides: dict[str, Any] | None) -> Iterator[None]:
+    """Inside the block, ``module.<function>`` (a kernel's launch-configuration rule) returns its choice updated
+    with ``overrides``: tiny test shapes then run several tiles, column blocks or split-K slices. ``None``: the
+    rule as it is."""
+    if not overrides:
+        yield
+        return
+    rule = getattr(module, function)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, function, lambda *args, **kwargs: {**rule(*args, **kwargs), **overrides})
+        yield

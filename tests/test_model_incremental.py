@@ -44,6 +44,7 @@ def setup():
     return model, plan
 
 
+@pytest.mark.slow       # 12 random schedules over all four layer kinds; the parity tests keep the invariant quick
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_incremental_equals_full_forward(setup, data):

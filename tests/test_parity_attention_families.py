@@ -44,7 +44,12 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, hf_models.VOCAB - 4, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# The quick tier (``-m "not slow"``) keeps Llama-4 (chunked-local + global NoPE layers, MoE); the others are slow.
+QUICK_CASES = ("llama4",)
+
+
+@pytest.fixture(scope="module", params=[name if name in QUICK_CASES else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in CASES])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[str, PreTrainedModel, Path]:
     name = request.param

@@ -5,7 +5,7 @@ a tiny random HF model is written by ``save_pretrained`` (hub weight names), loa
 that directory, and run through the paged engine with 4-token blocks and an 8-token step budget, so
 every prompt is a chunked prefill and the long one crosses 5 SSD chunks and 10 blocks. The oracle is
 HF's greedy decoding with a full forward over the whole sequence at every step (no HF cache, which is
-wrong or fragile for several of these families, DESIGN.md §6). Greedy tokens must be identical for
+wrong or fragile for several of these families, docs/design.md "Oracles"). Greedy tokens must be identical for
 32 new tokens and every sampled position's logits within 1e-4; a batched run must give the same tokens.
 The loader also reads transformers 5.x in-memory names (fused / stacked experts, ``model.`` instead of
 ``backbone.``, Zamba2's shared block repeated under every use).
@@ -43,7 +43,13 @@ class Family:
     oracle: dict[str, tuple[list[int], torch.Tensor]]     # prompt -> (HF greedy tokens, their logits)
 
 
-@pytest.fixture(scope="module", params=list(BUILDERS))
+# The quick tier (``-m "not slow"``) keeps one family with Mamba2, attention and MoE layers; the others are slow
+# (their HF oracles alone take tens of seconds on 2 cores).
+QUICK_FAMILIES = ("nemotron_h",)
+
+
+@pytest.fixture(scope="module", params=[name if name in QUICK_FAMILIES else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in BUILDERS])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name = request.param
     hf = BUILDERS[name]()

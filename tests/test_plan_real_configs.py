@@ -1,5 +1,6 @@
 """``hybridkv.plan`` on released checkpoints' config.json (tests/_configs.py): groups, bytes and the
-concurrency targets of DESIGN.md §4 (items 1 and 2), asserted exactly.
+concurrency targets of docs/design.md ("Beyond existing runtimes", no padding and admission), asserted
+exactly.
 
 Byte arithmetic used below (bf16 KV, block 16): one token of one attention layer holds K and V,
 2 x kv_heads x head_dim x 2 bytes; a pool page is (layers per group) x 16 tokens of that. A Mamba2 slot

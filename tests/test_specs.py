@@ -1,4 +1,4 @@
-"""DESIGN.md §3 worked examples for the per-kind specs: skipped tokens, per-request bounds, transient
+"""Worked examples for the per-kind specs (docs/design.md, "Semantics"): skipped tokens, per-request bounds, transient
 per-step blocks, and bad input (the error names the field)."""
 
 from __future__ import annotations

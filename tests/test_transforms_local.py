@@ -31,7 +31,7 @@ def arange_cam(query_lens, seq_lens, block_size, ncols=None):
 
 
 # (query_lens, seq_lens, chunk, block_size, ncols, expected q_lens, k_lens, key_start, block table)
-# The first is DESIGN.md section 3 (and the module docstring); the others are the inputs of vLLM's
+# The first is docs/design.md's worked example (and the module docstring); the others are the inputs of vLLM's
 # test_chunked_local_attention.py with expectations derived by hand for our conventions: columns past a
 # virtual request's last key hold the null block 0 (vLLM repeats the last id), and the table is as wide as
 # the widest virtual row (vLLM pads to C // block_size columns).

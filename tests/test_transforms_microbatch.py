@@ -112,6 +112,7 @@ def expected_part(cam: CommonAttentionMetadata, t0: int, t1: int) -> CommonAtten
     return part
 
 
+@pytest.mark.slow       # attention over every split point of 40 random batches
 @settings(max_examples=40, deadline=None)
 @given(spec=batch_specs(max_reqs=4, max_len=16), seed=st.integers(0, 2**16))
 def test_every_split_point_matches_unsplit(spec, seed):
@@ -138,6 +139,7 @@ def test_balanced_ubatches(spec, n, seed):
     assert_close(run_paged(b, parts), run_paged(b, b.cam))
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(
     spec=batch_specs(max_reqs=4, max_len=16),

@@ -1,8 +1,8 @@
 """The decode-size linear kernel (``backends/triton_linear.py``) against ``linear_ref`` / ``linear_act_mul_ref``.
 
 Without CUDA the kernel runs under Triton's interpreter in fp32 (only the order of fp32 sums differs from the
-reference) at tiny sizes, with explicit tile configurations so that split-K, partial column blocks, partial K
-tiles and every epilogue run. With CUDA the same tables run compiled, plus a bf16 test (error within twice a
+reference) at tiny sizes, with the tile rule replaced (``_triton.tiles``) so that split-K, partial column blocks,
+partial K tiles and every epilogue run. With CUDA the same tables run compiled, plus a bf16 test (error within twice a
 bf16 cuBLAS baseline's against fp32) and a CUDA-graph replay test (split-K counters re-armed, bit-identical).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton import DEVICE, HAS_CUDA, gpu, kernel_module
+from _triton import DEVICE, HAS_CUDA, gpu, kernel_module, tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +22,10 @@ tl_mod = kernel_module("hybridkv.backends.triton_linear")
 def _cfg(rows: int, *, block_n: int = 16, block_k: int = 32, split: int = 1) -> dict:
     return dict(BLOCK_M=max(16, 1 << max(0, rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k,
                 SPLIT_K=split, num_warps=4, num_stages=2)
+
+
+def _tiles(cfg: dict):
+    return tiles(tl_mod, "default_config", cfg)
 
 
 def _inputs(rows: int, n_out: int, k: int, *, bias: bool, seed: int) -> tuple[torch.Tensor, ...]:
@@ -50,7 +54,8 @@ LINEAR_CASES = [
 @pytest.mark.parametrize("rows,n,k,block_n,block_k,split,bias", LINEAR_CASES)
 def test_linear_matches_reference(rows, n, k, block_n, block_k, split, bias):
     x, w, b = _inputs(rows, n, k, bias=bias, seed=rows + n + k)
-    got = tl_mod.linear_triton(x, w, b, config=_cfg(rows, block_n=block_n, block_k=block_k, split=split))
+    with _tiles(_cfg(rows, block_n=block_n, block_k=block_k, split=split)):
+        got = tl_mod.linear_triton(x, w, b)
     torch.testing.assert_close(got, linear_ref(x, w, b), rtol=1e-5, atol=1e-5)
     assert _counters_clear()
 
@@ -68,8 +73,8 @@ ACT_CASES = [
 @pytest.mark.parametrize("rows,inter,k,activation,gated,mult,bias,split", ACT_CASES)
 def test_linear_act_mul_matches_reference(rows, inter, k, activation, gated, mult, bias, split):
     x, w, b = _inputs(rows, 2 * inter if gated else inter, k, bias=bias, seed=inter + k)
-    got = tl_mod.linear_act_mul_triton(x, w, b, activation=activation, gated=gated, gate_multiplier=mult,
-                                       config=_cfg(rows, split=split))
+    with _tiles(_cfg(rows, split=split)):
+        got = tl_mod.linear_act_mul_triton(x, w, b, activation=activation, gated=gated, gate_multiplier=mult)
     want = linear_act_mul_ref(x, w, b, activation=activation, gated=gated, gate_multiplier=mult)
     assert got.shape == (rows, inter)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -81,18 +86,18 @@ def test_linear_act_mul_matches_reference(rows, inter, k, activation, gated, mul
        gated=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
 def test_random_shapes_and_splits(rows, n, k, split, gated, bias, seed):
     x, w, b = _inputs(rows, 2 * n if gated else n, k, bias=bias, seed=seed)
-    cfg = _cfg(rows, split=split)
-    if gated:
-        got = tl_mod.linear_act_mul_triton(x, w, b, activation="silu", config=cfg)
-        want = linear_act_mul_ref(x, w, b, activation="silu")
-    else:
-        got = tl_mod.linear_triton(x, w, b, config=cfg)
-        want = linear_ref(x, w, b)
+    with _tiles(_cfg(rows, split=split)):
+        if gated:
+            got = tl_mod.linear_act_mul_triton(x, w, b, activation="silu")
+            want = linear_act_mul_ref(x, w, b, activation="silu")
+        else:
+            got = tl_mod.linear_triton(x, w, b)
+            want = linear_ref(x, w, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert _counters_clear()
 
 
-# (rows, n, k, gated) -> (BLOCK_M, BLOCK_N, SPLIT_K): the benchmark models' shapes (docs/gpu.md, session 15)
+# (rows, n, k, gated) -> (BLOCK_M, BLOCK_N, SPLIT_K): the benchmark models' shapes (docs/performance.md)
 CONFIG_CASES = [
     ((1, 1536, 1152, False), (16, 32, 2)),        # Gemma-3-like qkv: 48 column blocks, K too short for 4
     ((32, 1152, 6912, False), (32, 32, 8)),       # its down projection: 36 blocks, a long K
@@ -135,14 +140,14 @@ def test_fp32_output_is_the_rounded_output_widened(split):
     x, w, b = _inputs(3, 40, 64, bias=True, seed=5)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
-    cfg = _cfg(3, block_n=16, block_k=32, split=split)
-    wide = tl_mod.linear_triton(x, w, b, out_dtype=torch.float32, config=cfg)
-    assert wide.dtype == torch.float32
-    assert torch.equal(wide, tl_mod.linear_triton(x, w, b, config=cfg).float())
+    with _tiles(_cfg(3, block_n=16, block_k=32, split=split)):
+        wide = tl_mod.linear_triton(x, w, b, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, tl_mod.linear_triton(x, w, b).float())
     torch.testing.assert_close(wide, linear_ref(x, w, b, out_dtype=torch.float32), rtol=2e-2, atol=2e-2)
 
 
-# (rows, out channels, in features, gated) -> the kernel takes it (default HYBRIDKV_LINEAR=auto)
+# (rows, out channels, in features, gated) -> the kernel takes it
 TAKES_CASES = [
     ((1, 1536, 1152, False), True),     # decode-size rows: every projection
     ((16, 2048, 2048, False), True),

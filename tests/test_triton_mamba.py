@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _triton import DEVICE, gpu, kernel_module
+from _triton import DEVICE, gpu, kernel_module, tiles
 
 from hybridkv.layers.ops.conv1d_ref import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridkv.layers.ops.ssd_ref import ssd_chunk_scan_ref, ssd_state_update_ref
@@ -106,8 +106,9 @@ def test_conv1d_matches_reference(seed, dim, width, use_bias, act, config):
                             has_initial_state=init, activation=act)
     xd, wd, bd, dpool, dqsl, dslots, dinit = _dev(_strided(x), w, b, pool, qsl, slots, init)
     out = torch.full((sum(lens), dim), NAN, device=DEVICE)
-    y = tc.causal_conv1d_triton(xd, wd, bd, conv_states=dpool, query_start_loc=dqsl, state_indices=dslots,
-                                has_initial_state=dinit, activation=act, out=out, config=config)
+    with tiles(tc, "conv1d_launch_config", config):
+        y = tc.causal_conv1d_triton(xd, wd, bd, conv_states=dpool, query_start_loc=dqsl, state_indices=dslots,
+                                    has_initial_state=dinit, activation=act, out=out)
     assert y is out and not torch.isnan(y).any()
     _close(y, ref)
     if width > 1:
@@ -128,8 +129,9 @@ def test_conv1d_update_matches_reference(seed, width, act, config):
     ref_pool = pool.clone()
     ref = causal_conv1d_update_ref(x, conv_states=ref_pool, weight=w, bias=b, state_indices=slots, activation=act)
     xd, wd, bd, dpool, dslots = _dev(_strided(x), w, b, pool, slots)
-    y = tc.causal_conv1d_update_triton(xd, conv_states=dpool, weight=wd, bias=bd, state_indices=dslots,
-                                       activation=act, config=config)
+    with tiles(tc, "conv1d_launch_config", config):
+        y = tc.causal_conv1d_update_triton(xd, conv_states=dpool, weight=wd, bias=bd, state_indices=dslots,
+                                           activation=act)
     _close(y, ref)
     if width > 1:
         _check_states(dpool, ref_pool, slots)
@@ -207,9 +209,9 @@ def test_ssd_chunk_scan_matches_reference(seed, nheads, headdim, ngroups, dstate
                              has_initial_state=init, dt_limit=dt_limit)
     dpool, dqsl, dslots, dinit = _dev(pool, qsl, slots, init)
     out = torch.full(p["x"].shape, NAN, device=DEVICE)
-    y = ts.ssd_chunk_scan_triton(**_strided_ssd(p), chunk_size=8, query_start_loc=dqsl, ssm_states=dpool,
-                                 state_indices=dslots, has_initial_state=dinit, dt_limit=dt_limit, out=out,
-                                 config=config)
+    with tiles(ts, "ssd_launch_config", config):
+        y = ts.ssd_chunk_scan_triton(**_strided_ssd(p), chunk_size=8, query_start_loc=dqsl, ssm_states=dpool,
+                                     state_indices=dslots, has_initial_state=dinit, dt_limit=dt_limit, out=out)
     assert y is out and not torch.isnan(y).any()
     _close(y, ref, 2e-4)
     _check_states(dpool, ref_pool, slots, 2e-4)
@@ -227,8 +229,8 @@ def test_ssd_state_update_matches_reference(seed, d_mode, use_z, dt_limit, confi
     ref_pool = pool.clone()
     ref = ssd_state_update_ref(ref_pool, **p, state_indices=slots, dt_limit=dt_limit)
     dpool = pool.to(DEVICE)
-    y = ts.ssd_state_update_triton(dpool, **_strided_ssd(p), state_indices=slots.to(DEVICE), dt_limit=dt_limit,
-                                   config=config)
+    with tiles(ts, "ssd_launch_config", config):
+        y = ts.ssd_state_update_triton(dpool, **_strided_ssd(p), state_indices=slots.to(DEVICE), dt_limit=dt_limit)
     _close(y, ref)
     _check_states(dpool, ref_pool, slots)
 

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from _triton import DEVICE, kernel_module
+from _triton import DEVICE, kernel_module, tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +18,12 @@ from hybridkv.layers.ops.fused_ref import argmax_ref, linear_argmax_ref
 
 ts = kernel_module("hybridkv.backends.triton_sampling")
 tl_mod = kernel_module("hybridkv.backends.triton_linear")
+
+
+def _tiles(block_n: int, split: int):
+    """The logits head's tiles at tiny sizes: ``block_n`` columns per block, ``split`` K slices."""
+    return tiles(tl_mod, "default_config", dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split,
+                                                 num_warps=4, num_stages=2))
 
 
 @pytest.fixture
@@ -96,13 +102,13 @@ HEAD_CASES = [(1, 16, 32, 16, 1, False), (3, 45, 64, 16, 1, False), (2, 50, 64, 
 @pytest.mark.parametrize("rows,vocab,k,block_n,split,ties", HEAD_CASES)
 def test_linear_argmax_matches_reference(small_chunks, rows, vocab, k, block_n, split, ties):
     x, w = _head(rows, vocab, k, ties=ties, seed=vocab + k)
-    cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=2)
-    logits, tokens = tl_mod.linear_argmax_triton(x, w, config=cfg)
+    with _tiles(block_n, split):
+        logits, tokens = tl_mod.linear_argmax_triton(x, w)
+        assert torch.equal(logits, tl_mod.linear_triton(x, w, out_dtype=torch.float32))
     want_logits, _ = linear_argmax_ref(x, w)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, argmax_ref(logits))          # the argmax of the logits it returned
-    assert torch.equal(logits, tl_mod.linear_triton(x, w, out_dtype=torch.float32, config=cfg))
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -118,10 +124,10 @@ def test_linear_argmax_write_flag(small_chunks, monkeypatch, split, write):
 
     monkeypatch.setattr(torch, "empty", poisoned)
     x, w = _head(5, 40, 96, ties=True, seed=4)
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=2)
     flag = torch.tensor([write], dtype=torch.int64, device=DEVICE)
-    logits, tokens = tl_mod.linear_argmax_triton(x, w, config=cfg, write_logits=flag)
-    want_logits, want = tl_mod.linear_argmax_triton(x, w, config=cfg)
+    with _tiles(16, split):
+        logits, tokens = tl_mod.linear_argmax_triton(x, w, write_logits=flag)
+        want_logits, want = tl_mod.linear_argmax_triton(x, w)
     assert torch.equal(tokens, want)
     assert torch.equal(logits, want_logits) if write else bool(logits.isnan().all())
 
@@ -129,8 +135,8 @@ def test_linear_argmax_write_flag(small_chunks, monkeypatch, split, write):
 def test_linear_argmax_nan_row():
     x, w = _head(2, 40, 32, ties=False, seed=1)
     x[1, 3] = float("nan")                                   # every logit of row 1 is NaN: its first column
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
-    logits, tokens = tl_mod.linear_argmax_triton(x, w, config=cfg)
+    with _tiles(16, 1):
+        logits, tokens = tl_mod.linear_argmax_triton(x, w)
     assert torch.equal(tokens, argmax_ref(logits)) and int(tokens[1]) == 0
 
 
@@ -148,7 +154,7 @@ def test_model_greedy_equals_argmax_of_its_logits(small_chunks, post_ops):
     standalone one after the multiplier and softcap."""
     from _tp_helpers import sliding
 
-    from hybridkv.backends.registry import torch_backend
+    from hybridkv.backends.base import torch_backend
     from hybridkv.backends.triton_backend import triton_backend
     from hybridkv.forward_context import ForwardContext, forward_context
     from hybridkv.models.hybrid import build_model

@@ -362,7 +362,7 @@ def test_auto_composes_vendor_ops_and_falls_back_with_one_log(monkeypatch, caplo
     triton = get_backend("triton", "cuda")
     with caplog.at_level(logging.INFO, logger="hybridkv.backends"):
         be = get_backend("auto", "cuda")
-    # flash-attn's paged attention measured slower than ours (docs/gpu.md): auto leaves it out
+    # flash-attn's paged attention measured slower than ours (docs/performance.md): auto leaves it out
     assert be.name == "triton+mamba_ssm"
     assert "not using flash_attn (none of its ops measured faster than triton's)" in caplog.text
     assert be.paged_attention.__wrapped__ is triton.paged_attention

@@ -16,7 +16,6 @@ The choice is logged.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import logging
 import sys
@@ -26,92 +25,31 @@ from typing import Any
 
 import torch
 
+from hybridkv.backends.base import KernelBackend, UnsupportedConfig, torch_backend
+
 logger = logging.getLogger("hybridkv.backends")
 
 __all__ = ["KernelBackend", "UnsupportedConfig", "available_backends", "get_backend", "torch_backend"]
 
 
-class UnsupportedConfig(ValueError):
-    """A vendor kernel cannot run this call's configuration (block size, dtype, head dim, device ...).
-
-    Raised by a vendor op before it changes anything, so ``auto`` can run the replaced op instead."""
-
-    def __init__(self, backend: str, op: str, constraint: str) -> None:
-        self.backend, self.op, self.constraint = backend, op, constraint
-        super().__init__(f"kernel backend {backend!r} cannot run {op}: {constraint} "
-                         f"(backend='auto' falls back to the next backend for such calls)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class KernelBackend:
-    """One implementation of every op a layer calls (signatures: ``hybridkv.layers.ops.*_ref``).
-
-    ``cuda_graph_safe``: its decode-path ops read only device metadata and never sync, so a captured
-    decode step stays correct for any batch of the captured size (``engine/cuda_graphs.py``)."""
-
-    name: str
-    paged_attention: Callable[..., torch.Tensor]
-    write_kv: Callable[..., None]
-    causal_conv1d: Callable[..., torch.Tensor]
-    causal_conv1d_update: Callable[..., torch.Tensor]
-    ssd_chunk_scan: Callable[..., torch.Tensor]
-    ssd_state_update: Callable[..., torch.Tensor]
-    selective_scan: Callable[..., torch.Tensor]
-    selective_state_update: Callable[..., torch.Tensor]
-    # the elementwise work between GEMMs (``layers/ops/fused_ref.py``)
-    rms_norm: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
-    act_mul: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]
-    linear_act_mul: Callable[..., torch.Tensor]
-    argmax: Callable[..., torch.Tensor]
-    linear_argmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    qk_rope_write_kv: Callable[..., torch.Tensor]
-    rope_attention: Callable[..., torch.Tensor]       # qk_rope_write_kv, then paged_attention
-    gated_rms_norm: Callable[..., torch.Tensor]
-    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    cuda_graph_safe: bool = False
-
-
-def torch_backend() -> KernelBackend:
-    """The reference ops: complete, any device. Other backends replace the ops they have kernels for."""
-    from hybridkv.layers import ops
-    from hybridkv.layers.ops import fused_ref
-
-    return KernelBackend(
-        name="torch",
-        paged_attention=ops.paged_attention_ref,
-        write_kv=ops.write_kv_ref,
-        causal_conv1d=ops.causal_conv1d_ref,
-        causal_conv1d_update=ops.causal_conv1d_update_ref,
-        ssd_chunk_scan=ops.ssd_chunk_scan_ref,
-        ssd_state_update=ops.ssd_state_update_ref,
-        selective_scan=ops.selective_scan_ref,
-        selective_state_update=ops.selective_state_update_mamba1_ref,
-        rms_norm=fused_ref.rms_norm_ref,
-        add_rms_norm=fused_ref.add_rms_norm_ref,
-        act_mul=fused_ref.act_mul_ref,
-        linear=fused_ref.linear_ref,
-        linear_act_mul=fused_ref.linear_act_mul_ref,
-        argmax=fused_ref.argmax_ref,
-        linear_argmax=fused_ref.linear_argmax_ref,
-        qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
-        rope_attention=fused_ref.rope_attention_ref,
-        gated_rms_norm=fused_ref.gated_rms_norm_ref,
-        moe_route=fused_ref.moe_route_ref,
-    )
-
-
+# Lazy factories: the Triton and vendor modules import their optional packages at module level, so they are
+# imported only when their backend is built (and they import ``base``, never this module).
 def _triton() -> KernelBackend:
-    return importlib.import_module("hybridkv.backends.triton_backend").triton_backend()
+    from hybridkv.backends.triton_backend import triton_backend
+
+    return triton_backend()
 
 
 def _flash_attn_ops() -> dict[str, Callable[..., Any]]:
-    return importlib.import_module("hybridkv.backends.vendor_flash_attn").flash_attn_ops()
+    from hybridkv.backends.vendor_flash_attn import flash_attn_ops
+
+    return flash_attn_ops()
 
 
 def _mamba_ssm_ops() -> dict[str, Callable[..., Any]]:
-    return importlib.import_module("hybridkv.backends.vendor_mamba").mamba_ssm_ops()
+    from hybridkv.backends.vendor_mamba import mamba_ssm_ops
+
+    return mamba_ssm_ops()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,7 +156,7 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
 
 
 # Which vendor ops ``auto`` takes over triton's: only those measured faster on an H100
-# (benchmarks/results/gpu_vendor.json, gpu_vendor_flash_attn.json, docs/gpu.md). Our Triton conv1d and SSD
+# (benchmarks/gpu_vendor.py; docs/performance.md, "Vendor backends"). Our Triton conv1d and SSD
 # kernels beat mamba-ssm / causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1
 # state update beats our reference 4-5x. flash-attn 2's paged path (its split-KV kernel, at block size 256)
 # was slower than our paged attention on all 15 measured shapes (ours 0.43-0.97x its time), so ``auto`` takes

@@ -23,8 +23,9 @@ Kernel design (``_paged_attention_kernel``):
 - split-KV ("flash decoding"): when (q-blocks x kv heads) cannot fill the GPU (small-batch decode), the
   visible key tiles are split over ``num_segments`` programs that write unnormalised partials (acc, max,
   sum); ``_reduce_segments_kernel`` combines them. With one segment the kernel writes the output directly.
-  (Merging them in the last segment to finish instead, as the split-K linear does, was slower: one program
-  merging 8-32 partials serially costs more than a second launch under PDL, session 17.)
+  (Why a second launch: merging in the last segment to finish, as the split-K linear does, was slower on an
+  H100, 6.1 -> 14.3 µs at batch 1 with 32 segments: one program merging the partials serially costs more
+  than a launch under PDL.)
 - decode-only batches (``max_query_len <= 1``, which the metadata guarantees) map program i to request i
   and visit their keys in one masked loop; other batches find a program's request by a binary search
   (~log2(requests) dependent loads) and split the loop into window front, unmasked middle and diagonal.
@@ -48,9 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.backends.base import UnsupportedConfig
 from hybridkv.backends.jit_forms import capturing, two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
-from hybridkv.backends.registry import UnsupportedConfig
 from hybridkv.backends.triton_fused import _prep_heads, qk_prep_arguments, qk_rope_write_kv_triton
 from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.metadata import CommonAttentionMetadata
@@ -240,8 +241,8 @@ def _paged_attention(
     if DECODE and SPLIT:
         # The metadata above (query_start_loc, seq_lens) comes from the host, never from the kernel before this
         # one, so a split decode batch (short programs: the fixed chain counts) reads it and sizes its key range
-        # while that kernel finishes; q, k and the cache only after the wait. (Unsplit decode batches measured
-        # ~1% slower so on the Llama-4-like model at batch 32, session 19: they wait first.)
+        # while that kernel finishes; q, k and the cache only after the wait. (Unsplit decode batches wait first:
+        # reading early made the Llama-4-like batch-32 step ~1% slower on an H100.)
         pdl_wait(PDL)
     if q_blk * BLOCK_Q >= q_len:
         return
@@ -378,9 +379,9 @@ def reduce_seg_block(head_dim_p: int) -> int:
 
 def reduce_warps(head_dim_p: int) -> int:
     """Warps for ``_reduce_segments_kernel``, whose programs are a short dependent chain (load the partials, max,
-    exp, weighted sum, store): fewer, busier warps finish first. ``gpu_sweeps.py small-warps`` (H100, 8-32
-    segments): 2 warps best at head dim 256 (Gemma-3-like, 16 segments, batch 32: 2.9 vs 3.6 µs with 4), 1 warp
-    at 64 and 128 (Llama-4-like 32 heads, batch 32: 3.1 vs 4.8 µs)."""
+    exp, weighted sum, store): fewer, busier warps finish first. Measured on an H100 (8-32 segments): 2 warps
+    best at head dim 256 (Gemma-3-like, 16 segments, batch 32: 2.9 vs 3.6 µs with 4), 1 warp at 64 and 128
+    (Llama-4-like 32 heads, batch 32: 3.1 vs 4.8 µs)."""
     return 2 if head_dim_p >= 256 else 1
 
 
@@ -422,11 +423,11 @@ def _num_sms(index: int) -> int:
 
 
 def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
-    """Tile shapes, from sweeps on an H100 (benchmarks/gpu_attention.py --sweep, gpu_sweeps.py decode-tiles):
-    decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
+    """Tile shapes, the best of sweeps on an H100 (tiles, warps, stages, segments, each checked against the
+    reference): decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
     and 64-key tiles, 16 at d = 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
     7.4 µs at B = 1 over 544 keys) in a 4-stage pipeline (their one loop streams; 14.3 vs 15.6 µs at B = 32,
-    equal at B = 1, session 17); ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
+    equal at B = 1); ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192); each with the same error against fp32 SDPA as the shape
@@ -487,15 +488,13 @@ def paged_attention_triton(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     num_segments: int | None = None,
-    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_ref``. ``out``: optional (num_tokens, num_heads, head_dim)
     destination; ``num_segments``: split-KV factor (default: chosen from the grid size and
-    ``cam.max_seq_len``, which must bound every seq_len); ``config``: overrides of
-    ``launch_config`` entries (benchmark sweeps)."""
+    ``cam.max_seq_len``, which must bound every seq_len)."""
     _check(q, k_cache, v_cache, cam, sliding_window)
     return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out,
-                   num_segments=num_segments, config=config, fresh=None)
+                   num_segments=num_segments, fresh=None)
 
 
 def rope_attention_triton(
@@ -536,12 +535,12 @@ def rope_attention_triton(
     fresh.update(k_new_ptr=k, v_new_ptr=v, stride_nkt=k.stride(0), stride_nkh=k.stride(1), stride_nvt=v.stride(0),
                  stride_nvh=v.stride(1))
     return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=None,
-                   num_segments=num_segments, config=None, fresh=fresh)
+                   num_segments=num_segments, fresh=fresh)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata, *,
             scale: float, sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
-            num_segments: int | None, config: dict[str, int] | None, fresh: dict | None) -> torch.Tensor:
+            num_segments: int | None, fresh: dict | None) -> torch.Tensor:
     """The launch behind both ops; ``fresh``: ``qk_prep_arguments`` plus the new k / v rows (decode only)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -553,11 +552,6 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
     if num_tokens == 0 or cam.num_reqs == 0:
         return out
     cfg = launch_config(head_dim=head_dim, group=group, max_query_len=cam.max_query_len)
-    if config:
-        cfg.update(config)
-        cfg["BLOCK_Q"] = max(1, cfg["BLOCK_M"] // group)
-        if cfg["BLOCK_M"] < group:
-            raise ValueError(f"config: BLOCK_M {cfg['BLOCK_M']} < query heads per KV head {group}")
     hd_p = max(16, _next_pow2(head_dim))
     decode = cam.max_query_len <= 1        # one q-block per request: no search for a program's request
     n_qblocks = cam.num_reqs if decode else num_tokens // cfg["BLOCK_Q"] + cam.num_reqs
@@ -573,7 +567,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
                 tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
                 num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // progs)), _next_pow2(-(-tiles // 2)))
     num_segments = _next_pow2(max(1, int(num_segments)))
-    if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128 and not (config and "TILE" in config):
+    if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128:
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
     # A captured graph replays one split forever: its count is compiled in (as fast as a fixed-count kernel can
     # be); eager steps pass it at run time, so their varying splits share one compile (no JIT while serving).

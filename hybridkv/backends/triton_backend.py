@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hybridkv.backends.registry import KernelBackend, torch_backend
+from hybridkv.backends.base import KernelBackend, torch_backend
 
 logger = logging.getLogger("hybridkv.backends")
 

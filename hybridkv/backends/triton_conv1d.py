@@ -177,11 +177,11 @@ def _next_pow2(x: int) -> int:
 
 
 def conv1d_launch_config(*, width: int, decode: bool) -> dict[str, int]:
-    """Tile shapes from ``benchmarks/gpu_mamba.py --sweep`` on an H100 (Codestral-like conv_dim 10240, width 4).
-    Prefill: 16 tokens x 64 channels per program, 2 warps (158 µs vs 192 µs for 32 x 128 x 4 warps at
-    1 x 4096 tokens); each input is loaded ``width`` times, from L1 after the first; the token block is at
-    least ``width - 1`` (the first block must hold every tap that reaches into the state). Decode: 128
-    channels, 4 warps (within 0.1 µs of the sweep's best at batch 1 and 32)."""
+    """Tile shapes, the best of an H100 sweep (Codestral-like conv_dim 10240, width 4). Prefill: 16 tokens x
+    64 channels per program, 2 warps (158 µs vs 192 µs for 32 x 128 x 4 warps at 1 x 4096 tokens); each
+    input is loaded ``width`` times, from L1 after the first; the token block is at least ``width - 1`` (the
+    first block must hold every tap that reaches into the state). Decode: 128 channels, 4 warps (within 0.1 µs
+    of the best at batch 1 and 32)."""
     if decode:
         return {"BLOCK_D": 128, "num_warps": 4}
     return {"BLOCK_T": max(16, _next_pow2(width)), "BLOCK_D": 64, "num_warps": 2}
@@ -242,14 +242,13 @@ def causal_conv1d_triton(
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
     check_values: bool = False,
-    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``causal_conv1d_ref``: x (num_tokens, dim), any strides; weight (dim, width);
     bias (dim,) or None; conv_states (num_slots, dim, width - 1), any strides, updated in place at
     ``state_indices`` with each request's last width - 1 inputs. Returns y (num_tokens, dim) in x's dtype.
 
     ``out``: optional (num_tokens, dim) destination; ``check_values``: also run the reference's value
-    checks (a host sync; see the module docstring); ``config``: overrides of ``conv1d_launch_config``."""
+    checks (a host sync; see the module docstring)."""
     _check_activation(activation)
     width = _check_common(x, weight, bias, conv_states)
     num_reqs = _check_qsl(query_start_loc)
@@ -266,10 +265,8 @@ def causal_conv1d_triton(
     if num_reqs == 0 or dim == 0:
         return out
     cfg = conv1d_launch_config(width=width, decode=False)
-    if config:
-        cfg.update(config)
-    if cfg["BLOCK_T"] < width - 1:
-        raise ValueError(f"config: BLOCK_T {cfg['BLOCK_T']} must be >= width - 1 = {width - 1}")
+    if cfg["BLOCK_T"] < width - 1:        # the first token block must hold every tap into the state
+        raise ValueError(f"conv1d launch: BLOCK_T {cfg['BLOCK_T']} must be >= width - 1 = {width - 1}")
     dev = x.device
     qsl, idx = _on(query_start_loc, dev), _on(state_indices, dev)
     init = _on(has_initial_state, dev).view(torch.uint8)
@@ -296,12 +293,11 @@ def causal_conv1d_update_triton(
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
     check_values: bool = False,
-    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``causal_conv1d_update_ref``: x (batch, dim), any strides; conv_states
     (num_slots, dim, width - 1) updated in place at ``state_indices`` (batch,). Returns y (batch, dim).
-    One launch, grid from shapes only (CUDA-graph capturable). ``out`` / ``check_values`` / ``config``
-    as in ``causal_conv1d_triton``."""
+    One launch, grid from shapes only (CUDA-graph capturable). ``out`` / ``check_values`` as in
+    ``causal_conv1d_triton``."""
     _check_activation(activation)
     width = _check_common(x, weight, bias, conv_states)
     batch, dim = x.shape
@@ -316,8 +312,6 @@ def causal_conv1d_update_triton(
     if batch == 0 or dim == 0:
         return out
     cfg = conv1d_launch_config(width=width, decode=True)
-    if config:
-        cfg.update(config)
     idx = _on(state_indices, x.device)
     grid = (triton.cdiv(dim, cfg["BLOCK_D"]), batch)
     _conv1d_update_kernel[grid](

@@ -18,9 +18,6 @@ No host sync, grid from shapes only: CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -35,15 +32,14 @@ __all__ = ["MAX_ROWS", "linear", "linear_act_mul", "linear_act_mul_triton", "lin
            "linear_triton", "takes"]
 
 MAX_ROWS = 128                      # one M tile; larger batches are compute-bound GEMMs: cuBLAS's regime
-# Which calls the backend's ``linear`` ops give the kernel (``gpu_sweeps.py skinny-linear``, H100, weights
+# Which calls the backend's ``linear`` ops give the kernel (``takes``; measured on an H100 with the weights
 # rotated past the L2): up to 16 rows every projection (cuBLAS's GEMVs are no faster, and a Triton kernel
 # between Triton kernels overlaps its launch with theirs, ``pdl.py``); up to 32 rows the projections where
 # the kernel was faster (gate|up with the activation fused, down projections with K >= 2 N, vocabulary-size
 # heads), cuBLAS for the square-ish q|k|v and o; up to 64 rows small weights (< SMALL_WEIGHT elements, where
 # cuBLAS's ~5 µs is launch latency the kernel hides under PDL: the Gemma-3-like q|k|v and o, 44.9 -> 46.4% of
-# the roofline at batch 32, session 17; the Llama-4-like 12.6 / 8.4 MB ones stay on cuBLAS, 58.7 vs 55.6%)
-# and vocabulary heads; above that cuBLAS's tiles. HYBRIDKV_LINEAR=cublas (always cuBLAS) or =triton (the
-# kernel up to MAX_ROWS) override this, for A/B measurements.
+# the roofline at batch 32; the Llama-4-like 12.6 / 8.4 MB ones are faster on cuBLAS, 58.7 vs 55.6%) and
+# vocabulary heads; above that cuBLAS's tiles.
 ALL_SHAPES_MAX_ROWS = 16
 DISPATCH_MAX_ROWS = 32
 SMALL_MAX_ROWS = 64
@@ -165,8 +161,8 @@ _skinny_linear_kernel = two_forms(_skinny_linear, per_step=["M"])
 
 
 def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2) -> dict:
-    """Tiles for a (rows x k) @ (k x n) product (n output channels; gated: per half). From the H100 sweep
-    (``benchmarks/gpu_sweeps.py skinny-linear``): 32-channel column blocks (64 for vocabulary-size outputs,
+    """Tiles for a (rows x k) @ (k x n) product (n output channels; gated: per half), the best of an H100
+    sweep over tile shapes, splits, warps and stages: 32-channel column blocks (64 for vocabulary-size outputs,
     and for gate|up above 16 rows: 13.9 vs 15.0 µs for the Gemma-3-like one at 32 rows, equal at 1),
     128-deep K tiles, and split-K until there are ~256 weight tiles of 32 channels in flight or a slice
     would drop under 512 input features."""
@@ -188,7 +184,7 @@ def default_config(rows: int, n: int, k: int, *, gated: bool, itemsize: int = 2)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, n: int, act: int, gated: bool,
-            gate_multiplier: float, config: dict | None, out_dtype: torch.dtype | None = None,
+            gate_multiplier: float, out_dtype: torch.dtype | None = None,
             argmax: tuple[torch.Tensor, torch.Tensor] | None = None,
             write_logits: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax``: (rows, column blocks) fp32 / int32 tensors for the epilogue's argmax partials;
@@ -203,7 +199,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    cfg = dict(config or default_config(rows, n, k, gated=gated, itemsize=x.element_size()))
+    cfg = default_config(rows, n, k, gated=gated, itemsize=x.element_size())
     split = cfg.pop("SPLIT_K")
     column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1 and column_blocks > _MAX_COLUMN_BLOCKS:
@@ -223,16 +219,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (rows <= MAX_ROWS, K), weight (N, K), bias (N,) or None -> (rows, N) rounded to x's dtype, stored in
     ``out_dtype`` (default: x's)."""
     return _launch(x, weight, bias, n=weight.shape[0], act=_NO_ACT, gated=False, gate_multiplier=1.0,
-                   config=config, out_dtype=out_dtype)
+                   out_dtype=out_dtype)
 
 
 def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
-                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear_argmax_ref``: fp32 logits (rows, N) as ``linear_triton(..., out_dtype=fp32)`` and each row's
     argmax (rows,) int64 (into ``out`` when given): the kernel's epilogue leaves a first maximum per column
     block, and one short launch picks among them (``triton_sampling``); the logits are not read again. With
@@ -241,18 +237,16 @@ def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows, n = x.shape[0], weight.shape[0]
     if n == 0:
         raise ValueError("linear_argmax: empty vocabulary")
-    cfg = config or default_config(rows, n, x.shape[1], gated=False, itemsize=x.element_size())
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    blocks = triton.cdiv(n, default_config(rows, n, x.shape[1], gated=False, itemsize=x.element_size())["BLOCK_N"])
     values = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, blocks, dtype=torch.int32, device=x.device)
-    logits = _launch(x, weight, bias, n=n, act=_NO_ACT, gated=False, gate_multiplier=1.0, config=cfg,
-                     out_dtype=torch.float32, argmax=(values, indices), write_logits=write_logits)
+    logits = _launch(x, weight, bias, n=n, act=_NO_ACT, gated=False, gate_multiplier=1.0, out_dtype=torch.float32,
+                     argmax=(values, indices), write_logits=write_logits)
     return logits, reduce_partials(values, indices, out=out)
 
 
 def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                          activation: str, gated: bool = True, gate_multiplier: float = 1.0,
-                          config: dict | None = None) -> torch.Tensor:
+                          activation: str, gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
     """``act_mul_ref(F.linear(x, weight, bias), ...)``: weight (2 * inter, K) packed gate|up when gated, else
     (inter, K) -> (rows, inter)."""
     if activation not in _ACT_IDS:
@@ -260,31 +254,18 @@ def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if gated and weight.shape[0] % 2:
         raise ValueError(f"linear_act_mul: a gated weight has an even row count (gate|up), got {weight.shape[0]}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    return _launch(x, weight, bias, n=n, act=_ACT_IDS[activation], gated=gated, gate_multiplier=gate_multiplier,
-                   config=config)
-
-
-@functools.cache
-def _mode() -> str:
-    mode = os.environ.get("HYBRIDKV_LINEAR", "auto")
-    if mode not in ("auto", "cublas", "triton"):
-        raise ValueError(f"HYBRIDKV_LINEAR={mode!r}: expected 'auto', 'cublas' or 'triton'")
-    return mode
+    return _launch(x, weight, bias, n=n, act=_ACT_IDS[activation], gated=gated, gate_multiplier=gate_multiplier)
 
 
 def dispatch_description() -> str:
-    return {"auto": f"Triton up to {ALL_SHAPES_MAX_ROWS} rows, up to {DISPATCH_MAX_ROWS} for gate|up and down "
-                    f"projections, up to {SMALL_MAX_ROWS} for small weights and vocabulary projections, cuBLAS "
-                    "above",
-            "cublas": "cuBLAS (HYBRIDKV_LINEAR=cublas)",
-            "triton": f"Triton up to {MAX_ROWS} rows (HYBRIDKV_LINEAR=triton)"}[_mode()]
+    return (f"Triton up to {ALL_SHAPES_MAX_ROWS} rows, up to {DISPATCH_MAX_ROWS} for gate|up and down projections, up "
+            f"to {SMALL_MAX_ROWS} for small weights and vocabulary projections, cuBLAS above")
 
 
 def takes(rows: int, n_out: int, k: int, *, gated: bool) -> bool:
     """Whether the backend's ops run a (rows x k) @ (k x n_out) projection on the kernel (see the rule above)."""
-    mode = _mode()
-    if mode != "auto" or rows <= ALL_SHAPES_MAX_ROWS:
-        return mode != "cublas" and 0 < rows <= MAX_ROWS
+    if rows <= ALL_SHAPES_MAX_ROWS:
+        return rows > 0
     if rows <= DISPATCH_MAX_ROWS and (gated or k >= 2 * n_out):
         return True
     return rows <= SMALL_MAX_ROWS and (n_out * k * (2 if gated else 1) < SMALL_WEIGHT or n_out > 16384)

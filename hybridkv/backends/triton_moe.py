@@ -44,12 +44,12 @@ from hybridkv.layers.ops.fused_ref import ROUTERS, moe_route_ref
 
 __all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_triton"]
 
-# Tuned on an H100 (`benchmarks/gpu_sweeps.py moe-gemv`: expert shapes 2048x2048 and 5120x8192, 1-8 rows): few
-# output channels per program keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
+# The best of an H100 sweep (expert shapes 2048x2048 and 5120x8192, 1-8 rows): few output channels per program
+# keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
 _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
-# Tiled kernels (`benchmarks/gpu_sweeps.py moe-tiled`, H100, 16-128 assignments of 2048x2048 experts: gate|up
-# at ~1.8 TB/s, down ~1.5 TB/s in-kernel; the best configurations moved little with the assignment count).
+# Tiled kernels: the best of an H100 sweep (16-128 assignments of 2048x2048 experts: gate|up at ~1.8 TB/s, down
+# ~1.5 TB/s; the best configurations moved little with the assignment count).
 _TILED_GATE_UP = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_DOWN = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_MAX_M = 128

@@ -216,14 +216,14 @@ def _ssd_update_kernel(
 # --------------------------------------------------------------------------------------------- host side
 
 def ssd_launch_config(*, headdim: int, dstate: int, decode: bool) -> dict[str, int]:
-    """Tile shapes, from ``benchmarks/gpu_mamba.py --sweep`` on an H100 (Codestral-like: 128 heads x 64 x state
-    128, 8 groups, bf16; every config checked against the reference first).
+    """Tile shapes, the best of an H100 sweep (Codestral-like: 128 heads x 64 x state 128, 8 groups, bf16;
+    every config checked against the reference first).
 
     Scan: per program CHUNK x N_P tiles of B and C, a (BLOCK_P, N_P) fp32 state and (CHUNK, CHUNK) scores;
     every dot dimension is a power of two >= 16 (tl.dot's minimum). 32-token chunks x 32 channels x 4 warps
     ran 1 x 4096 tokens in 285 µs; the next best were 457 µs (32 x 64) and 731 µs (64 x 32, the first
     guess); larger tiles spill registers. N = 256 (not swept): half the channels. Decode: a (BLOCK_P, N_P)
-    tile per program; 16 channels x 4 warps was within 2% of the sweep's best at batch 1 and 32."""
+    tile per program; 16 channels x 4 warps was within 2% of the best at batch 1 and 32."""
     n_p = max(16, _next_pow2(dstate))
     if decode:
         return {"BLOCK_P": max(4, min(16, _next_pow2(headdim))), "num_warps": 4 if n_p >= 128 else 2}
@@ -269,12 +269,11 @@ def ssd_chunk_scan_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     out: torch.Tensor | None = None,
     check_values: bool = False,
-    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ssd_chunk_scan_ref`` (any strides on every input). ``chunk_size`` is validated
     like the reference's but the kernel blocks by its own ``CHUNK`` (see the module docstring).
     ``out``: optional (num_tokens, nheads, headdim) destination; ``check_values``: also run the
-    reference's value checks (host sync); ``config``: overrides of ``ssd_launch_config`` entries."""
+    reference's value checks (host sync)."""
     heads_per_group = _check_ssd_params(x, dt, A, B, C, D, z, dt_bias, ssm_states)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -294,11 +293,6 @@ def ssd_chunk_scan_triton(
     if num_reqs == 0 or nheads == 0 or headdim == 0:
         return out
     cfg = ssd_launch_config(headdim=headdim, dstate=dstate, decode=False)
-    if config:
-        cfg.update(config)
-    for k in ("CHUNK", "BLOCK_P"):
-        if cfg[k] < 16 or cfg[k] & (cfg[k] - 1):
-            raise ValueError(f"config: {k} must be a power of two >= 16 (tl.dot), got {cfg[k]}")
     dev = x.device
     qsl, idx = _on(query_start_loc, dev), _on(state_indices, dev)
     init = _on(has_initial_state, dev).view(torch.uint8)
@@ -335,11 +329,9 @@ def ssd_state_update_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     out: torch.Tensor | None = None,
     check_values: bool = False,
-    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ssd_state_update_ref``: one launch, grid from shapes only (CUDA-graph
-    capturable), state slots updated in place. ``out`` / ``check_values`` / ``config`` as in
-    ``ssd_chunk_scan_triton``."""
+    capturable), state slots updated in place. ``out`` / ``check_values`` as in ``ssd_chunk_scan_triton``."""
     heads_per_group = _check_ssd_params(x, dt, A, B, C, D, z, dt_bias, ssm_states)
     batch, nheads, headdim = x.shape
     if check_values:
@@ -355,8 +347,6 @@ def ssd_state_update_triton(
         return out
     dstate = ssm_states.shape[-1]
     cfg = ssd_launch_config(headdim=headdim, dstate=dstate, decode=True)
-    if config:
-        cfg.update(config)
     idx = _on(state_indices, x.device)
     lo, hi = _limits(dt_limit)
     n_pb = triton.cdiv(headdim, cfg["BLOCK_P"])

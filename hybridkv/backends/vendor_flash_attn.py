@@ -1,8 +1,9 @@
 """The ``flash_attn`` vendor op: our ``paged_attention`` contract on flash-attn 2's varlen kernel over a paged
 KV cache (``flash_attn_varlen_func(..., block_table=...)``). API read from flash-attn 2.8.3 (needs >= 2.6 for
 ``softcap``, >= 2.5 for ``block_table``); verified on an H100 against the reference, op by op and through the
-whole engine (docs/gpu.md, "Vendor backends"). Slower than our Triton kernel on every measured shape, so
-``backend="auto"`` does not take it; ``backend="flash_attn"`` does.
+whole engine (docs/performance.md, "Vendor backends"). Why ``backend="auto"`` does not take it: with a block
+table FA2 always runs its split-KV kernel, which took 1.03-2.35x our Triton kernel's time on every measured
+shape; ``backend="flash_attn"`` still asks for it.
 
 How a ``CommonAttentionMetadata`` maps onto the call:
 
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.backends.registry import UnsupportedConfig
+from hybridkv.backends.base import UnsupportedConfig
 from hybridkv.metadata import CommonAttentionMetadata
 
 logger = logging.getLogger("hybridkv.backends")

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.backends.registry import UnsupportedConfig
+from hybridkv.backends.base import UnsupportedConfig
 from hybridkv.layers.ops.ssd_ref import _discretize_dt
 
 logger = logging.getLogger("hybridkv.backends")

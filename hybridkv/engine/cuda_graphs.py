@@ -18,9 +18,9 @@ moves it, then the graph of the smallest bucket >= the batch replays. Everything
 the device is inside the graph too: it takes the input ids still pending from the previous step's tokens
 (asynchronous scheduling) and ends with the greedy tokens, the logits' argmax, in a persistent buffer that
 the next step's pending ids come from (the logits head takes the argmax in its epilogue:
-``HybridModel.compute_logits_and_greedy``). With both outside the graph, 62-72 µs of device work and gaps
-separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs), 16-26 µs
-since (``benchmarks/gpu_step_gaps.py``, docs/gpu.md session 21). The engine's ``StepTables`` are packed
+``HybridModel.compute_logits_and_greedy``). Why inside: with both outside the graph, 62-72 µs of device work
+and gaps separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs),
+with both inside 16-26 µs (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
 directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no builder, which at 13
 groups were most of a step's host work); any other block tables go through the eager path's per-group CAMs
 and builders on host arrays, whose results are the same by construction (``tests/test_decode_packing.py``

@@ -1,4 +1,4 @@
-"""Mamba2 mixer over per-request state slots (HF ``Mamba2Mixer`` semantics, DESIGN.md §3).
+"""Mamba2 mixer over per-request state slots (HF ``Mamba2Mixer`` semantics; docs/design.md, "Mamba2").
 
 in_proj -> [z | xBC | dt]; causal depthwise conv over xBC (conv state = last kernel-1 inputs);
 SSD scan over x with B, C, dt (SSM state fp32); y = gated group RMSNorm(y, z) (or, without the norm,

@@ -7,8 +7,9 @@
   ``routed_scaling_factor``. With ``latent_size`` the routed experts run between ``fc1_latent_proj`` and
   ``fc2_latent_proj``; the shared expert always sees the layer input.
 
-Experts are stored stacked, (num_experts, out, in). Three implementations of the routed experts compute
-the same function (``run_experts``; chosen per call, see ``choose_impl``):
+Experts are stored stacked, (num_experts, out, in). Five implementations of the routed experts compute
+the same function (``run_experts``); ``auto`` picks one per call (``choose_impl``) and every one of them is
+what ``auto`` runs somewhere:
 
 - ``ref`` (``moe_experts_ref``): a loop over experts with ``nonzero`` — the reference twin, and the CPU
   default. On a GPU each ``nonzero`` is a device->host sync (one per expert per layer), so it is slow and
@@ -23,8 +24,9 @@ the same function (``run_experts``; chosen per call, see ``choose_impl``):
 - ``padded`` (``moe_experts_padded``): every expert gets a (num_tokens, dim) batch whose row t is token t's
   input when t chose the expert and zero otherwise; one ``bmm`` per projection over (E, num_tokens, ·),
   then each (token, slot) reads its expert's row t. No sort, no sync, static shapes, any dtype — but E x
-  the FLOPs and it reads every expert's weights, so it is the GPU fallback for decode-size batches only
-  (``PADDED_MAX_ROWS``); larger batches of other dtypes use ``ref``.
+  the FLOPs and it reads every expert's weights: the GPU path above the Triton kernels' sizes where the grouped
+  GEMM is not fast (other dtypes or GPUs), while num_experts x num_tokens <= ``PADDED_MAX_ROWS``; larger
+  batches there use ``ref``.
 - ``gemv`` (``backends/triton_moe.py``): two Triton GEMV kernels, one program row per (token, slot) reading
   only its expert's weights at memory bandwidth. The CUDA default for decode-size batches (at most
   ``GEMV_MAX_ROWS`` assignments), where a grouped GEMM is dominated by its tile setup.
@@ -33,8 +35,8 @@ the same function (``run_experts``; chosen per call, see ``choose_impl``):
   and no sort, gather or scatter around them. The CUDA default for mid-size batches (at most
   ``TILED_MAX_ROWS`` assignments), where those would cost as much as the grouped GEMM.
 
-The choice is explicit (``MoEFeedForward.impl``; default from ``HYBRIDKV_MOE_IMPL``, else "auto") and
-logged once per (device, dtype, impl).
+``MoEFeedForward(impl=...)`` fixes one instead of ``auto`` (the tests run every path on the CPU this way);
+the choice is logged once per (device, dtype, impl).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,6 @@ from hybridkv.models.config import MoE
 logger = logging.getLogger("hybridkv.moe")
 
 MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv", "tiled")
-IMPL_ENV = "HYBRIDKV_MOE_IMPL"
 PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
 GEMV_MAX_ROWS = 8             # auto picks "gemv" on CUDA while num_tokens * top_k <= this
 TILED_MAX_ROWS = 128          # ... and "tiled" while num_tokens * top_k <= this (one M tile)
@@ -242,14 +242,14 @@ class MoEFeedForward(nn.Module):
     is tiny), so each rank picks the same experts for the same tokens with no all-to-all and no load
     imbalance between ranks; routed and shared partial sums are all-reduced once at the end.
 
-    ``impl``: how the routed experts run (module docstring); None takes ``HYBRIDKV_MOE_IMPL`` or "auto".
-    A plain attribute, so it can be changed on a built model (``set_moe_impl``)."""
+    ``impl``: how the routed experts run (module docstring; default "auto"). A plain attribute, so a test may
+    change it on a built layer."""
 
-    def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE, impl: str | None = None) -> None:
+    def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE, impl: str = "auto") -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.impl = _check_impl(impl or os.environ.get(IMPL_ENV) or "auto")
+        self.impl = _check_impl(impl)
         get_activation(cfg.activation)          # fails early on an unknown name
         e = cfg.num_experts
         channels = (Split(cfg.intermediate_size, cfg.intermediate_size, what="MoE.intermediate_size"),)
@@ -317,12 +317,3 @@ class MoEFeedForward(nn.Module):
         out = run_experts(self.fc1_latent_proj(x), ids, weights, self.experts(), impl=self.impl)
         out = self.fc2_latent_proj(out)          # linear, so it may run on this rank's partial sum
         return self.tp.all_reduce(out if shared is None else out + shared)
-
-
-def set_moe_impl(model: nn.Module, impl: str) -> int:
-    """Set ``impl`` on every MoE layer of ``model``; returns how many layers were set."""
-    _check_impl(impl)
-    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-    for m in layers:
-        m.impl = impl
-    return len(layers)

@@ -5,7 +5,7 @@ The oracle for the SSM half of a Mamba2 layer: a fast kernel (mamba-ssm's ``mamb
 Upstream ``mamba_chunk_scan_combined`` takes one initial state per batch row, so with packed sequences
 every request after the first starts from zero; here every request continues from its own slot.
 
-Semantics (HF ``Mamba2Mixer`` / DESIGN.md §3), per head h and token t:
+Semantics (HF ``Mamba2Mixer``; docs/design.md, "Mamba2"), per head h and token t:
     dt = clamp(softplus(dt_raw + dt_bias), *dt_limit);  dA = exp(dt * A[h])
     state = dA * state + dt * (x ⊗ B)       state: (headdim, dstate), B from head h's group
     y = state @ C + D[h] * x;  optionally y *= silu(z)

@@ -1,0 +1,59 @@
+"""Where a benchmark writes its JSON, and what it records about the run.
+
+A run writes ``benchmarks/out/<name>.json`` (git-ignored), so running a benchmark never changes a tracked
+file. ``--save`` writes ``benchmarks/results/<name>.json`` instead: the one current, tracked result of that
+benchmark (the numbers ``docs/performance.md`` and the README quote); ``--out PATH`` writes anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from hybridkv import envs
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SCRATCH = HERE / "out"
+
+
+def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--save`` / ``--out`` for a benchmark whose result is ``<name>.json``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--save", action="store_true",
+                       help=f"write the tracked current result, benchmarks/results/{name}.json")
+    group.add_argument("--out", type=Path, default=None,
+                       help=f"write the JSON here (default: benchmarks/out/{name}.json, git-ignored)")
+
+
+def output_path(args: argparse.Namespace, name: str) -> Path:
+    if args.out is not None:
+        return Path(args.out)
+    return (RESULTS if args.save else SCRATCH) / f"{name}.json"
+
+
+def write_json(args: argparse.Namespace, name: str, data: Any, **dump_kwargs: Any) -> Path:
+    """Write ``data`` where ``args`` says (``output_path``) and print the path."""
+    path = output_path(args, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, **({"indent": 1} | dump_kwargs)) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def commit() -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it; ``HYBRIDKV_COMMIT`` (``hybridkv.envs``)
+    names it for a copy of the tree without .git."""
+    if (named := envs.benchmark_commit()) is not None:
+        return named
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
