@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import secrets
 import signal
 import socket
@@ -95,6 +96,8 @@ def test_the_candidate_runs_unprivileged_in_its_own_namespaces() -> None:
     assert socket.gethostname() == "sandbox"
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.unshare(0x10000000) != 0                  # no new user namespace
+    if {platform.machine() == "x86_64"}:                  # the seccomp filter answers first
+        assert status["Seccomp"].strip() == "2" and ctypes.get_errno() == 1
     try:
         socket.create_connection(("127.0.0.1", 1), timeout=1)
         raise AssertionError("network")
@@ -224,8 +227,17 @@ def test_the_process_limit_counts_the_candidates_own_processes() -> None:
         limits = SandboxLimits(timeout=5.0, memory_bytes=512 << 20, max_processes=allowed)
         result = _check(forks, test.replace("LIMIT", str(allowed)), limits)
         assert result.passed, (allowed, result)
-    threads = "import threading\ndef f(x):\n    threading.Thread(target=lambda: None).start()\n    return 2\n"
+    threads = textwrap.dedent("""
+    import threading
+    def f(x):
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+        return 2
+    """)
     assert _check(threads, TEST).status == "failed"
+    # Allowed, a thread starts under the seccomp filter (clone3 -> ENOSYS, libc falls back to clone).
+    assert _check(threads, TEST, SandboxLimits(timeout=5.0, memory_bytes=512 << 20, max_processes=1)).passed
 
 
 def test_setsid_children_die_with_the_check(tmp_path: Path) -> None:
