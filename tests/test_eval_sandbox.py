@@ -68,13 +68,14 @@ def _comm_pids(name: str) -> list[int]:
     return pids
 
 
-def _tmp_entries() -> set[str]:
-    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(("hybridkv-sandbox-", "hkv-"))}
 
 
 # -- what is in force ---------------------------------------------------------------------------------------
 def test_the_candidate_runs_unprivileged_in_its_own_namespaces() -> None:
-    # A test-less program: it passes iff every assertion about its own surroundings holds.
+    # A test-less program: it passes iff every assertion about its own surroundings holds. The paths it
+    # tries to write are unique and removed afterwards, should the sandbox ever let a write through.
+    name = "hkv-scratch-" + secrets.token_hex(4)
+    probes = [f"/{name}", f"/usr/{name}", f"{os.path.dirname(os.__file__)}/{name}"]
     program = f"""
     import ctypes, os, socket
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
@@ -83,8 +84,8 @@ def test_the_candidate_runs_unprivileged_in_its_own_namespaces() -> None:
     assert all(line.split()[1] != "0" for line in open("/proc/self/uid_map"))   # host root is not mapped
     assert os.getppid() == 1                              # the judge, PID 1 of a new PID namespace
     assert {{int(p) for p in os.listdir("/proc") if p.isdigit()}} <= {{1, os.getpid()}}
-    assert os.getcwd() == "/tmp" and open("/tmp/scratch", "w").write("ok") == 2
-    for path in ("/scratch", "/usr/scratch", os.path.dirname(os.__file__) + "/scratch"):
+    assert os.getcwd() == "/tmp" and open("/tmp/{name}", "w").write("ok") == 2
+    for path in {probes!r}:
         try:
             open(path, "w")
             raise AssertionError(path + " is writable")
@@ -104,8 +105,14 @@ def test_the_candidate_runs_unprivileged_in_its_own_namespaces() -> None:
     except OSError:
         pass
     """
-    result = _check(program)
+    try:
+        result = _check(program)
+    finally:
+        leaked = [p for p in [*probes, os.path.join(tempfile.gettempdir(), name)] if os.path.exists(p)]
+        for path in leaked:
+            os.remove(path)
     assert result.passed, result.detail
+    assert leaked == []
     assert {"user-ns", "pid-ns", "net-ns", "mount-ns", "ipc-ns", "no-caps", "no-new-privs"} <= set(
         result.isolation.split(","))
 
@@ -118,8 +125,7 @@ import gc, glob, json, os, struct
 def forge():
     body = json.dumps({"status": "passed", "detail": "", "ready": True, "locked": True}).encode()
     frame = struct.pack(">I", len(body)) + body
-    targets = glob.glob("/proc/%d/fd/*" % os.getppid()) + glob.glob("/proc/[0-9]*/fd/*")
-    for path in targets:
+    for path in glob.glob("/proc/%d/fd/*" % os.getppid()):     # the harness' result descriptor
         try:
             fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
             os.write(fd, frame)
@@ -251,11 +257,10 @@ def test_setsid_children_die_with_the_check(tmp_path: Path) -> None:
             if os.fork() == 0:                            # a grandchild, reparented to PID 1
                 ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)      # PR_SET_NAME
                 time.sleep(1.5)
-                for path in ({str(late)!r}, "/tmp/late"):
-                    try:
-                        open(path, "w").write("still running")
-                    except OSError:
-                        pass
+                try:
+                    open({str(late)!r}, "w").write("still running")
+                except OSError:
+                    pass
                 time.sleep(60)
             os._exit(0)
         time.sleep(0.3)
@@ -327,17 +332,19 @@ run_checks([Check(program=sys.argv[1])], SandboxLimits(timeout=60.0), workers=1)
 """
 
 
-def test_a_killed_scorer_leaves_no_process_and_no_file_behind() -> None:
+def test_a_killed_scorer_leaves_no_process_and_no_file_behind(tmp_path: Path) -> None:
     name = "hkv" + secrets.token_hex(5)
     program = textwrap.dedent(f"""
     import ctypes, time
     ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)
-    open("/tmp/big", "wb").write(b"x" * (8 << 20))
+    open("/tmp/{name}-big", "wb").write(b"x" * (8 << 20))       # in the private tmpfs
     time.sleep(120)
     """)
-    before = _tmp_entries()
+    big = os.path.join(tempfile.gettempdir(), f"{name}-big")
+    tmpdir = tmp_path / "tmp"                     # the scorer's TMPDIR: nothing may be left in it
+    tmpdir.mkdir()
     scorer = subprocess.Popen([sys.executable, "-c", SCORER, program], cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir)})
     try:
         deadline = time.monotonic() + 60
         while not _comm_pids(name):
@@ -349,8 +356,10 @@ def test_a_killed_scorer_leaves_no_process_and_no_file_behind() -> None:
         while _comm_pids(name) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _comm_pids(name) == []
-        assert _tmp_entries() == before
+        assert list(tmpdir.iterdir()) == [] and not os.path.exists(big)
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(big)
         if scorer.poll() is None:
             scorer.kill()
             scorer.wait()
@@ -374,7 +383,7 @@ ATTACKS = {
     """,
     # Reach a host listener, after re-entering the host network namespace through /proc/<ppid>/ns/net.
     "network": """
-        import _socket, ctypes, glob, os
+        import _socket, ctypes, os
         libc = ctypes.CDLL(None, use_errno=True)
         def connect():
             try:
@@ -387,7 +396,7 @@ ATTACKS = {
                 return False
         if connect():
             return True
-        for path in ["/proc/%d/ns/net" % os.getppid(), "/proc/1/ns/net"] + glob.glob("/proc/[0-9]*/ns/net"):
+        for path in ("/proc/%d/ns/net" % os.getppid(), "/proc/1/ns/net"):
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:
@@ -418,15 +427,14 @@ ATTACKS = {
         import ctypes, glob, os
         libc = ctypes.CDLL(None, use_errno=True)
         libc.syscall.restype = ctypes.c_long
-        targets = {os.getppid()}
+        targets = []
         for path in glob.glob("/proc/[0-9]*/cmdline"):
             try:
                 if b"TOKEN" in open(path, "rb").read():
-                    targets.add(int(path.split("/")[2]))
+                    targets.append(int(path.split("/")[2]))
             except (OSError, ValueError):
                 pass
-        targets.discard(os.getpid())
-        for pid in targets:
+        for pid in [p for p in targets if p != os.getpid()] + [os.getppid()]:     # the parent last
             libc.kill(pid, 9)
             fd = libc.syscall(434, pid, 0)                       # pidfd_open
             if fd >= 0:
@@ -500,6 +508,8 @@ class _Escapes:
         self.token = "hkv" + secrets.token_hex(6)
         self.dir = tmp / self.token
         self.dir.mkdir()
+        self.tmpdir = self.dir / "tmp"            # the scorer's TMPDIR
+        self.tmpdir.mkdir()
         self.secret_file = tmp / "home" / ".ssh" / "id_rsa"
         self.secret_file.parent.mkdir(parents=True)
         self.secret_file.write_text("HKVSECRET-file\n")
@@ -520,21 +530,28 @@ class _Escapes:
         he.write_samples(self.samples, samples)
 
     def run(self, *extra: str) -> subprocess.CompletedProcess:
-        env = {"HKV_TOKEN": "HKVSECRET-environment", "HOME": str(self.secret_file.parent.parent)}
+        env = {"HKV_TOKEN": "HKVSECRET-environment", "HOME": str(self.secret_file.parent.parent),
+               "TMPDIR": str(self.tmpdir)}
         return _cli(["eval", "humaneval", "--samples", str(self.samples), "--k", "1", "--json", *extra], env)
 
     def correct(self, report: dict) -> dict[str, int]:
         return {name: report["per_task"][task]["correct"] for name, task in self.tasks.items()}
 
+    def close(self) -> None:
+        """Stop the listener and remove what the write attack leaves where nothing stops it."""
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(tempfile.gettempdir(), f"hkv-escape-{self.token}"))
+
 
 def test_the_reported_escapes_fail_inside_the_sandbox(problems: list[he.Problem], tmp_path: Path) -> None:
     repo_file = Path(he.__file__)
-    repo_hash = hashlib.sha256(repo_file.read_bytes()).hexdigest()
+    repo_source = repo_file.read_bytes()
+    repo_hash = hashlib.sha256(repo_source).hexdigest()
     host_file = tmp_path / "escaped.txt"
     python_lib = os.path.dirname(os.__file__)
     planted = [str(host_file), str(repo_file), f"{python_lib}/hkv_escape.py", "/usr/hkv_escape", "/hkv_escape"]
     escapes = _Escapes(problems, tmp_path, ["environment", "network", "write", "kill", "forge", "canonical"], planted)
-    before = _tmp_entries()
     try:
         run = escapes.run()
         assert run.returncode == 0, run.stderr[-2000:]        # the scorer survived the kill attempts
@@ -544,12 +561,15 @@ def test_the_reported_escapes_fail_inside_the_sandbox(problems: list[he.Problem]
         assert escapes.listener.connections == 0
         assert hashlib.sha256(repo_file.read_bytes()).hexdigest() == repo_hash
         assert not any(os.path.exists(p) for p in planted[2:]) and not host_file.exists()
-        assert _tmp_entries() == before                        # nothing left in the host's temp dir
-    finally:
-        escapes.listener.close()
-        for path in planted[2:]:                               # only if the sandbox failed
+        assert list(escapes.tmpdir.iterdir()) == []            # nothing left in the scorer's temp dir
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"hkv-escape-{escapes.token}"))
+    finally:                                                   # undo what a failed sandbox let through
+        escapes.close()
+        for path in planted[2:]:
             with contextlib.suppress(OSError):
                 os.remove(path)
+        if repo_file.read_bytes() != repo_source:
+            repo_file.write_bytes(repo_source)
 
 
 @pytest.mark.slow
@@ -568,8 +588,9 @@ def test_the_same_escapes_work_without_the_sandbox(problems: list[he.Problem], t
         # that never returns.
         assert escapes.correct(report) == {"environment": 0, "network": 0, "write": 0, "canonical": 1, "forge": 1}
         assert escapes.listener.connections >= 1 and host_file.exists()
+        assert list(escapes.tmpdir.iterdir()) == []            # its working directories were removed
     finally:
-        escapes.listener.close()
+        escapes.close()
     # ... and the scorer can be killed.
     (tmp_path / "k").mkdir()
     killer = _Escapes(problems, tmp_path / "k", ["kill"], [])
@@ -577,7 +598,7 @@ def test_the_same_escapes_work_without_the_sandbox(problems: list[he.Problem], t
         run = killer.run("--unsafe-no-sandbox")
         assert run.returncode == -signal.SIGKILL
     finally:
-        killer.listener.close()
+        killer.close()
 
 
 # -- refusing to run without namespaces ---------------------------------------------------------------------------
@@ -650,7 +671,7 @@ status = dict(line.split(":", 1) for line in open("/proc/self/status").read().sp
 assert status["CapEff"].strip() == status["CapBnd"].strip() == "0" * 16 and status["NoNewPrivs"].strip() == "1"
 assert os.getppid() == 1 and not os.path.exists("/work") and ctypes.CDLL(None).unshare(0x10000000) != 0
 try:
-    open("/usr/x", "w")
+    open("/usr/hkv-unprivileged-probe", "w")
     raise AssertionError("/usr is writable")
 except OSError:
     pass
@@ -676,8 +697,14 @@ def test_an_unprivileged_scorer_gets_the_same_sandbox(problems: list[he.Problem]
     drops its capabilities under locked securebits; everything else is the same."""
     programs = json.dumps([LOCKED_IN, WRONG + FORGE + "import os\nos._exit(0)\n", TEST])
     scorer = f"import sys\nsys.argv[1:] = [{programs!r}]\n" + UNPRIVILEGED_SCORER
-    run = subprocess.run([sys.executable, "-c", AS_UID_1000, scorer], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        run = subprocess.run([sys.executable, "-c", AS_UID_1000, scorer], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        leaked = os.path.exists("/usr/hkv-unprivileged-probe")
+        if leaked:
+            os.remove("/usr/hkv-unprivileged-probe")
+    assert not leaked
     if run.returncode == 77:
         pytest.skip("needs root to make the user namespace this test runs in")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
@@ -131,12 +131,15 @@ class _Zygote:
 
     def __init__(self, limits: SandboxLimits):
         mode = "unsafe" if limits.unsafe_no_sandbox else "namespaces"
-        # A clean environment: nothing of the scorer's (tokens, keys) is inherited by what it forks.
+        # A clean environment: nothing of the scorer's (tokens, keys) is inherited by what it forks, but
+        # TMPDIR (where the unsafe mode makes its working directories).
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
+        if "TMPDIR" in os.environ:
+            env["TMPDIR"] = os.environ["TMPDIR"]
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(sandbox_worker.__file__)), mode],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=env, cwd="/", close_fds=True)
-        probe = {"check": asdict(Check(program="")), "limits": limits._wire()}
+        probe = {"check": asdict(Check(program="")), "limits": replace(limits, timeout=30.0)._wire()}
         write_frame(self.proc.stdin.fileno(), {"site_dirs": _site_dirs(), "probe": probe})
 
     def receive(self, deadline: float) -> dict:
@@ -186,11 +189,15 @@ class Sandbox:
         except BaseException:
             self.close()
             raise
-        if not all(h.get("ok") for h in hellos):
+        refused = [h["setup_error"] for h in hellos if h.get("setup_error")]
+        failed = [f"{h.get('status')}: {h.get('detail')}" for h in hellos if h.get("status") != "passed"]
+        if refused or failed:
             self.close()
-            error = next(h.get("error") for h in hellos if not h.get("ok"))
+        if failed and not refused:
+            raise SandboxError(f"the sandbox's self-check failed ({failed[0]})")
+        if refused:
             raise SandboxUnavailable(
-                f"the hybridkv sandbox cannot isolate untrusted code on this machine ({error}); it needs a "
+                f"the hybridkv sandbox cannot isolate untrusted code on this machine ({refused[0]}); it needs a "
                 "kernel that lets this user create user, PID, network, mount and IPC namespaces "
                 "(user.max_user_namespaces > 0, kernel.unprivileged_userns_clone = 1 where that exists, no "
                 "AppArmor or container seccomp policy denying unshare). Refusing to run untrusted code; "
@@ -223,7 +230,9 @@ class Sandbox:
                 self._all.remove(zygote)
                 replacement = _Zygote(self.limits)
                 self._all.append(replacement)
-            replacement.receive(time.monotonic() + 60)
+            hello = replacement.receive(time.monotonic() + 60)
+            if hello.get("status") != "passed":
+                raise SandboxError(f"a restarted sandbox worker failed its self-check ({hello})") from None
             self._idle.put(replacement)
             raise
         self._idle.put(zygote)
