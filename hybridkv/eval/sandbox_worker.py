@@ -287,7 +287,9 @@ def _set_rlimits(limits: dict, nproc: int | None) -> None:
 
 def _keep_fds(fds: list[int]) -> list[int]:
     """Move ``fds`` to 3, 4, ... (stdio to /dev/null) and close every other descriptor."""
-    moved = [os.dup(fd) for fd in fds]              # above every target, so no dup2 below clobbers one
+    # Fresh copies come in increasing order from 3 up, so copy i >= 3 + i: no dup2 below overwrites a
+    # copy before it is moved.
+    moved = [os.dup(fd) for fd in fds]
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -562,6 +564,8 @@ def _candidate(check: dict, req_r: int, rep_w: int) -> None:
 
 # -- one check ----------------------------------------------------------------------------------------------
 class Zygote:
+    """Z: runs one check at a time, in ``mode`` "namespaces" (the sandbox) or "unsafe" (no namespaces)."""
+
     def __init__(self, mode: str, site_dirs: list[str]):
         self.mode = mode
         self.root = os.geteuid() == 0
@@ -715,9 +719,7 @@ class Zygote:
         except BaseException as err:
             verdict = {"setup_error": "judge: " + _setup_failure(err)}
         write_frame(verdict_w, verdict)
-        if not sandboxed:
-            os.kill(u_pid, signal.SIGKILL)
-        os._exit(0)
+        os._exit(0)           # sandboxed, the kernel then ends the namespace; unsafe, Z kills R's group
 
     # U ----------------------------------------------------------------------------------------------------
     def _enter_candidate(self, request: dict, req_r: int, rep_w: int, *, sandboxed: bool) -> None:
@@ -763,7 +765,8 @@ class Zygote:
         return reply
 
     def _wait_verdict(self, verdict_r: int, stdin: int, deadline: float) -> dict:
-        """The verdict R writes, or timeout; returns early (None) if the scorer hangs up."""
+        """The verdict R writes, or a timeout at ``deadline``; SystemExit (the caller's ``finally`` kills the
+        check) if the scorer hangs up."""
         poller = select.poll()
         poller.register(verdict_r, select.POLLIN)
         poller.register(stdin, select.POLLIN)
