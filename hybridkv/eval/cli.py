@@ -73,6 +73,9 @@ def _humaneval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit-mb", type=positive_int, default=1024,
                         help="address-space limit of each test process (default 1024)")
     parser.add_argument("--workers", type=positive_int, default=None, help="test processes (default: CPUs)")
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="run completions without the namespace sandbox (resource limits only) where the "
+                        "kernel denies namespaces: only for completions you trust (docs/sandbox.md)")
     parser.add_argument("--out", default=None, help="directory for samples.jsonl and results.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     _model_arguments(parser)
@@ -80,9 +83,15 @@ def _humaneval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_humaneval(args: argparse.Namespace) -> int:
     from hybridkv.eval import humaneval as he
-    from hybridkv.eval.sandbox import SandboxLimits
+    from hybridkv.eval.sandbox import SandboxLimits, SandboxUnavailable, sandbox_unavailable_reason
 
-    limits = SandboxLimits(timeout=args.timeout, memory_bytes=args.memory_limit_mb << 20)
+    limits = SandboxLimits(timeout=args.timeout, memory_bytes=args.memory_limit_mb << 20,
+                           unsafe_no_sandbox=args.unsafe_no_sandbox)
+    if args.unsafe_no_sandbox:
+        print("hybridkv eval humaneval: --unsafe-no-sandbox: completions run as this user, with this user's "
+              "network and files (resource limits only)", file=sys.stderr)
+    elif (reason := sandbox_unavailable_reason()) is not None:    # refuse before spending time generating
+        raise UsageError(f"hybridkv eval humaneval: {reason}")
     problems = he.load_problems()
     out = _out_dir(args)
     generation_seconds = None
@@ -100,8 +109,11 @@ def run_humaneval(args: argparse.Namespace) -> int:
         generation_seconds = time.perf_counter() - start
         if out is not None:
             he.write_samples(out / "samples.jsonl", samples)
-    result = he.score_samples(samples, problems, ks=args.k, limits=limits, workers=args.workers,
-                              use_tqdm=not args.json)
+    try:
+        result = he.score_samples(samples, problems, ks=args.k, limits=limits, workers=args.workers,
+                                  use_tqdm=not args.json)
+    except SandboxUnavailable as err:
+        raise UsageError(f"hybridkv eval humaneval: {err}") from None
     result = replace(result, generation_seconds=generation_seconds)
     report = {**result.to_dict(), "model": args.model, "samples_file": args.samples,
               "skipped_k": [k for k in args.k if k not in result.pass_at_k]}

