@@ -34,8 +34,9 @@ Steps, each printed as it happens:
    steps on rank 0 gives GPU busy time vs wall time.
 4. Robustness (tiny model, ``distributed_timeout`` 10 s, each case its own process, all at once, after the big
    model is gone): rank 1 killed between steps, killed unnoticed (check_alive off), stuck (SIGSTOP), killed
-   2 s into a step, dying or stopping *inside* the forward (``HYBRIDKV_TP_FAULT``: after the first half of the
-   layers' all-reduces), rank 0 killed (rank 1 must exit); and a tiny fp32 model launched by
+   2 s into a step, dying or stopping *inside* the forward (rank 1 spawned through ``tests/_tp_fault_worker.py``:
+   after the first half of the layers' all-reduces), rank 0 killed (rank 1 must exit); and a tiny fp32 model
+   launched by
    ``torchrun --nproc-per-node 2`` against tp 1.
 
 Time on 2x H200 (estimate): start + MoE check ~1 min, tp-2 construction well under a minute, warm-up and
@@ -444,15 +445,18 @@ def run_torchrun(device: str) -> dict:
 def robustness_case(case: str, device: str, dtype: str) -> None:
     """Rank 0 of a tiny tp-2 group: fail rank 1 as ``case`` says, report JSON lines on stdout."""
     from hybridkv import LLM
+    from hybridkv.engine import distributed
     from hybridkv.engine.distributed import TensorParallelError
-    from hybridkv.engine.executor import FAULT_ENV
     from hybridkv.engine.sampling_params import SamplingParams
 
     def say(**kw):
         print("CASE " + json.dumps(kw), flush=True)
 
-    if case in ("died_in_forward", "stuck_in_forward"):     # rank 1 inherits this from the environment
-        os.environ[FAULT_ENV] = f"1:{FAULT_STEP}:{'exit' if case == 'died_in_forward' else 'hang'}"
+    if case in ("died_in_forward", "stuck_in_forward"):     # rank 1 is spawned through the tests' fault worker
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from _tp_fault_worker import fault_command
+
+        distributed.WORKER_COMMAND = fault_command(1, FAULT_STEP, "exit" if case == "died_in_forward" else "hang")
     cfg = scout_config(4, tiny=True)
     llm = LLM(cfg, tensor_parallel_size=2, device=device, dtype=dtype, distributed_timeout=ROBUST_TIMEOUT,
               kv_cache_memory=64 << 20, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)

@@ -1,51 +1,45 @@
 """The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | bench``.
 
-Subcommands live in ``COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds its
-arguments and a function that runs it and returns the exit code), so adding one is one ``register``
-call. Bad input (missing file, bad JSON, unsupported model, a budget too small) is reported as one line
-on stderr with exit code 2, never a traceback.
+Subcommands live in ``commands.COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds
+its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call. Every error, bad input or not (a missing file, bad JSON, an unsupported or corrupt checkpoint, a
+device that is not there, a model that does not fit, a budget too small), is one line on stderr with exit
+code 2, never a traceback; ``--debug`` prints the traceback too. ``hybridkv --version`` names the versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import traceback
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+import hybridkv.eval.cli  # noqa: F401  (registers "hybridkv eval")
+from hybridkv import __version__
+from hybridkv.commands import (
+    COMMANDS,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    Command,
+    UsageError,
+    device_arg,
+    positive_int,
+    register,
+)
 from hybridkv.planning import bundled_config_names, load_model_config, plan
 from hybridkv.utils import format_bytes
 
 if TYPE_CHECKING:
     from hybridkv.kv_groups.plan import KVCachePlan
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Command:
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def register(command: Command) -> Command:
-    if command.name in COMMANDS:
-        raise ValueError(f"hybridkv subcommand {command.name!r} is already registered")
-    COMMANDS[command.name] = command
-    return command
+# Errors whose message says it all; anything else is also named by its type (it may be a bug).
+_PLAIN_ERRORS = (OSError, ValueError, MemoryError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,45 +49,65 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
+_DEBUG_HELP = "on an error, print the traceback as well as the one-line message"
+
+
+def version_line() -> str:
+    return (f"hybridkv {__version__} (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, "
+            f"python {platform.python_version()})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridkv", description="Hybrid-LLM runtime with a per-layer-kind KV cache.")
+    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for command in COMMANDS.values():
-        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))
+        command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(command_parser)
+        # Accepted after the subcommand too; SUPPRESS keeps the top-level value when it is absent here.
+        command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
 
 
+def error_line(prog: str, err: BaseException) -> str:
+    """``err`` as one line: ``<prog>: error: <message>`` (the type too where the message may not say it)."""
+    if isinstance(err, UsageError):
+        return " ".join(str(err).split())
+    message = " ".join(str(err).split())
+    if not isinstance(err, _PLAIN_ERRORS) or not message:
+        message = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    return f"{prog}: error: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hybridkv`` console script; returns the exit code."""
-    parser = build_parser()
+    """Entry point of the ``hybridkv`` console script; returns the exit code. Never raises (but for
+    ``SystemExit`` of a subcommand): every error is one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     prog = "hybridkv"
     try:
-        args = parser.parse_args(argv)
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as done:              # --help, --version: printed, and a clean exit
+            return done.code if isinstance(done.code, int) else 0
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
         prog = f"hybridkv {args.command}"
         return COMMANDS[args.command].run(args)
-    except UsageError as err:
-        print(" ".join(str(err).split()), file=sys.stderr)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"{prog}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if debug:
+            traceback.print_exc()
+        print(error_line(prog, err), file=sys.stderr)
+        return EXIT_USAGE
 
 
 # -- plan ---------------------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    """argparse type for counts (shared by every subcommand)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG_OR_DIR",
                         help="config.json, a checkpoint directory, or a bundled config name "
@@ -243,7 +257,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=device_arg, default="auto",
+                        help="cpu, cuda, cuda:N, or auto (CUDA when available; default)")
     parser.add_argument("--kv-memory", default=None,
                         help="KV-cache budget, e.g. 4GiB (default: a share of free memory)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
@@ -296,8 +311,6 @@ def run_generate(args: argparse.Namespace) -> int:
 register(Command(name="generate", help="generate text (or token ids) for prompts with a checkpoint",
                  add_arguments=_generate_arguments, run=run_generate))
 
-
-import hybridkv.eval.cli  # noqa: E402,F401  (registers "hybridkv eval")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "debug", "hf_cache_dirs", "master_address", "torchrun_world",
-           "tp_spawned", "triton_interpret"]
+           "triton_interpret"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +33,6 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(name="HYBRIDKV_DEBUG", type="bool", default="0",
            meaning="validate every CommonAttentionMetadata the builders and transforms return (costs host time "
                    "and, on a GPU, a device sync per check)"),
-    EnvVar(name="HYBRIDKV_TP_SPAWNED", type="bool", default="0",
-           meaning="set by hybridkv in the tensor-parallel ranks it spawns (they join rank 0's TCP store "
-                   "instead of torchrun's env:// rendezvous); not for users"),
     EnvVar(name="HYBRIDKV_COMMIT", type="str", default="",
            meaning="benchmarks: the commit to record in a result when the tree is a copy without .git"),
     EnvVar(name="TRITON_INTERPRET", type="bool", default="0",
@@ -85,11 +82,6 @@ def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: Triton kernels run under its CPU interpreter (read as Triton reads it: on for
     1 / true / yes / on, any other value off)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
-
-
-def tp_spawned() -> bool:
-    """``HYBRIDKV_TP_SPAWNED``: this process is a tensor-parallel rank hybridkv spawned."""
-    return _bool("HYBRIDKV_TP_SPAWNED")
 
 
 def torchrun_world() -> tuple[int, int, int] | None:

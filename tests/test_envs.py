@@ -16,14 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hybridkv"
 # Modules other than envs.py that may touch ``os.environ``, and why (each to be routed through envs.py by its
 # owner: the accessors exist there).
 OTHER_READERS = {
-    "engine/distributed.py": "torchrun's WORLD_SIZE / RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and the "
-                             "spawn marker; it also sets the spawned ranks' environment",
-    "engine/executor.py": "HYBRIDKV_TP_FAULT, a test fault hook removed by the tensor-parallel work",
-    "eval/gsm8k.py": "HF_HOME / HF_DATASETS_CACHE / HF_HUB_CACHE (envs.hf_cache_dirs has the same search)",
+    "engine/distributed.py": "copies this process's environment into the spawned ranks' (with their thread count "
+                             "and hybridkv's root on PYTHONPATH)",
     "eval/sandbox.py": "PATH, handed to the sandboxed child",
+    "eval/sandbox_worker.py": "replaces the sandboxed candidate's environment with a minimal one",
 }
 # HYBRIDKV_* names the package may mention without documenting them in envs.py.
-UNDOCUMENTED = {"HYBRIDKV_TP_FAULT"}      # removed by the tensor-parallel work, with its reader
+UNDOCUMENTED: set[str] = set()
 
 
 def _environment_reads(path: Path) -> list[str]:

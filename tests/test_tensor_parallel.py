@@ -7,7 +7,9 @@ rank reads its shard); in-process checks show each rank's parameters are exactly
 ones for every supported family, and every family served at tp 2 gives tp 1's tokens with logits within
 1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an error
 naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang — also when it
-fails inside a step's forward (``HYBRIDKV_TP_FAULT``), and a spawned rank exits when rank 0 dies. Random init
+fails inside a step's forward (ranks spawned through ``_tp_fault_worker``), and a spawned rank exits when rank 0
+dies. Rank 0 may be started any way at all (``python -c``, stdin, a script without a ``__main__`` guard): the
+spawned ranks never import it. Random init
 drawn on the device (``init="device"``, chunked) is also exactly the shard of the full init.
 """
 
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +28,13 @@ import _hf_mamba_models as hf_mamba
 import _hf_models as hf_attention
 import pytest
 import torch
+from _tp_fault_worker import EXIT_CODE, fault_command
 from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, max_logit_diff, prompts, run
 
 from hybridkv import LLM, plan
 from hybridkv.cli import main
 from hybridkv.engine import distributed
 from hybridkv.engine.distributed import ParallelContext, TensorParallelError, pack_step, unpack_step
-from hybridkv.engine.executor import FAULT_ENV
 from hybridkv.layers.parallel import Shard, Split, TensorParallel
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE, hybrid
@@ -193,6 +196,52 @@ if os.environ["RANK"] == "1":
         in done.stderr
 
 
+_LAUNCHED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, prompts
+from hybridkv import LLM
+
+llm = LLM(MIXES["mamba2"](), tensor_parallel_size=2, seed=1, distributed_timeout=60, **ENGINE_ARGS)
+outs = llm.generate(prompts(VOCAB, n=2), GREEDY, use_tqdm=False)
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python -c", "stdin", "script without a __main__ guard"])
+def test_rank_0_started_any_way(launcher: str, tmp_path: Path) -> None:
+    """The spawned rank is a fresh ``python -m hybridkv.engine.worker``: it never imports rank 0's
+    ``__main__``, which here has no guard (re-running it would spawn again) or is no file at all."""
+    code = _LAUNCHED.format(tests=str(Path(__file__).parent))
+    stdin = None
+    if launcher == "python -c":
+        cmd = [sys.executable, "-c", code]
+    elif launcher == "stdin":
+        cmd, stdin = [sys.executable, "-"], code
+    else:
+        (tmp_path / "unguarded.py").write_text(code)
+        cmd = [sys.executable, str(tmp_path / "unguarded.py")]
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, done.stdout
+    assert json.loads(lines[0][7:]) == run(MIXES["mamba2"](), 1, prompts(VOCAB, n=2)).tokens
+
+
+def test_a_rank_that_fails_to_start_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawned rank's own error reaches rank 0's (``int("not a number")`` stands for any job that raises
+    before joining), at once; the job's files are gone afterwards."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rendezvous failed \(.*rank 1 exited with code 1: ValueError: "
+                                                  r"invalid literal for int\(\) with base 10: 'not a number'"):
+        distributed.spawn_group(2, torch.device("cpu"), 60.0, int, ("not a number",))
+    assert time.monotonic() - start < 30
+    assert not list(tmp_path.iterdir())
+
+
 def test_launcher_size_must_match(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
@@ -316,7 +365,7 @@ def test_a_rank_failing_inside_the_forward_is_an_error_not_a_hang(action: str, m
     """Rank 1 takes its third step, runs the first half of the layers (their all-reduces complete), then exits
     or stops for good just before the middle layer: rank 0, blocked in that layer's all-reduce, raises at once
     (exit: the peer's sockets close) or at the timeout (hang), and refuses later steps."""
-    monkeypatch.setenv(FAULT_ENV, f"1:3:{action}")
+    monkeypatch.setattr(distributed, "WORKER_COMMAND", fault_command(1, 3, action))
     llm = LLM(MIXES["llama4_like"](), tensor_parallel_size=2, distributed_timeout=TIMEOUT, **ENGINE_ARGS)
     worker = llm._executor.ctx.processes[0]
     try:
@@ -326,12 +375,12 @@ def test_a_rank_failing_inside_the_forward_is_an_error_not_a_hang(action: str, m
         elapsed = time.monotonic() - start
         assert elapsed < (TIMEOUT + 3 if action == "hang" else 3), f"{elapsed:.1f}s: {info.value}"
         if action == "exit":                          # the error names the rank, not only the broken socket
-            assert f"rank 1 (pid {worker.pid}) exited with code 13" in str(info.value)
+            assert f"rank 1 (pid {worker.pid}) exited with code {EXIT_CODE}" in str(info.value)
         with pytest.raises(TensorParallelError, match="failed earlier"):
             llm.generate(prompts(VOCAB, n=1), GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert worker.exitcode == (13 if action == "exit" else -signal.SIGKILL)
+    assert worker.exitcode == (EXIT_CODE if action == "exit" else -signal.SIGKILL)
 
 
 class _Proc:
@@ -361,11 +410,13 @@ def test_bounded_step_wait_sees_a_dead_rank_or_the_timeout() -> None:
 _DRIVER_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
+from _tp_fault_worker import fault_command
 from _tp_helpers import ENGINE_ARGS, GREEDY, MIXES, VOCAB, prompts
 from hybridkv import LLM
+from hybridkv.engine import distributed
 
 if __name__ == "__main__":
-    os.environ["HYBRIDKV_TP_FAULT"] = "1:2:hang"        # rank 1 stops inside its second forward
+    distributed.WORKER_COMMAND = fault_command(1, 2, "hang")      # rank 1 stops inside its second forward
     llm = LLM(MIXES["llama4_like"](), tensor_parallel_size=2, distributed_timeout=120, **ENGINE_ARGS)
     print("RANK1", llm._executor.ctx.processes[0].pid, flush=True)
     llm.generate(prompts(VOCAB, n=2), GREEDY, use_tqdm=False)   # blocks in an all-reduce; the test kills us

@@ -1,10 +1,17 @@
 """Tensor-parallel processes: starting the ranks, their process groups, and the control channel.
 
 Process model. Rank 0 is the user's process: it runs the scheduler, the sampler and its own model shard.
-Ranks 1..N-1 only run their shard. They are either spawned here (``torch.multiprocessing`` "spawn",
-one process per rank) or started by ``torchrun`` (detected from ``WORLD_SIZE`` / ``RANK`` /
-``LOCAL_RANK``): either way every rank goes through the same ``LLM(...)`` construction, and ranks > 0
-then serve steps until rank 0 shuts down.
+Ranks 1..N-1 only run their shard. They are either spawned here or started by ``torchrun`` (detected from
+``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK``): either way every rank goes through the same ``LLM(...)``
+construction, and ranks > 0 then serve steps until rank 0 shuts down.
+
+Spawned ranks are fresh interpreters running ``python -m hybridkv.engine.worker`` (``WORKER_COMMAND``), never
+a re-import of the caller's ``__main__``: rank 0 may be a notebook, ``python -c``, a script read from stdin
+or one without a ``__main__`` guard. What they run (a picklable function and its arguments, e.g. a checkpoint
+path or a config, or an in-memory model's full weights) travels in a job file that each rank maps
+(``torch.load(mmap=True)``), with rank 0's store address; each rank's number comes on its command line. Nothing
+travels in the environment.
+A rank that fails before it joins writes its error next to the job file, so rank 0's error says why.
 
 Three process groups:
 
@@ -27,29 +34,38 @@ waiting on.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
+import json
 import logging
 import os
+import shutil
+import site
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import hybridkv
+from hybridkv import envs
 from hybridkv.layers.parallel import TensorParallel
 
 logger = logging.getLogger("hybridkv.distributed")
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)      # how long a rank > 0 may wait for the next step
-_SPAWNED = "HYBRIDKV_TP_SPAWNED"                  # set in ranks that spawn_group started
 NCCL_BACKSTOP_S = 60.0                            # NCCL group timeout = distributed timeout + this
 _POLL_CHECK_S = 0.02                              # how often wait_for looks at the other ranks
+STARTUP_S = 120.0           # spawned ranks may take this long to join, at least (fresh interpreters import torch)
 _T = TypeVar("_T")
 
 # Step message: header (int64) = [op, num_tokens, num_reqs, num_outputs, num_copies, width per group...],
@@ -62,13 +78,38 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed, died or timed out; the engine cannot continue."""
 
 
+@dataclass(frozen=True)
+class SpawnedRank:
+    """Where a rank that ``spawn_group`` started stands: its rank of ``size``, and rank 0's TCP store."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+
+
+# Set (by the worker entry, for the duration of its job) in a rank that spawn_group started.
+_SPAWNED_RANK: contextvars.ContextVar[SpawnedRank | None] = contextvars.ContextVar("hybridkv_spawned_rank",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def as_spawned_rank(spawned: SpawnedRank) -> Iterator[None]:
+    """Within this block, ``LLM(..., tensor_parallel_size=N)`` joins the group as ``spawned`` says."""
+    token = _SPAWNED_RANK.set(spawned)
+    try:
+        yield
+    finally:
+        _SPAWNED_RANK.reset(token)
+
+
 def torchrun_world() -> tuple[int, int, int] | None:
-    """(world size, rank, local rank) when this process was started by torchrun (or a spawned rank), else
-    None."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        return None
-    size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    return size, rank, int(os.environ.get("LOCAL_RANK", rank))
+    """(world size, rank, local rank) when this process is a launched rank: one ``spawn_group`` started, or one
+    started by torchrun (read from its environment); None otherwise."""
+    spawned = _SPAWNED_RANK.get()
+    if spawned is not None:
+        return spawned.size, spawned.rank, spawned.rank
+    return envs.torchrun_world()
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -316,8 +357,9 @@ def join_group(size: int, device: torch.device, timeout: float) -> ParallelConte
                          f"processes; they must match")
     device = rank_device(device, local_rank)
     store = None
-    if os.environ.get(_SPAWNED) == "1":         # rank 0's store (torchrun's ranks use env:// instead)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
+    spawned = _SPAWNED_RANK.get()
+    if spawned is not None:                     # rank 0's store (torchrun's ranks use env:// instead)
+        store = dist.TCPStore(spawned.host, spawned.port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
         store.set(_joined_key(rank), "1")      # rank 0 waits for these before its own rendezvous
     _init_default(store, rank, size, device, timeout)
@@ -325,37 +367,122 @@ def join_group(size: int, device: torch.device, timeout: float) -> ParallelConte
     return ParallelContext(rank=rank, size=size, device=device, tp=tp, control=control, timeout=timeout)
 
 
+# How spawn_group starts a rank: ``python <WORKER_COMMAND...> <job file> <rank>``. Tests point it at a wrapper
+# of the worker entry (e.g. one that makes a rank fail inside a step).
+WORKER_COMMAND: tuple[str, ...] = ("-m", "hybridkv.engine.worker")
+JOB_FILE = "job.json"
+PAYLOAD_FILE = "payload.pt"
+
+
+def error_file(job_file: Path, rank: int) -> Path:
+    """Where spawned rank ``rank`` writes the error it failed with before joining the group."""
+    return job_file.with_name(f"rank{rank}.error")
+
+
+class RankProcess:
+    """A spawned rank's process (``subprocess.Popen``) with the ``multiprocessing.Process`` interface the group
+    uses: ``pid``, ``exitcode`` (None while it runs; -N when killed by signal N), ``join``, ``kill``."""
+
+    def __init__(self, popen: subprocess.Popen, rank: int) -> None:
+        self._popen = popen
+        self.rank = rank
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.kill()
+
+
+def _worker_env(threads: int) -> dict[str, str]:
+    """The spawned ranks' environment: this process's, with its thread count, and with the directory this
+    hybridkv was imported from on the path (a notebook may have found it through ``sys.path`` alone)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    root = str(Path(hybridkv.__file__).resolve().parent.parent)
+    site_dirs = {str(Path(p).resolve()) for p in [*getattr(site, "getsitepackages", list)(),
+                                                   site.getusersitepackages()]}
+    if root not in site_dirs:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _write_job(directory: Path, size: int, port: int, threads: int, worker: Callable[..., None],
+               worker_args: tuple[Any, ...]) -> Path:
+    """The job file every spawned rank reads: the rendezvous as JSON, ``worker(*worker_args)`` pickled with
+    ``torch.save`` beside it (tensors stored once, mapped by each rank)."""
+    torch.save((worker, worker_args), directory / PAYLOAD_FILE)
+    job = directory / JOB_FILE
+    job.write_text(json.dumps({"size": size, "host": "127.0.0.1", "port": port, "threads": threads,
+                               "payload": PAYLOAD_FILE}))
+    return job
+
+
+def _why_dead(processes: Sequence[RankProcess], job: Path) -> list[str]:
+    """'rank r exited with code c: <its error>' for every spawned rank that has exited."""
+    out = []
+    for proc in processes:
+        if proc.exitcode is None:
+            continue
+        reason = ""
+        with contextlib.suppress(OSError):
+            reason = error_file(job, proc.rank).read_text().strip()
+        out.append(f"rank {proc.rank} exited with code {proc.exitcode}" + (f": {reason}" if reason else ""))
+    return out
+
+
 def spawn_group(size: int, device: torch.device, timeout: float, worker: Callable[..., None],
                 worker_args: tuple[Any, ...]) -> ParallelContext:
-    """Rank 0 of a group it spawns: start ranks 1..size-1 running ``worker(*worker_args)`` with the
-    environment ``join_group`` reads, then rendezvous with them (the TCP store is rank 0's, on a free port
-    the OS picks, so there is no port race)."""
+    """Rank 0 of a group it spawns: start ranks 1..size-1 as fresh interpreters (``WORKER_COMMAND``) that run
+    ``worker(*worker_args)`` as spawned ranks (``as_spawned_rank``, which ``join_group`` reads), then
+    rendezvous with them (the TCP store is rank 0's, on a free port the OS picks, so there is no port race).
+    ``worker`` must be importable by name (pickled by reference); ``worker_args`` picklable."""
     device = rank_device(device, 0)
     if device.type == "cuda" and size > torch.cuda.device_count():   # fail before spawning anything
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
                          f"{torch.cuda.device_count()}")
+    if not sys.executable:
+        raise TensorParallelError("cannot spawn tensor-parallel ranks: sys.executable is unknown (an embedded "
+                                  "interpreter?); launch the ranks with torchrun instead")
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
                           wait_for_workers=False)
-    ctx_mp = torch.multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // size) if device.type == "cpu" else 1
-    processes = []
-    for rank in range(1, size):
-        env = {"WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank), _SPAWNED: "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "OMP_NUM_THREADS": str(threads)}
-        proc = ctx_mp.Process(target=_spawned_main, args=(env, worker, worker_args), daemon=True,
-                              name=f"hybridkv-tp-rank{rank}")
-        proc.start()
-        processes.append(proc)
+    directory = Path(tempfile.mkdtemp(prefix="hybridkv-tp-"))
+    processes: list[RankProcess] = []
     try:
-        _await_spawned(store, processes, timeout)
-        _init_default(store, 0, size, device, timeout)
-        tp, control = _groups(0, size, device, timeout)
-    except Exception as err:
+        job = _write_job(directory, size, store.port, threads, worker, worker_args)
+        env = _worker_env(threads)
+        for rank in range(1, size):
+            popen = subprocess.Popen([sys.executable, *WORKER_COMMAND, str(job), str(rank)], env=env,
+                                     stdin=subprocess.DEVNULL)
+            processes.append(RankProcess(popen, rank))
+        try:
+            _await_spawned(store, processes, job, max(timeout, STARTUP_S))
+            _init_default(store, 0, size, device, timeout)
+            tp, control = _groups(0, size, device, timeout)
+        except Exception as err:
+            dead = _why_dead(processes, job)              # before the others are killed
+            for proc in processes:
+                proc.kill()
+                proc.join(timeout=5)
+            raise TensorParallelError(f"tensor-parallel rendezvous failed ({'; '.join(dead) or err})") from err
+    except BaseException:
         for proc in processes:
             proc.kill()
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(processes, 1)
-                if p.exitcode is not None]
-        raise TensorParallelError(f"tensor-parallel rendezvous failed ({'; '.join(dead) or err})") from err
+        raise
+    finally:
+        # Every rank has mapped the payload once it joined (or is gone): the files can go.
+        shutil.rmtree(directory, ignore_errors=True)
     return ParallelContext(rank=0, size=size, device=device, tp=tp, control=control, timeout=timeout,
                            processes=processes)
 
@@ -364,13 +491,14 @@ def _joined_key(rank: int) -> str:
     return f"hybridkv/joined/{rank}"
 
 
-def _await_spawned(store: Any, processes: Sequence[Any], timeout: float) -> None:
+def _await_spawned(store: Any, processes: Sequence[RankProcess], job: Path, timeout: float) -> None:
     """Wait until every spawned rank has reached the store, failing at once if one exits first (a rank that
-    cannot even start, e.g. a broken import, would otherwise keep the rendezvous waiting for ``timeout``)."""
-    keys = [_joined_key(rank) for rank in range(1, len(processes) + 1)]
+    cannot even start, e.g. a broken import, would otherwise keep the rendezvous waiting for ``timeout``). A rank
+    that neither joins nor exits is an error after ``timeout``."""
+    keys = [_joined_key(proc.rank) for proc in processes]
     deadline = time.monotonic() + timeout
     while not store.check(keys):
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(processes, 1) if p.exitcode is not None]
+        dead = _why_dead(processes, job)
         if dead:
             raise TensorParallelError(f"a spawned rank exited before joining: {'; '.join(dead)}")
         if time.monotonic() > deadline:
@@ -378,7 +506,7 @@ def _await_spawned(store: Any, processes: Sequence[Any], timeout: float) -> None
         time.sleep(0.05)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """A spawned rank exits as soon as rank 0 is gone (its parent pid changes), whatever it waits on: a
     receive fails by itself, but a rank inside an NCCL collective or a stuck kernel would otherwise wait for
     the watchdog."""
@@ -390,17 +518,3 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="hybridkv-tp-parent-watch").start()
-
-
-def _spawned_main(env: dict[str, str], worker: Callable[..., None], args: tuple[Any, ...]) -> None:
-    os.environ.update(env)
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    _exit_with_parent()
-    try:
-        worker(*args)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)       # do not run the groups' destructors, which may block on a dead peer

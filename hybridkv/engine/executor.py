@@ -11,14 +11,13 @@ are the same on every rank; only the cache tensors behind them are per-rank shar
 On CUDA rank 0 waits for each step's completion event with ``ParallelContext.wait_for`` (bounded by the
 timeout, watching the other ranks), so a rank that dies or stalls *inside* the forward, after it took the
 step, is an error within the timeout too (NCCL collectives do not block the host, so nothing else would see
-it before the watchdog). ``HYBRIDKV_TP_FAULT`` injects such a failure (``inject_fault``; tests, benchmarks).
+it before the watchdog). Tests inject such failures by spawning the ranks through a wrapper of the worker
+entry (``distributed.WORKER_COMMAND``), never through anything production code reads.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -115,7 +114,6 @@ def serve(runner: ModelRunner, ctx: ParallelContext) -> None:
     """Ranks > 0: run every step rank 0 sends until it sends shutdown. Errors propagate (the caller exits
     the process, which closes its sockets, so rank 0's next collective fails at once)."""
     header_len = header_length(len(runner.plan.groups))
-    inject_fault(runner.model, ctx.rank)
     while True:
         header, payload = ctx.receive(header_len)
         if int(header[0]) != OP_EXECUTE:
@@ -124,40 +122,3 @@ def serve(runner: ModelRunner, ctx: ParallelContext) -> None:
         runner.copy_states(step.pop("copies"))
         runner.execute(StepBatch(**step))
     ctx.close(graceful=True)
-
-
-FAULT_ENV = "HYBRIDKV_TP_FAULT"
-_FAULT_EXIT_CODE = 13
-
-
-def inject_fault(model: torch.nn.Module, rank: int) -> None:
-    """Testing hook for failures *inside* a step: ``HYBRIDKV_TP_FAULT="<rank>:<step>:<exit|hang>"`` makes rank
-    ``<rank>`` exit (code 13) or stop for good in its ``<step>``-th forward (1-based), just before the middle
-    decoder layer, i.e. after it took the step and the earlier layers' collectives ran. No-op when unset or
-    for another rank."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    try:
-        target, step, action = spec.split(":")
-        target_rank, fail_at = int(target), int(step)
-        if action not in ("exit", "hang"):
-            raise ValueError(action)
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected '<rank>:<step>:<exit|hang>'") from None
-    if target_rank != rank:
-        return
-    layers = model.layers
-    calls = [0]
-
-    def fault(module: torch.nn.Module, args: object) -> None:
-        calls[0] += 1
-        if calls[0] != fail_at:
-            return
-        logger.warning("%s: rank %d fails (%s) inside step %d", FAULT_ENV, rank, action, fail_at)
-        if action == "exit":
-            os._exit(_FAULT_EXIT_CODE)
-        while True:
-            time.sleep(60)
-
-    layers[len(layers) // 2].register_forward_pre_hook(fault)

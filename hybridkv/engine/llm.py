@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.warmup import warm_up
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.layers.parallel import SINGLE, TensorParallel
-from hybridkv.loaders.hf_config import load_config
+from hybridkv.loaders.hf_config import load_config, read_config_json
 from hybridkv.models.config import HybridConfig
 from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model, shard_model
 from hybridkv.utils import format_bytes, parse_bytes
@@ -82,10 +81,7 @@ def _checkpoint_config(path: Path) -> tuple[HybridConfig, bool]:
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: not a checkpoint directory (no {CONFIG_NAME})")
-    raw = json.loads(config_file.read_text())
-    if "hybridkv_config" in raw:
-        return HybridConfig.from_dict(raw), True
-    return load_config(path), False
+    return load_config(config_file), "hybridkv_config" in read_config_json(config_file)
 
 
 def _model_config(model: ModelArg | _FullWeights) -> HybridConfig:

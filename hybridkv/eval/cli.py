@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import Command, UsageError, positive_int, register
+from hybridkv.commands import Command, UsageError, positive_int, register
 
 
 def _k_list(text: str) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ arrow file already in the local Hugging Face cache is used (never downloaded).
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -22,7 +21,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from hybridkv import LLM, SamplingParams
+from hybridkv import LLM, SamplingParams, envs
 
 STOP_SEQUENCES = ("Question:", "\n\n")
 
@@ -143,16 +142,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _hf_cache_dirs() -> list[Path]:
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    dirs = [Path(os.environ["HF_DATASETS_CACHE"])] if "HF_DATASETS_CACHE" in os.environ else []
-    hub = Path(os.environ["HF_HUB_CACHE"]) if "HF_HUB_CACHE" in os.environ else home / "hub"
-    return [*dirs, home / "datasets", hub]
-
-
 def find_cached_gsm8k() -> Path | None:
     """A GSM8K test-split parquet/arrow file in the local HF cache (datasets cache or hub snapshots)."""
-    for root in _hf_cache_dirs():
+    for root in envs.hf_cache_dirs():
         if not root.is_dir():
             continue
         for sub in sorted(root.iterdir()):

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from hybridkv.models.config import (
+    MAX_DIM,
+    MAX_LAYERS,
     MLP,
     Attention,
     HybridConfig,
@@ -90,11 +92,46 @@ def architecture_of(config: Mapping[str, Any]) -> str:
     raise ValueError(f"unsupported architecture {found}; supported: {', '.join(supported_architectures())}")
 
 
+# Sizes every family reads (when present and not null: integers in range), and the per-layer lists and
+# patterns (at most MAX_LAYERS entries); checked before a converter loops over the layers.
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+_PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "no_rope_layers", "moe_layers",
+                   "attn_layer_indices")
+
+
+def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
+    """The sizes and layer lists of one (text) config: integers, at least 1, within the sanity bounds."""
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{arch}: {key} must be an integer, got {value!r} ({type(value).__name__})")
+        limit = MAX_LAYERS if key == "num_hidden_layers" else MAX_DIM
+        if not 1 <= value <= limit:
+            raise ValueError(f"{arch}: {key}={value} is out of range (1 to {limit})")
+    for key in _PER_LAYER_KEYS:
+        value = config.get(key)
+        if isinstance(value, list | str) and len(value) > MAX_LAYERS:
+            raise ValueError(f"{arch}: {key} has {len(value)} entries, more than the {MAX_LAYERS} layers supported")
+
+
 def hf_config_to_hybrid(config: Mapping[str, Any]) -> HybridConfig:
-    """Convert an HF ``config.json`` dict (or an HF config's ``to_dict()``) to a ``HybridConfig``."""
+    """Convert an HF ``config.json`` dict (or an HF config's ``to_dict()``) to a ``HybridConfig``. Sizes are
+    checked before the converter runs (a ``num_hidden_layers`` of 10**6 is refused at once, not built), and a
+    value of the wrong type anywhere is a ``ValueError`` naming the architecture."""
     if not isinstance(config, Mapping):
         raise ValueError(f"expected a config dict, got {type(config).__name__}")
-    return CONVERTERS[architecture_of(config)](config)
+    arch = architecture_of(config)
+    _check_sizes(arch, config)
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        _check_sizes(f"{arch} text_config", text)
+    try:
+        return CONVERTERS[arch](config)
+    except (TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as err:
+        raise ValueError(f"{arch}: invalid config ({type(err).__name__}: {err})") from None
 
 
 def _decode_special_floats(obj: dict[str, Any]) -> Any:
@@ -120,9 +157,15 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 def load_config(source: str | Path | Mapping[str, Any]) -> HybridConfig:
     """A ``HybridConfig`` from a path or dict holding either an HF config or a hybridkv-native one."""
     data = source if isinstance(source, Mapping) else read_config_json(source)
-    if "hybridkv_config" in data:
-        return HybridConfig.from_dict(dict(data))
-    return hf_config_to_hybrid(data)
+    try:
+        if "hybridkv_config" in data:
+            return HybridConfig.from_dict(dict(data))
+        return hf_config_to_hybrid(data)
+    except ValueError as err:
+        if isinstance(source, Mapping):
+            raise
+        file = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+        raise ValueError(f"{file}: {err}") from None
 
 
 # -- shared helpers --------------------------------------------------------------------------------------

@@ -2,10 +2,19 @@
 
 A family only says where each hub tensor goes: a ``WeightMap`` turns a hub name into ``Target``s (our
 parameter name, an optional sub-tensor index such as an expert, an optional transform such as a slice
-of a fused tensor). ``load_weights`` does the rest the same way for all: it streams one tensor at a
-time (``safe_open``; never a second copy of the model in memory), converts it to the parameter's dtype
-and device, checks shapes, and counts coverage so that a missing, unexpected or doubly written
-tensor is an error naming it — never a silently random parameter.
+of a fused tensor). ``load_weights`` does the rest the same way for all, in two passes:
+
+1. ``check_weights``, before a byte of tensor data is read (and before the model is allocated, when run on
+   its meta twin): every file's header is checked (``read_header``: a truncated or corrupt file is one error
+   naming it), and every hub tensor runs through its targets as a meta tensor of the header's shape, so a
+   shape mismatch, a target that is not a parameter, a doubly written sub-tensor, a parameter left
+   unwritten or a tensor the map does not know is an error naming it;
+2. the stream: one tensor at a time (never a second copy of the model in memory), converted to the
+   parameter's dtype and device; a parameter that then holds NaN or inf is an error naming the hub tensor.
+
+Which files: ``model.safetensors``, or the shards ``model.safetensors.index.json`` names; a shard must be a
+file inside the checkpoint directory (no absolute paths, no ``..``, no symlink leading out of it, except
+into the blob store of a Hugging Face cache snapshot).
 
 Tensor parallelism is one more step here, not in the maps: a target's transform yields the *full*
 (sub-)tensor, and ``HybridModel.shard_of`` cuts this rank's part before the shape check and the copy, so
@@ -18,13 +27,13 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import safe_open
 
 from hybridkv.models.config import HybridConfig
-from hybridkv.models.hybrid import HybridModel
+from hybridkv.models.hybrid import HybridModel, copy_finite, overflow_note
+from hybridkv.models.safetensors_file import CheckpointError, TensorInfo, TensorReader, read_header
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -81,23 +90,61 @@ def get_weight_map(architecture: str) -> WeightMap:
     return WEIGHT_MAPS[architecture]
 
 
+def _allowed_roots(directory: Path) -> list[Path]:
+    """Where a checkpoint's files may resolve to: its directory, and for a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>``, whose files are symlinks to ``<repo>/blobs/``) that repo's blobs."""
+    roots = [directory]
+    if directory.parent.name == "snapshots" and (directory.parent.parent / "blobs").is_dir():
+        roots.append((directory.parent.parent / "blobs").resolve())
+    return roots
+
+
+def _inside(path: Path, directory: Path, where: Path, name: str) -> Path:
+    """``path`` (a file the checkpoint names) if it resolves inside the checkpoint ``directory``."""
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in _allowed_roots(directory)):
+        raise CheckpointError(f"{where}: {name!r} resolves to {resolved}, outside the checkpoint directory "
+                              f"{directory} (a symlink leading out of it)")
+    if not resolved.is_file():
+        raise FileNotFoundError(f"{where} names {name!r}, which does not exist in {directory}")
+    return path
+
+
+def _shard_name(index: Path, name: object) -> str:
+    """A shard name from the index: a plain relative path that stays inside the directory."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: shard name {name!r} is not a file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or Path(name).is_absolute():
+        raise CheckpointError(f"{index}: shard {name!r} is an absolute path; an index may only name files "
+                              f"inside the checkpoint directory")
+    if ".." in pure.parts:
+        raise CheckpointError(f"{index}: shard {name!r} leads out of the checkpoint directory ('..')")
+    if "\\" in name or "\0" in name:
+        raise CheckpointError(f"{index}: shard {name!r} is not a plain relative file name")
+    return name
+
+
 def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards an index names, else ``model.safetensors``."""
+    """The safetensors files of a checkpoint: the shards an index names, else ``model.safetensors``; each a
+    file inside the checkpoint directory."""
     directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+    root = directory.resolve()
     index = directory / SAFETENSORS_INDEX_NAME
     if index.is_file():
+        _inside(index, root, index, SAFETENSORS_INDEX_NAME)
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{index}: not a safetensors index ({err})") from None
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
-        absent = [str(f.name) for f in files if not f.is_file()]
-        if absent:
-            raise FileNotFoundError(f"{index} names shards that do not exist: {', '.join(absent)}")
-        return files
+            names = list(dict.fromkeys(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+        names = [_shard_name(index, name) for name in names]
+        return [_inside(directory / name, root, index, name) for name in names]
     single = directory / SAFETENSORS_NAME
-    if single.is_file():
-        return [single]
+    if single.exists():
+        return [_inside(single, root, directory, SAFETENSORS_NAME)]
     raise FileNotFoundError(f"{directory}: no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} "
                             f"(only safetensors checkpoints are supported)")
 
@@ -132,72 +179,114 @@ def _overlaps(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return a[:n] == b[:n]
 
 
+class _Coverage:
+    """What the targets of a checkpoint write into ``model``'s parameters: each write is checked (the target is
+    a parameter, the index is in range, the shapes agree after the transform and this rank's cut, no sub-tensor
+    is written twice) and counted, so that a parameter left partly unwritten is found at the end."""
+
+    def __init__(self, model: HybridModel) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        # A tied parameter's alias (lm_head.weight when embeddings are tied) is filled through its owner.
+        self.aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(self.params)
+        self.filled: dict[str, list[tuple[int, ...]]] = {name: [] for name in self.params}
+        self.counts = dict.fromkeys(self.params, 0)
+        self.unexpected: list[str] = []
+
+    def write(self, file: Path, hub_name: str, tensor: torch.Tensor, target: Target, *, copy: bool) -> None:
+        """Check (and with ``copy``, perform) ``param[target.index] = transform(tensor)``; ``tensor`` may be a
+        meta tensor when only checking."""
+        where = f"{target.name}{list(target.index) if target.index else ''}"
+        if target.name in self.aliases:
+            return
+        if target.name not in self.params:
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name} maps to {target.name}, which is not a "
+                             f"parameter of the model (a weight-map bug or a config/checkpoint mismatch)")
+        for done in self.filled[target.name]:
+            if _overlaps(done, target.index):
+                raise ValueError(f"{file.name}: checkpoint tensor {hub_name} writes {where}, which an earlier "
+                                 f"tensor already wrote (at index {list(done)})")
+        param = self.params[target.name]
+        full = param.data if copy else torch.empty(param.shape, dtype=param.dtype, device="meta")
+        try:
+            dest = full[target.index] if target.index else full
+        except IndexError:
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name}: index {list(target.index)} is out of "
+                             f"range for {target.name} of shape {tuple(param.shape)}") from None
+        value = target.transform(tensor) if target.transform is not None else tensor
+        try:
+            value = self.model.shard_of(target.name, value, offset=len(target.index))    # this rank's part
+        except ValueError as err:
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name} -> {where}: {err}") from None
+        if tuple(value.shape) != tuple(dest.shape):
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name} has shape {tuple(tensor.shape)}"
+                             f"{f' (transformed: {tuple(value.shape)})' if value is not tensor else ''}; "
+                             f"{where} expects {tuple(dest.shape)}")
+        if copy and not copy_finite(dest, value):      # converts to the parameter's dtype and device
+            raise ValueError(f"{file}: checkpoint tensor {hub_name} holds NaN or inf{overflow_note(value, dest)} "
+                             f"(loading {where})")
+        self.filled[target.name].append(target.index)
+        self.counts[target.name] += dest.numel()
+
+    def check_complete(self, config: HybridConfig, checkpoint_dir: str | Path) -> None:
+        missing = [f"{name} ({self.counts[name]}/{p.numel()} elements)" if self.counts[name] else name
+                   for name, p in self.params.items() if self.counts[name] != p.numel()]
+        if missing or self.unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} parameters not in the checkpoint: {_show(missing)}")
+            if self.unexpected:
+                parts.append(f"{len(self.unexpected)} unexpected checkpoint tensors: {_show(sorted(self.unexpected))}")
+            raise ValueError(f"{config.architecture} checkpoint {checkpoint_dir}: " + "; ".join(parts))
+
+
+def _headers(checkpoint_dir: str | Path) -> dict[Path, dict[str, TensorInfo]]:
+    return {file: read_header(file) for file in checkpoint_files(checkpoint_dir)}
+
+
+def check_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: WeightMap, *,
+                  config: HybridConfig) -> None:
+    """Everything ``load_weights`` checks that does not need tensor data, from the files' headers alone:
+    ``model`` may be on the meta device (nothing is allocated or read). Raises ``CheckpointError`` naming the
+    file for a corrupt or truncated file or a shard outside the checkpoint, ``ValueError`` naming the hub tensor
+    and target on a shape mismatch, a target that is not a parameter or a sub-tensor written twice, and naming
+    every parameter not fully written and every hub tensor the map does not know."""
+    _check(model, _headers(checkpoint_dir), weight_map, config=config, checkpoint_dir=checkpoint_dir)
+
+
+def _check(model: HybridModel, headers: dict[Path, dict[str, TensorInfo]], weight_map: WeightMap, *,
+           config: HybridConfig, checkpoint_dir: str | Path) -> None:
+    coverage = _Coverage(model)
+    for file, header in headers.items():
+        for hub_name, info in header.items():
+            targets = weight_map(hub_name, config)
+            if targets is None:
+                coverage.unexpected.append(hub_name)
+                continue
+            tensor = torch.empty(info.shape, dtype=info.dtype, device="meta")
+            for target in targets:
+                coverage.write(file, hub_name, tensor, target, copy=False)
+    coverage.check_complete(config, checkpoint_dir)
+
+
 def load_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: WeightMap, *,
                  config: HybridConfig) -> None:
-    """Fill every parameter of ``model`` from the hub-named safetensors in ``checkpoint_dir``.
-
-    Raises ``ValueError`` naming the hub tensor and target on a shape mismatch, a target that is not a
-    parameter, or a sub-tensor written twice; and, after the pass, naming every parameter not fully
-    written and every hub tensor the map does not know. A tied parameter's alias (``lm_head.weight``
+    """Fill every parameter of ``model`` from the hub-named safetensors in ``checkpoint_dir``: first
+    ``check_weights`` (its errors, before any data is read), then tensors stream in one at a time, in file
+    order; a parameter that holds NaN or inf once written is an error naming the hub tensor (and the dtype
+    it overflowed, when the checkpoint's value was finite). A tied parameter's alias (``lm_head.weight``
     when embeddings are tied) is filled through its owner, so writes to the alias are skipped."""
-    params = dict(model.named_parameters())
-    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
-    filled: dict[str, list[tuple[int, ...]]] = {name: [] for name in params}
-    counts = dict.fromkeys(params, 0)
-    unexpected: list[str] = []
-    for file in checkpoint_files(checkpoint_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for hub_name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+    headers = _headers(checkpoint_dir)
+    _check(model, headers, weight_map, config=config, checkpoint_dir=checkpoint_dir)
+    coverage = _Coverage(model)
+    for file, header in headers.items():
+        with TensorReader(file) as reader:
+            for hub_name in header:
                 targets = weight_map(hub_name, config)
-                if targets is None:
-                    unexpected.append(hub_name)
-                    continue
                 if not targets:
                     continue
-                tensor = handle.get_tensor(hub_name)
+                tensor = reader.get(hub_name)
                 for target in targets:
-                    _fill(model, params, aliases, filled, counts, hub_name, tensor, target)
+                    coverage.write(file, hub_name, tensor, target, copy=True)
                 del tensor
-    missing = [f"{name} ({counts[name]}/{p.numel()} elements)" if counts[name] else name
-               for name, p in params.items() if counts[name] != p.numel()]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} parameters not in the checkpoint: {_show(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected checkpoint tensors: {_show(sorted(unexpected))}")
-        raise ValueError(f"{config.architecture} checkpoint {checkpoint_dir}: " + "; ".join(parts))
-
-
-def _fill(model: HybridModel, params: dict[str, torch.nn.Parameter], aliases: set[str],
-          filled: dict[str, list[tuple[int, ...]]], counts: dict[str, int], hub_name: str, tensor: torch.Tensor,
-          target: Target) -> None:
-    where = f"{target.name}{list(target.index) if target.index else ''}"
-    if target.name in aliases:
-        return
-    if target.name not in params:
-        raise ValueError(f"checkpoint tensor {hub_name} maps to {target.name}, which is not a parameter of "
-                         f"the model (a weight-map bug or a config/checkpoint mismatch)")
-    for done in filled[target.name]:
-        if _overlaps(done, target.index):
-            raise ValueError(f"checkpoint tensor {hub_name} writes {where}, which an earlier tensor "
-                             f"already wrote (at index {list(done)})")
-    param = params[target.name]
-    try:
-        dest = param.data[target.index] if target.index else param.data
-    except IndexError:
-        raise ValueError(f"checkpoint tensor {hub_name}: index {list(target.index)} is out of range for "
-                         f"{target.name} of shape {tuple(param.shape)}") from None
-    value = target.transform(tensor) if target.transform is not None else tensor
-    try:
-        value = model.shard_of(target.name, value, offset=len(target.index))    # this rank's part
-    except ValueError as err:
-        raise ValueError(f"checkpoint tensor {hub_name} -> {where}: {err}") from None
-    if tuple(value.shape) != tuple(dest.shape):
-        raise ValueError(f"checkpoint tensor {hub_name} has shape {tuple(tensor.shape)}"
-                         f"{f' (transformed: {tuple(value.shape)})' if value is not tensor else ''}; "
-                         f"{where} expects {tuple(dest.shape)}")
-    with torch.no_grad():
-        dest.copy_(value)            # converts to the parameter's dtype and device
-    filled[target.name].append(target.index)
-    counts[target.name] += dest.numel()
+    coverage.check_complete(config, checkpoint_dir)

@@ -15,8 +15,12 @@ its cache groups for free::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +39,96 @@ from hybridkv.layers.parallel import local_units
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 
+# Sanity bounds: far beyond any released model, low enough that a config.json typo (hidden_size=10**9,
+# num_hidden_layers=10**6) is an error before anything is built. Sizes are int32 on the device (kernel
+# indices, offsets); a decoder's modules are built one Python object per layer, so the layer count bounds
+# the build time (a meta build of MAX_LAYERS small layers takes 1-2 s).
+MAX_DIM = 2**31 - 1
+MAX_LAYERS = 1024
+
 
 def _positive(owner: str, **values: float | int | None) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
             raise ValueError(f"{owner}.{name} must be positive, got {value!r}")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(hint: Any) -> str:
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _conform(value: Any, hint: Any, where: str, *, in_tuple: bool = False) -> Any:
+    """``value`` as field type ``hint`` says (JSON's lists become tuples, ints become floats where a float is
+    expected, 0/1 become bools), or a ``ValueError`` naming the field. Ints are bounded by ``MAX_DIM``; scalar
+    floats must be finite (tuple entries may be infinite, e.g. an open ``time_step_limit``, but not NaN)."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        kinds = [o for o in options if o is not type(None)]
+        if all(dataclasses.is_dataclass(o) for o in kinds) and not isinstance(value, tuple(kinds)):
+            raise ValueError(f"{where}: unknown kind {type(value).__name__} (expected "
+                             f"{' or '.join(_type_name(o) for o in kinds)})")
+        errors = []
+        for option in kinds:
+            try:
+                return _conform(value, option, where, in_tuple=in_tuple)
+            except ValueError as err:
+                errors.append(err)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ValueError(f"{where} must be {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, tuple | list):
+            raise ValueError(f"{where} must be a list, got {value!r} ({type(value).__name__})")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
+        elif len(value) != len(args):
+            raise ValueError(f"{where} needs {len(args)} values, got {list(value)!r}")
+        return tuple(_conform(v, a, f"{where}[{i}]", in_tuple=True)
+                     for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
+        if abs(value) > MAX_DIM:
+            raise ValueError(f"{where}={value} is out of range (at most {MAX_DIM})")
+        return int(value)
+    if hint is float:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise ValueError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
+        try:
+            number = float(value)
+        except OverflowError:               # an int beyond any float
+            number = math.inf
+        if math.isnan(number) or (math.isinf(number) and not in_tuple):
+            raise ValueError(f"{where} must be finite, got {value!r}")
+        return number
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise ValueError(f"{where} must be a {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_fields(obj: Any) -> None:
+    """Conform every field of the frozen dataclass ``obj`` to its annotation (see ``_conform``); the first
+    thing each config class's ``__post_init__`` does, so the value checks after it see the right types."""
+    owner = type(obj).__name__
+    for name, hint in _field_types(type(obj)).items():
+        value = getattr(obj, name)
+        conformed = _conform(value, hint, f"{owner}.{name}")
+        if conformed is not value:
+            object.__setattr__(obj, name, conformed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +146,10 @@ class Rope:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        _positive("Rope", theta=self.theta, factor=self.factor)
+        _check_fields(self)
+        _positive("Rope", theta=self.theta, factor=self.factor, low_freq_factor=self.low_freq_factor,
+                  high_freq_factor=self.high_freq_factor,
+                  original_max_position_embeddings=self.original_max_position_embeddings)
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(
                 f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
@@ -98,6 +190,7 @@ class Attention:
     output_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                   head_dim=self.head_dim, sliding_window=self.sliding_window,
                   attention_chunk_size=self.attention_chunk_size, scale=self.scale, softcap=self.softcap)
@@ -151,13 +244,16 @@ class Mamba2:
     output_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive("Mamba2", num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size,
                   n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
         if self.num_heads % self.n_groups:
             raise ValueError(f"Mamba2.n_groups={self.n_groups} must divide num_heads={self.num_heads}")
-        if len(self.zxbcdt_multipliers) != 5:
-            raise ValueError(f"Mamba2.zxbcdt_multipliers needs 5 values (z, x, B, C, dt), "
-                             f"got {self.zxbcdt_multipliers!r}")
+        low, high = self.time_step_limit
+        if not 0 <= low <= high:
+            raise ValueError(f"Mamba2.time_step_limit must be (low, high) with 0 <= low <= high, "
+                             f"got {self.time_step_limit!r}")
+        _positive("Mamba2", norm_eps=self.norm_eps)
 
     @property
     def kind(self) -> str:
@@ -195,6 +291,7 @@ class Mamba1:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive("Mamba1", intermediate_size=self.intermediate_size, state_size=self.state_size,
                   dt_rank=self.dt_rank, conv_kernel=self.conv_kernel)
 
@@ -223,6 +320,7 @@ class MLP:
     down_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive("MLP", intermediate_size=self.intermediate_size)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MLP.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
@@ -256,6 +354,7 @@ class MoE:
     latent_size: int | None = None
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive("MoE", num_experts=self.num_experts, top_k=self.top_k,
                   intermediate_size=self.intermediate_size)
         if self.top_k > self.num_experts:
@@ -267,6 +366,8 @@ class MoE:
             raise ValueError(f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         _positive("MoE", num_groups=self.num_groups, topk_groups=self.topk_groups,
                   latent_size=self.latent_size)
+        if self.shared_intermediate_size < 0:
+            raise ValueError(f"MoE.shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(f"MoE: num_groups={self.num_groups} must divide num_experts={self.num_experts} "
                              f"and be >= topk_groups={self.topk_groups}")
@@ -294,6 +395,7 @@ class SharedBlock:
     attention_adapters: bool = False
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.block_id < 0 or self.use_index < 0 or self.adapter_rank < 0:
             raise ValueError(f"SharedBlock: block_id, use_index and adapter_rank must be >= 0, got "
                              f"{self.block_id}, {self.use_index}, {self.adapter_rank}")
@@ -320,6 +422,7 @@ class Layer:
     shared_block: SharedBlock | None = None
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.mixer is None and self.ffn is None:
             raise ValueError("Layer needs a mixer, a feed-forward, or both")
         if self.mixer is not None and not isinstance(self.mixer, Attention | Mamba2 | Mamba1):
@@ -360,8 +463,12 @@ class HybridConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.layers, tuple | list) and len(self.layers) > MAX_LAYERS:   # before looking at each
+            raise ValueError(f"HybridConfig.layers: {len(self.layers)} layers is more than the {MAX_LAYERS} "
+                             f"supported (a config error?)")
+        _check_fields(self)
         _positive("HybridConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                  max_position_embeddings=self.max_position_embeddings)
+                  max_position_embeddings=self.max_position_embeddings, norm_eps=self.norm_eps)
         if not self.layers:
             raise ValueError("HybridConfig.layers is empty")
         if self.norm not in ("rms", "gemma_rms"):
@@ -370,8 +477,6 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.dtype: unknown torch dtype {self.dtype!r}")
         shared: dict[int, SharedBlock] = {}
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, Layer):
-                raise ValueError(f"HybridConfig.layers[{i}]: expected Layer, got {type(layer).__name__}")
             block = layer.shared_block
             if block is not None:
                 first = shared.setdefault(block.block_id, block)
@@ -514,9 +619,16 @@ class HybridConfig:
                 return tuple(decode(x, f"{where}[{i}]") for i, x in enumerate(obj))
             return math.inf if obj == "inf" else obj
 
-        if "hybridkv_config" not in data:
+        if not isinstance(data, dict) or "hybridkv_config" not in data:
             raise ValueError("not a hybridkv config: missing the 'hybridkv_config' key")
-        return decode(data["hybridkv_config"], "config")
+        body = data["hybridkv_config"]
+        if not isinstance(body, dict) or body.get("type") != "HybridConfig":
+            raise ValueError("config: 'hybridkv_config' must be an object of type HybridConfig")
+        layers = body.get("layers")
+        if isinstance(layers, list) and len(layers) > MAX_LAYERS:      # refused before decoding each one
+            raise ValueError(f"config.layers: {len(layers)} layers is more than the {MAX_LAYERS} supported "
+                             f"(a config error?)")
+        return decode(body, "config")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

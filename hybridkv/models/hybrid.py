@@ -20,9 +20,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import current_ops
@@ -35,6 +35,8 @@ from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
 from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock
+from hybridkv.models.memory import check_device, check_fits, parameter_lower_bound
+from hybridkv.models.safetensors_file import CheckpointError, TensorReader, read_header
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -308,14 +310,78 @@ def bare_construction(device: torch.device, dtype: torch.dtype) -> Iterator[None
             setattr(torch.nn.init, name, fn)
 
 
-def _new_model(config: HybridConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> HybridModel:
-    """An unfilled model. Unsharded: built on the CPU in fp32 as always (then moved by the caller). A shard:
-    built straight on the device in ``dtype`` with initialisers skipped, because the caller writes every
-    parameter and a shard of a large model need not fit in host memory in fp32."""
-    if tp.size == 1:
-        return HybridModel(config)
-    with bare_construction(device, dtype):
+_HOST_NUMEL = 1 << 16      # meta_model: tensors up to this many elements are made on the host
+
+
+def _factory_numel(name: str, args: tuple, kwargs: dict) -> int | None:
+    """Elements a torch factory call would make (None: unknown)."""
+    if name in ("tensor", "as_tensor", "asarray", "scalar_tensor"):
+        return 0                                  # built from Python data: small in a constructor
+    if name == "arange":
+        start, end = (0, args[0]) if len(args) == 1 else args[:2]
+        step = args[2] if len(args) > 2 else kwargs.get("step", 1)
+        return max(0, math.ceil((float(end) - float(start)) / float(step)))
+    if name in ("linspace", "logspace"):
+        return int(args[2] if len(args) > 2 else kwargs["steps"])
+    if name in ("full", "empty_strided"):
+        size = args[0] if args else kwargs["size"]
+    else:
+        size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+    size = (size,) if isinstance(size, int) else size
+    if not isinstance(size, tuple | list | torch.Size) or not all(isinstance(d, int) for d in size):
+        return None
+    return math.prod(size)
+
+
+class _SmallOnHost(TorchFunctionMode):
+    """While building a meta model: a factory call that makes at most ``_HOST_NUMEL`` elements makes them on
+    the host, the rest go to the meta device. Constructors compute small tables (RoPE frequencies, Mamba's A,
+    µP multipliers) from such tensors; on the meta device that arithmetic runs through Python reference
+    kernels and imports torch._dynamo on first use (seconds), on the host it takes microseconds."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is None and func in _FACTORIES:
+            try:
+                numel = _factory_numel(func.__name__, args, kwargs)
+            except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError):
+                numel = None
+            if numel is not None and numel <= _HOST_NUMEL:
+                kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace, torch.logspace,
+              torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor, torch.rand, torch.randn,
+              torch.empty_strided}
+
+
+def meta_model(config: HybridConfig, dtype: torch.dtype, *, tp: TensorParallel = SINGLE,
+               device: torch.device | None = None) -> HybridModel:
+    """The model (this rank's shard) with every shape and (almost) no memory: its parameters and buffers on
+    the meta device, except small ones (at most ``_HOST_NUMEL`` elements, on the host; see ``_SmallOnHost``).
+    Loaders compare a checkpoint's shapes and the device's memory with it before building the real one. With
+    ``device``, a config whose parameters cannot fit it even by ``parameter_lower_bound`` is refused first:
+    such a config (``hidden_size=10**9``) would make even this build slow or large (a RoPE table of 10**8
+    frequencies, Mamba-1's A expanded from a small table)."""
+    if device is not None:
+        check_fits(parameter_lower_bound(config, tp.size), dtype, device, at_least=True)
+    with bare_construction(torch.device("meta"), dtype), _SmallOnHost():
         return HybridModel(config, tp=tp)
+
+
+def _new_model(config: HybridConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype) -> HybridModel:
+    """An unfilled model for the host init, once its parameters are known to fit ``device`` (``check_fits`` on
+    its meta twin). Unsharded: built on the CPU in fp32 (then moved by the caller). A shard: built straight on
+    the device in ``dtype`` with initialisers skipped (``_init_weights`` writes every parameter), because a
+    shard of a large model need not fit in host memory in fp32."""
+    if tp.size > 1:
+        return empty_model(config, dtype=dtype, device=device, tp=tp)
+    check_device(device)
+    count = parameter_count(meta_model(config, dtype, device=device))
+    check_fits(count, dtype, device)
+    check_fits(count, torch.float32, torch.device("cpu"), what="the model (drawn on the host in fp32)")
+    return HybridModel(config)
 
 
 def _init_weights(model: HybridModel, seed: int) -> None:
@@ -429,6 +495,8 @@ def build_model(config: HybridConfig, *, dtype: torch.dtype | None = None, devic
     device = torch.device(device)
     dtype = dtype or config.torch_dtype
     if init == "device" or (init == "auto" and device.type == "cuda"):
+        check_device(device)
+        check_fits(parameter_count(meta_model(config, dtype, tp=tp, device=device)), dtype, device)
         with bare_construction(device, dtype):
             model = HybridModel(config, tp=tp)
         _init_weights_on_device(model, seed)
@@ -453,44 +521,150 @@ def save_model(model: HybridModel, directory: str | Path) -> None:
     save_file(state, str(directory / WEIGHTS_NAME))
 
 
-def load_full_state(model: HybridModel, tensors: Callable[[str], torch.Tensor], names: Iterable[str],
-                    *, where: str) -> None:
-    """Fill ``model`` from full (unsharded) tensors: ``names`` are the available tensor names, ``tensors``
-    reads one (streamed, so only one full tensor is in memory at a time); each is cut to this rank's shard.
-    Missing or unexpected tensors and shape mismatches are errors naming them."""
-    params = dict(model.named_parameters())           # a tied alias (lm_head.weight) is listed once
+def parameter_count(model: nn.Module) -> int:
+    """Elements of ``model``'s parameters (tied ones once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True unless a floating-point ``tensor`` holds a NaN or an infinity. One min/max reduction (NaN
+    propagates through both): at the speed of a copy, where ``isfinite().all()`` is several times slower on
+    the CPU (it writes a bool per element)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        tensor = tensor.float()                    # fp8: no min/max kernels
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def copy_finite(dest: torch.Tensor, value: torch.Tensor) -> bool:
+    """``dest.copy_(value)`` (converting dtype and device); True unless ``dest`` now holds NaN or inf. The check
+    reads the narrower of the two when both are on one device: a widening conversion (bf16 -> fp32) keeps
+    finite values finite, so the source answers for it at half the bytes; a narrowing one (fp32 -> fp16) can
+    overflow, so the parameter itself is read."""
+    with torch.no_grad():
+        dest.copy_(value)
+    widening = (value.is_floating_point() and value.element_size() < dest.element_size()
+                and value.device == dest.device)
+    return all_finite(value if widening else dest)
+
+
+def _full_shapes(model: HybridModel) -> dict[str, tuple[int, ...]]:
+    """Parameter name (tied aliases once) -> the full (unsharded) shape its tensor has in a checkpoint."""
     shards = model.parameter_shards()
-    names = set(names)
-    missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
+    return {name: shards[name].full_shape(p.shape, model.tp.size) if name in shards else tuple(p.shape)
+            for name, p in model.named_parameters()}
+
+
+def _check_names(expected: Iterable[str], names: Iterable[str], where: str) -> None:
+    expected, names = set(expected), set(names)
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
     if missing or unexpected:
         raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def check_full_shapes(model: HybridModel, shapes: Mapping[str, tuple[int, ...]], *, where: str) -> None:
+    """Compare a full state's tensor shapes (``shapes``: name -> shape, e.g. a safetensors header) with the
+    model's, before anything is read: missing, unexpected and mis-shaped tensors are one error naming them."""
+    expected = _full_shapes(model)
+    _check_names(expected, shapes, where)
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(shapes[name])}, the config gives {shape}")
+
+
+def load_full_state(model: HybridModel, tensors: Callable[[str], torch.Tensor], names: Iterable[str],
+                    *, where: str, check_finite: bool = False) -> None:
+    """Fill ``model`` from full (unsharded) tensors: ``names`` are the available tensor names, ``tensors``
+    reads one (streamed, so only one full tensor is in memory at a time); each is cut to this rank's shard.
+    Missing or unexpected tensors and shape mismatches are errors naming them; with ``check_finite`` so is a
+    tensor holding NaN or inf (as this rank holds it, i.e. also one the dtype conversion overflowed)."""
+    params = dict(model.named_parameters())           # a tied alias (lm_head.weight) is listed once
+    _check_names(params, names, where)
+    shapes = _full_shapes(model)
     for name, param in params.items():
         tensor = tensors(name)
-        shape = shards[name].full_shape(param.shape, model.tp.size) if name in shards else tuple(param.shape)
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {shape}")
-        with torch.no_grad():
-            param.copy_(model.shard_of(name, tensor))
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, the config gives {shapes[name]}")
+        value = model.shard_of(name, tensor)
+        if check_finite:
+            if not copy_finite(param, value):
+                raise ValueError(f"{where}: tensor {name} holds NaN or inf{overflow_note(tensor, param)}")
+        else:
+            with torch.no_grad():
+                param.copy_(value)
+
+
+def overflow_note(source: torch.Tensor, loaded: torch.Tensor) -> str:
+    """Why a loaded tensor is not finite when its source is: the conversion to its dtype overflowed ("" when the
+    source is not finite either)."""
+    if source.dtype == loaded.dtype or not all_finite(source):
+        return ""
+    top = source.abs().max().item()
+    return f" after conversion to {str(loaded.dtype).removeprefix('torch.')} (|value| up to {top:.4g} overflows it)"
+
+
+def empty_model(config: HybridConfig, *, dtype: torch.dtype, device: str | torch.device,
+                tp: TensorParallel = SINGLE, meta: HybridModel | None = None) -> HybridModel:
+    """A model (this rank's shard) to be filled from a checkpoint: its meta twin (``meta``, else built here)
+    must fit ``device`` first; then it is built there in ``dtype`` with initialisers skipped (every parameter is
+    overwritten, and random init of a 7B model costs more than reading it)."""
+    device = torch.device(device)
+    check_device(device)
+    check_fits(parameter_count(meta if meta is not None else meta_model(config, dtype, tp=tp, device=device)),
+               dtype, device)
+    with bare_construction(device, dtype):
+        model = HybridModel(config, tp=tp)
+    for param in model.parameters():       # a few are created in fp32 on purpose (e.g. Mamba's A_log)
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
 
 
 def shard_model(config: HybridConfig, state: Mapping[str, torch.Tensor], *, tp: TensorParallel,
                 dtype: torch.dtype, device: str | torch.device = "cpu") -> HybridModel:
     """This rank's shard of the model whose full parameters are ``state`` (an in-memory model's
     ``state_dict``; a tied ``lm_head.weight`` alias is ignored)."""
-    model = _new_model(config, tp, torch.device(device), dtype)
+    model = empty_model(config, dtype=dtype, device=device, tp=tp)
     names = [n for n in state if not (config.tie_word_embeddings and n == "lm_head.weight")]
     load_full_state(model, state.__getitem__, names, where="state dict")
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def load_model(directory: str | Path, *, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", tp: TensorParallel = SINGLE) -> HybridModel:
-    """Load a model saved by ``save_model`` (each tensor-parallel rank reads its shard of every tensor);
-    missing or unexpected tensors are errors naming them."""
+    """Load a model saved by ``save_model`` (each tensor-parallel rank reads its shard of every tensor).
+
+    Before anything is allocated: the config is validated, the file's header is checked (a truncated or
+    corrupt file is one error naming it), its tensor names and shapes are compared with the model's, and the
+    parameters must fit the device. Then tensors stream in one at a time; one holding NaN or inf is an error
+    naming it."""
     directory = Path(directory)
-    config = HybridConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+    config_file, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    try:
+        raw = json.loads(config_file.read_text())
+    except OSError as err:
+        raise FileNotFoundError(f"{config_file}: cannot read: {err.strerror or err}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    try:
+        config = HybridConfig.from_dict(raw)
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from None
     dtype = dtype or config.torch_dtype
-    model = _new_model(config, tp, torch.device(device), dtype)
-    with safe_open(str(directory / WEIGHTS_NAME), framework="pt", device="cpu") as handle:
-        load_full_state(model, handle.get_tensor, handle.keys(), where=str(directory / WEIGHTS_NAME))
-    return model.to(device=device, dtype=dtype).eval()
+    device = torch.device(device)
+    if not weights.is_file():
+        raise CheckpointError(f"{directory}: no {WEIGHTS_NAME}")
+    header = read_header(weights)
+    names = [n for n in header if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    check_device(device)
+    try:
+        meta = meta_model(config, dtype, tp=tp, device=device)
+        check_full_shapes(meta, {n: header[n].shape for n in names}, where=str(weights))
+        model = empty_model(config, dtype=dtype, device=device, tp=tp, meta=meta)
+    except MemoryError as err:
+        raise MemoryError(f"{directory}: {err}") from None
+    with TensorReader(weights) as reader:
+        load_full_state(model, reader.get, names, where=str(weights), check_finite=True)
+    return model.eval()
