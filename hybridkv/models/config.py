@@ -216,7 +216,7 @@ class Attention:
 
 @dataclass(frozen=True, kw_only=True)
 class Mamba2:
-    """Mamba2 mixer (HF semantics, DESIGN.md §3). State per request: conv (conv_dim, conv_kernel - 1)
+    """Mamba2 mixer (HF semantics, docs/design.md "Semantics"). State per request: conv (conv_dim, conv_kernel - 1)
     and SSM (num_heads, head_dim, state_size) in fp32.
 
     The output is gated by an RMSNorm over ``n_groups`` groups of the inner dim, ``norm(y * silu(z))``
