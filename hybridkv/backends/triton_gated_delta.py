@@ -73,7 +73,7 @@ def _gate(g, a_log, dtb, HAS_GATE: tl.constexpr):
 @triton.jit
 def _token_step(S, q, k, v, g, beta, PER_CHANNEL: tl.constexpr):
     """One token: S (K_P, BV) fp32; q, k (K_P,) prepared; v (BV,); g scalar or (K_P,); beta scalar."""
-    if PER_CHANNEL:
+    if PER_CHANNEL:  # noqa: SIM108  (constexpr branch)
         S = S * tl.exp(g)[:, None]
     else:
         S = S * tl.exp(g)
@@ -218,7 +218,7 @@ def _pair_per_channel(a_ptr, b_ptr, g_ptr, tok, l_ok, hk_a, hk_b, h, a_log, dtb_
     """out[i, j] = sum_c ra_i a_i[c] rb_j b_j[c] exp(gc_i[c] - gc_j[c]) for j <= i (j < i if STRICT), else 0:
     the KDA pairwise terms, summed over (BT, BT, BK) tiles of channels. ra, rb: per-row scales (l2 norms)."""
     offs_l = tl.arange(0, BT)
-    if STRICT:
+    if STRICT:  # noqa: SIM108  (constexpr branch)
         keep = offs_l[:, None] > offs_l[None, :]
     else:
         keep = offs_l[:, None] >= offs_l[None, :]
@@ -370,10 +370,7 @@ def _check_devices(v: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 def _common_args(q, k, v, g, beta, A_log, dt_bias, out, ssm_states, scale, rep, per_channel):
     head_k_dim = q.shape[2]
     g_strides = tuple(g.stride()) if per_channel else (*g.stride(), 0)
-    if dt_bias is None:
-        dtb_strides = (0, 0)
-    else:
-        dtb_strides = (dt_bias.stride(0), dt_bias.stride(1) if per_channel else 0)
+    dtb_strides = (0, 0) if dt_bias is None else (dt_bias.stride(0), dt_bias.stride(1) if per_channel else 0)
     return (
         q, k, v, g, beta, A_log if A_log is not None else beta, dt_bias if dt_bias is not None else beta,
     ), (

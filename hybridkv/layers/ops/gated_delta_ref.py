@@ -10,7 +10,7 @@ Semantics (HF ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_r
 
     q, k <- q / sqrt(|q|^2 + 1e-6), k / sqrt(|k|^2 + 1e-6)      only with use_qk_l2norm (the models all set it)
     q <- q * scale                                               scale defaults to head_k_dim ** -0.5
-    S <- exp(g_t) * S       gated delta rule: g_t one log decay per head; KDA: g_t (head_k_dim,), row i of S by exp(g_t[i])
+    S <- exp(g_t) * S       gated delta rule: g_t one log decay per head; KDA: g_t (head_k_dim,), row i by exp(g_t[i])
     S <- S + k_t ⊗ beta_t (v_t - S^T k_t)                       the delta rule: write only what S does not predict
     o_t = S^T q_t
 
