@@ -152,6 +152,29 @@ def test_prefill_scale_and_check_values(kind):
         _ours(kind, "chunk")(**_strided(p), ssm_states=dpool, check_values=True, **bad)
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_prefill_16bit_inputs_use_16bit_dot_operands(kind):
+    """fp16 inputs: the chunked kernel's dots take 16-bit operands (fp32 accumulation) and o comes back in fp16;
+    within 16-bit rounding of the fp32 reference on the same values. (bf16 takes the same path; the interpreter's
+    bf16 dot is wrong, so bf16 runs only in the GPU test.)"""
+    lens, qsl, slots, init, num_slots = _batch(8, max_len=30)
+    p = _inputs(8, sum(lens), kind, 1, 2, 16, 16, gate=True)
+    p = {key: (t.half().float() if key in ("q", "k", "v") else t) for key, t in p.items()}
+    pool = _pool((num_slots, 2, 16, 16), slots, init, torch.Generator().manual_seed(1)) * 0.1
+    ref_pool = pool.clone()
+    kw = dict(query_start_loc=qsl, state_indices=slots, has_initial_state=init, use_qk_l2norm=True)
+    ref = REF[kind](**p, ssm_states=ref_pool, **kw)
+    half = {key: (t.half() if key in ("q", "k", "v") else t) for key, t in _strided(p).items()}
+    dpool = pool.to(DEVICE)
+    y = _ours(kind, "chunk")(**half, ssm_states=dpool, **{key: t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+                                                           for key, t in kw.items()})
+    assert y.dtype == torch.float16
+    rel = lambda a, b: float((a.float().cpu() - b.float()).norm() / b.float().norm())
+    assert rel(y, ref) < 3e-3
+    assert rel(dpool[slots], ref_pool[slots]) < 3e-3
+    assert torch.isnan(dpool.cpu()[[s for s in range(num_slots) if s not in slots.tolist()]]).all()
+
+
 # ------------------------------------------------------------------------------------------ decode
 
 

@@ -357,7 +357,7 @@ def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, 
     a (head_k_dim, 32) fp32 state, (BT, head_k_dim) q/k tiles; KDA's pairwise (BT, BT, BLOCK_K) tiles keep BT at 16."""
     bv = max(16, min(32, _next_pow2(head_v_dim)))
     if kind == "chunk":
-        return {"BT": 16 if per_channel else 32, "BK": 32, "BV": bv, "num_warps": 4, "num_stages": 1}
+        return {"BT": 16 if per_channel else 32, "BK": 16, "BV": bv, "num_warps": 4, "num_stages": 1}
     return {"BV": bv, "num_warps": 4 if head_k_dim >= 64 else 2}
 
 
