@@ -105,11 +105,13 @@ def _check_states(pool: torch.Tensor, ref_pool: torch.Tensor, slots: torch.Tenso
 # (seed, kind, q/k heads, value heads, head_k_dim, head_v_dim, l2 norm, in-op gate, tile overrides)
 PREFILL_CASES = [
     (0, "gdn", 2, 4, 8, 12, True, False, None),                              # default tiles
-    (1, "gdn", 1, 3, 16, 20, True, True, {"BT": 16, "BV": 16}),              # 2 value blocks, 3 heads per q/k head
-    (2, "gdn", 2, 2, 5, 7, False, True, {"BT": 16}),                         # dims below one tile
+    pytest.param(1, "gdn", 1, 3, 16, 20, True, True, {"BT": 16, "BV": 16},   # 2 value blocks, 3 heads per q/k head
+                 marks=pytest.mark.slow),
+    pytest.param(2, "gdn", 2, 2, 5, 7, False, True, {"BT": 16}, marks=pytest.mark.slow),  # dims below one tile
     (3, "kda", 2, 4, 8, 12, True, False, None),
-    (4, "kda", 1, 2, 20, 16, True, True, {"BT": 16, "BK": 16, "BV": 16}),    # 2 channel blocks, 32 > head_k_dim
-    (5, "kda", 2, 2, 6, 5, False, True, None),
+    pytest.param(4, "kda", 1, 2, 20, 16, True, True, {"BT": 16, "BK": 16, "BV": 16},     # 2 channel blocks
+                 marks=pytest.mark.slow),
+    pytest.param(5, "kda", 2, 2, 6, 5, False, True, None, marks=pytest.mark.slow),
 ]
 
 
@@ -334,3 +336,14 @@ def test_gpu_updates_are_cuda_graph_capturable():
         _close(x, e, 1e-3)
     _close(pool_g, ref_g, 1e-3)
     _close(pool_k, ref_k, 1e-3)
+
+
+def test_backends_carry_the_ops():
+    """The torch backend's delta-rule ops are the references; the triton backend's are these kernels."""
+    from hybridkv.backends.base import torch_backend
+    from hybridkv.backends.triton_backend import triton_backend
+
+    ref, be = torch_backend(), triton_backend()
+    for op in ("gated_delta_rule", "gated_delta_rule_update", "kda", "kda_update"):
+        assert getattr(ref, op).__name__ == f"{op}_ref"
+        assert getattr(be, op).__name__ == f"{op}_triton"

@@ -289,7 +289,7 @@ def _delta_chunk_kernel(
                     mask=qk_mask, other=0.0)
         k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + offs_k[None, :] * stride_kk,
                     mask=qk_mask, other=0.0)
-        dot_dtype = k.dtype
+        dot_dtype = k_ptr.dtype.element_ty                           # the dots' operand dtype: the inputs'
         q = q.to(tl.float32)
         k = k.to(tl.float32)
         v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_v[None, :] * stride_vv,
