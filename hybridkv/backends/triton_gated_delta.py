@@ -223,7 +223,7 @@ def _pair_per_channel(a_ptr, b_ptr, g_ptr, tok, l_ok, hk_a, hk_b, h, a_log, dtb_
     else:
         keep = offs_l[:, None] >= offs_l[None, :]
     acc = tl.zeros([BT, BT], tl.float32)
-    for c0 in tl.static_range(0, K_P, BK):
+    for c0 in range(0, K_P, BK):                 # not unrolled: unrolled, every tile's loads are hoisted (spills)
         offs_c = c0 + tl.arange(0, BK)
         c_ok = offs_c < head_k_dim
         m = l_ok[:, None] & c_ok[None, :]
@@ -281,83 +281,106 @@ def _delta_chunk_kernel(
     offs_l = tl.arange(0, BT)
     strict = offs_l[:, None] > offs_l[None, :]
     causal = offs_l[:, None] >= offs_l[None, :]
+    dot_dtype = k_ptr.dtype.element_ty                  # the dots' operand dtype: the inputs'
+    # Phases ordered so that few (BT, K_P) tiles are live at once (each is 32 registers a thread at BT 32): keys ->
+    # R and A; the substitution; then queries -> o; the state update from the keys kept in the dot dtype.
     for c0 in range(0, seq_len, BT):
         l_ok = c0 + offs_l < seq_len
         tok = (t0 + c0 + offs_l).to(tl.int64)
         qk_mask = l_ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + offs_k[None, :] * stride_qk,
-                    mask=qk_mask, other=0.0)
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + offs_k[None, :] * stride_kk,
-                    mask=qk_mask, other=0.0)
-        dot_dtype = k_ptr.dtype.element_ty                           # the dots' operand dtype: the inputs'
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_v[None, :] * stride_vv,
-                    mask=l_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)                 # (BT, BV)
         beta = tl.load(b_ptr + tok * stride_bt + h * stride_bh, mask=l_ok, other=0.0).to(tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32)
-        rk = tl.full([BT], 1.0, tl.float32)
-        if L2NORM:
-            rq = 1.0 / tl.sqrt(tl.sum(q * q, 1) + EPS)
-            rk = 1.0 / tl.sqrt(tl.sum(k * k, 1) + EPS)
-        rq = rq * scale
-        q = q * rq[:, None]
-        k = k * rk[:, None]
         if PER_CHANNEL:
             g = tl.load(g_ptr + tok[:, None] * stride_gt + h * stride_gh + offs_k[None, :] * stride_gk,
                         mask=qk_mask, other=0.0).to(tl.float32)
             g = tl.where(qk_mask, _gate(g, a_log, dtb[None, :], HAS_GATE), 0.0)
             gc = tl.cumsum(g, 0)                                      # (BT, K_P) log decay from the chunk start
             glast = tl.sum(g, 0)                                      # (K_P,)
-            decay_in = tl.exp(gc)
-            decay_out = tl.exp(glast[None, :] - gc)
-            A = _pair_per_channel(k_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rk * beta, rk,
-                                  stride_kt, stride_kh, stride_kk, stride_kt, stride_kh, stride_kk,
-                                  stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
-                                  BT, BK, K_P, True, HAS_GATE, HAS_DT_BIAS)
-            QK = _pair_per_channel(q_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rq, rk,
-                                   stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk,
-                                   stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
-                                   BT, BK, K_P, False, HAS_GATE, HAS_DT_BIAS)
             total = tl.exp(glast)[:, None]
         else:
             g = tl.load(g_ptr + tok * stride_gt + h * stride_gh, mask=l_ok, other=0.0).to(tl.float32)
             g = tl.where(l_ok, _gate(g, a_log, dtb, HAS_GATE), 0.0)
             gc = tl.cumsum(g, 0)                                      # (BT,)
             glast = tl.sum(g, 0)
-            decay_in = tl.exp(gc)[:, None]
-            decay_out = tl.exp(glast - gc)[:, None]
-            kd = k.to(dot_dtype)
-            kk = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
-            qk = tl.dot(q.to(dot_dtype), tl.trans(kd), input_precision=PRECISION)
-            diff = gc[:, None] - gc[None, :]
-            A = tl.where(strict, kk * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
-            QK = tl.where(causal, qk * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
             total = tl.exp(glast)
+        Sd = S.to(dot_dtype)
+
+        # keys: u <- R = beta (v - (k e^gc) S), and the strictly lower A
+        k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + offs_k[None, :] * stride_kk,
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        rk = tl.full([BT], 1.0, tl.float32)
+        if L2NORM:
+            rk = 1.0 / tl.sqrt(tl.sum(k * k, 1) + EPS)
+            k = k * rk[:, None]
+        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_v[None, :] * stride_vv,
+                    mask=l_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)                 # (BT, BV)
+        if PER_CHANNEL:  # noqa: SIM108  (constexpr branch)
+            k_in = k * tl.exp(gc)
+        else:
+            k_in = k * tl.exp(gc)[:, None]
+        u = beta[:, None] * (v - tl.dot(k_in.to(dot_dtype), Sd, input_precision=PRECISION))
+        kd = k.to(dot_dtype)
+        if PER_CHANNEL:
+            A = _pair_per_channel(k_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rk * beta, rk,
+                                  stride_kt, stride_kh, stride_kk, stride_kt, stride_kh, stride_kk,
+                                  stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
+                                  BT, BK, K_P, True, HAS_GATE, HAS_DT_BIAS)
+        else:
+            diff = gc[:, None] - gc[None, :]
+            A = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
+            A = tl.where(strict, A * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
 
         # u = (I + A)^-1 R, row by row: u_i = R_i - sum_{j<i} A_ij u_j
-        u = beta[:, None] * (v - tl.dot((k * decay_in).to(dot_dtype), S.to(dot_dtype), input_precision=PRECISION))
         for i in range(0, tl.minimum(BT, seq_len - c0)):
             a_i = tl.sum(tl.where(offs_l[:, None] == i, A, 0.0), 0)                   # (BT,) row i of A
             u -= tl.where(offs_l[:, None] == i, tl.sum(a_i[:, None] * u, 0)[None, :], 0.0)
-        o = (tl.dot((q * decay_in).to(dot_dtype), S.to(dot_dtype), input_precision=PRECISION)
-             + tl.dot(QK.to(dot_dtype), u.to(dot_dtype), input_precision=PRECISION))
+        ud = u.to(dot_dtype)
+
+        # queries: o = (q e^gc) S + (q_i . k_j decayed, j <= i) u
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + offs_k[None, :] * stride_qk,
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32)
+        if L2NORM:
+            rq = 1.0 / tl.sqrt(tl.sum(q * q, 1) + EPS)
+        rq = rq * scale
+        q = q * rq[:, None]
+        if PER_CHANNEL:
+            QK = _pair_per_channel(q_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rq, rk,
+                                   stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk,
+                                   stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
+                                   BT, BK, K_P, False, HAS_GATE, HAS_DT_BIAS)
+            q_in = q * tl.exp(gc)
+        else:
+            QK = tl.dot(q.to(dot_dtype), tl.trans(kd), input_precision=PRECISION)
+            QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+            q_in = q * tl.exp(gc)[:, None]
+        o = (tl.dot(q_in.to(dot_dtype), Sd, input_precision=PRECISION)
+             + tl.dot(QK.to(dot_dtype), ud, input_precision=PRECISION))
         tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :] * stride_ov,
                  o.to(o_ptr.dtype.element_ty), mask=l_ok[:, None] & v_ok[None, :])
-        S = S * total + tl.dot(tl.trans((k * decay_out).to(dot_dtype)), u.to(dot_dtype), input_precision=PRECISION)
 
+        # S <- S e^(gc_last) + (k e^(gc_last - gc))^T u
+        if PER_CHANNEL:
+            k_out = kd.to(tl.float32) * tl.exp(glast[None, :] - gc)
+        else:
+            k_out = kd.to(tl.float32) * tl.exp(glast - gc)[:, None]
+        S = S * total + tl.dot(tl.trans(k_out.to(dot_dtype)), ud, input_precision=PRECISION)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
 
 
 # --------------------------------------------------------------------------------------------- host side
 
 def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, kind: str) -> dict[str, int]:
-    """Tile shapes. ``kind``: "chunk", "recurrent" or "update". Not yet tuned on a GPU (``benchmarks/gpu_delta_rule.py
-    --sweep`` measures the alternatives); chosen so the per-program working set stays in registers at head dims 128:
-    a (head_k_dim, 32) fp32 state, (BT, head_k_dim) q/k tiles; KDA's pairwise (BT, BT, BLOCK_K) tiles keep BT at 16."""
-    bv = max(16, min(32, _next_pow2(head_v_dim)))
+    """Tile shapes (``kind``: "chunk", "recurrent" or "update"). Not yet timed on a GPU (``benchmarks/gpu_delta_rule.py
+    --sweep`` times the alternatives); chosen so that nothing spills: every program keeps a (head_k_dim, BV) fp32
+    state and (BT, head_k_dim) q/k tiles in registers. Register use of the sm_90 builds at head dims 128, bf16 (triton
+    3.9, ``cuobjdump -res-usage``): chunked, BT 16 x BV 32 x 8 warps: 232 registers, no spill (gated delta rule),
+    242 (KDA, channel tiles of 16); BT 32 spills at 4 and 8 warps, BT 16 at 4 warps; head_k_dim 256 spills at BV 32,
+    so BV 16 there. Decode update and recurrent prefill, BV 32 x 4 warps: 193 / 201 registers, no spill (2 warps
+    spill)."""
+    k_p = max(16, _next_pow2(head_k_dim))
+    bv = max(16, min(16 if k_p > 128 else 32, _next_pow2(head_v_dim)))
     if kind == "chunk":
-        return {"BT": 16 if per_channel else 32, "BK": 16, "BV": bv, "num_warps": 4, "num_stages": 1}
+        return {"BT": 16, "BK": 16, "BV": bv, "num_warps": 8 if k_p >= 128 else 4, "num_stages": 1}
     return {"BV": bv, "num_warps": 4 if head_k_dim >= 64 else 2}
 
 
