@@ -16,11 +16,12 @@ its (head_k_dim, BLOCK_V) fp32 state tile in registers; the grid depends on shap
   tail masked: k = v = beta = g = 0 leaves the state exact, as the reference pads). Per chunk with start state S and
   in-chunk cumulative log decay ``gc``: ``R = beta (v - (k e^gc) S)`` (tl.dot); the strictly lower
   ``A[i, j] = beta_i k_i.k_j e^(gc_i - gc_j)``; ``u = (I + A)^-1 R`` by forward substitution over the chunk's rows
-  (the UT transform; BT steps of a row reduction, exact in any order of magnitude where a Neumann product would
-  cancel); ``o = (q e^gc) S + (q_i.k_j e^(gc_i - gc_j), j <= i) u``; ``S = S e^(gc_last) + (k e^(gc_last - gc))^T u``.
-  Every exponent is a decay (<= 0): no overflow. One decay per head: the pairwise terms are ``k @ k^T`` and
-  ``q @ k^T`` (tl.dot) times a (BT, BT) decay. KDA: the decay differs per channel, so they are summed over
-  (BT, BT, BLOCK_K) tiles of channels (reloaded from L1), with a small BT (16).
+  (the UT transform, solved as the reference's ``solve_triangular`` does: BT steps of a row reduction);
+  ``o = (q e^gc) S + (q_i.k_j e^(gc_i - gc_j), j <= i) u``; ``S = S e^(gc_last) + (k e^(gc_last - gc))^T u``.
+  Every exponent is a decay (<= 0): no overflow however fast the decay. One decay per head: the pairwise terms are
+  ``k @ k^T`` and ``q @ k^T`` (tl.dot) times a (BT, BT) decay. KDA: the decay differs per channel, so they are
+  summed over (BT, BT, BK) tiles of channels reloaded from L1 (a loop, not unrolled: unrolled, the loads of every
+  tile are hoisted and spill). The phases are ordered so that few (BT, head_k_dim) tiles are live at once.
 - ``_delta_recurrent_kernel`` (prefill, any length): the per-token recurrence of the naive reference, one token
   after the other; for short requests and as a second implementation to measure against.
 - ``_delta_update_kernel`` (decode): one token per request, the program's state tile read from its slot, updated
