@@ -1,9 +1,10 @@
 """The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | bench``.
 
 Subcommands live in ``commands.COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds
-its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call. Every error, bad input or not (a missing file, bad JSON, an unsupported or corrupt checkpoint, a
-device that is not there, a model that does not fit, a budget too small), is one line on stderr with exit
-code 2, never a traceback; ``--debug`` prints the traceback too. ``hybridkv --version`` names the versions.
+its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call.
+Every error, bad input or not (a missing file, bad JSON, an unsupported or corrupt checkpoint, a device that is
+not there, a model that does not fit, a budget too small), is one line on stderr with exit code 2, never a
+traceback; ``--debug`` prints the traceback too. ``hybridkv --version`` names the versions.
 """
 
 from __future__ import annotations
