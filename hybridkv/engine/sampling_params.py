@@ -157,7 +157,7 @@ class SamplingParams:
         put("stop", stop)
 
         try:
-            stop_ids = tuple(self.stop_token_ids or ())
+            stop_ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         except TypeError:
             stop_ids = (self.stop_token_ids,)
         if not all(_is_int(t) and t >= 0 for t in stop_ids):
