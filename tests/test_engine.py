@@ -226,6 +226,8 @@ def test_max_num_seqs_requests_run_together(model):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.step()
     assert len(engine.scheduler.running) == 4
+    while engine.has_unfinished:
+        engine.step()
 
 
 def test_identical_prompts_share_the_prefill(model):

@@ -18,9 +18,12 @@ moves it, then the graph of the smallest bucket >= the batch replays. Everything
 the device is inside the graph too: it takes the input ids still pending from the previous step's tokens
 (asynchronous scheduling) and ends with the greedy tokens, the logits' argmax, in a persistent buffer that
 the next step's pending ids come from (the logits head takes the argmax in its epilogue:
-``HybridModel.compute_logits_and_greedy``). Why inside: with both outside the graph, 62-72 µs of device work
-and gaps separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs),
-with both inside 16-26 µs (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
+``HybridModel.compute_logits_and_greedy``), and the tokens' report for the host: ``NONFINITE`` where the chosen
+logit is not finite, recomputed as one dot product of the row's hidden state with the token's head row since a
+greedy step leaves the logits unwritten (four small launches; argmax picks a NaN logit, so the chosen one is
+non-finite whenever any is). With both outside the graph, 62-72 µs of device work and gaps
+separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs), 16-26 µs
+since (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
 directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no builder, which at 13
 groups were most of a step's host work); any other block tables go through the eager path's per-group CAMs
 and builders on host arrays, whose results are the same by construction (``tests/test_decode_packing.py``
@@ -49,7 +52,7 @@ import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
 from hybridkv.backends.registry import KernelBackend
-from hybridkv.engine.sampler import take_pending
+from hybridkv.engine.sampler import NONFINITE, head_logit_finite, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -353,6 +356,9 @@ class DecodeGraphs:
         self._arange = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=self.device)
         # the greedy tokens of the last replay: the next step's pending input ids are read from here
         self._tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
+        # ... and as the host reads them: NONFINITE where the chosen logit is not finite
+        self._report = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
+        self._nonfinite = torch.full((), NONFINITE, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
 
@@ -376,13 +382,18 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """A ``b``-row decode step from the persistent buffers: its pending input ids from the previous step's
-        tokens, the forward, fp32 logits (returned) and their argmax into ``_tokens``."""
+        tokens, the forward, fp32 logits (returned), their argmax into ``_tokens`` and its report into
+        ``_report`` (the chosen logit recomputed as one dot product per row: the logits may not be written)."""
         v = self.buffers.views[b]
         ids = take_pending(v.layout.ids(v.dev64, b), v.layout.sources(v.dev64, b), self._tokens)
-        out = self.model.compute_logits_and_greedy(self.model(ids, v.layout.positions(v.dev64, b)),
-                                                   out=self._tokens[:b], write_logits=v.layout.write_logits(v.dev64))
+        hidden = self.model(ids, v.layout.positions(v.dev64, b))
+        out = self.model.compute_logits_and_greedy(hidden, out=self._tokens[:b],
+                                                   write_logits=v.layout.write_logits(v.dev64))
         if out is None:
             raise RuntimeError("CUDA graphs: compute_logits returned None (tensor-parallel ranks are not supported)")
+        head, tokens = self.model.lm_head, self._tokens[:b]
+        torch.where(head_logit_finite(hidden, head.weight, head.bias, tokens), tokens, self._nonfinite,
+                    out=self._report[:b])
         return out[0]
 
     def _context(self, b: int) -> ForwardContext:
@@ -427,10 +438,12 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray,
             inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *, sources: np.ndarray | None = None,
-            prev_tokens: torch.Tensor | None = None, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+            prev_tokens: torch.Tensor | None = None, logits: bool = True
+            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Replay for a decode batch of (n,) ``input_ids`` at (n,) ``positions``, its groups' fields from
         ``inputs`` (``pack_host``); returns fp32 logits (n, vocab_size) (None unless ``logits``: the head then
-        skips writing them where it can) and their argmax (n,) int64, both valid until the next replay.
+        skips writing them where it can), their argmax (n,) int64 and its report (``StepOutput.report``), all
+        valid until the next replay.
         ``sources`` (n,) >= 0 takes those input ids from ``prev_tokens`` on the device (no copy when they are
         the tokens of the last replay, as in a run of greedy decode steps)."""
         n = int(input_ids.shape[0])
@@ -446,4 +459,4 @@ class DecodeGraphs:
                 self._tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
         graph, out, _ = self._graphs[b]
         graph.replay()
-        return (out[:n] if logits else None), self._tokens[:n]
+        return (out[:n] if logits else None), self._tokens[:n], self._report[:n]

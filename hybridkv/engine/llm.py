@@ -3,27 +3,37 @@
     from hybridkv import LLM, SamplingParams
     llm = LLM("path/to/checkpoint")            # or a HybridConfig (random weights) or a built model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
+
+Prompts are text, token ids, or vLLM's prompt dicts (``{"prompt": "..."}``, ``{"prompt_token_ids": [...]}``).
+Every call owns its requests: whatever way it ends (return, exception, ``KeyboardInterrupt``, a stream closed
+or dropped early), what it left unfinished is aborted and freed; calls may interleave (a paused stream keeps
+its outputs queued while ``generate`` runs), not run on several threads at once.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from hybridkv.engine.distributed import join_group, spawn_group, torchrun_world
-from hybridkv.engine.engine import EngineStats, LLMEngine, RequestError
+from hybridkv.engine.engine import DEFAULT_MAX_LOGPROBS, EngineStats, LLMEngine, RequestError
 from hybridkv.engine.executor import TensorParallelExecutor, serve
 from hybridkv.engine.model_runner import ModelRunner, out_of_memory_message
-from hybridkv.engine.request import CompletionOutput, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.request import RequestMetrics, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams, sample_seed
 from hybridkv.engine.warmup import warm_up
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
 from hybridkv.layers.parallel import SINGLE, TensorParallel
@@ -34,7 +44,10 @@ from hybridkv.utils import format_bytes, parse_bytes
 
 logger = logging.getLogger("hybridkv")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or a vLLM prompt dict: ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (both: the ids
+are used, the text is reported)."""
+Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -136,7 +149,9 @@ class LLM:
     not a hang. ``cuda_graphs``: replay captured decode steps (None = on when the device and backend allow it).
     ``async_scheduling``: prepare step N+1 on the host while the device runs step N (None = on CUDA without
     tensor parallelism; ``LLMEngine`` says what changes). ``warmup``: serve a few synthetic requests at start-up
-    so no kernel is compiled while serving (``engine/warmup.py``; None = on CUDA).
+    so no kernel is compiled while serving (``engine/warmup.py``; None = on CUDA). ``tokenizer``: a directory to
+    load one from, a tokenizer object (``encode`` / ``decode``, e.g. transformers'), or None for the checkpoint's
+    own. ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask (-1: the vocabulary).
     With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
     the other ranks (done at exit otherwise)."""
 
@@ -144,11 +159,12 @@ class LLM:
                  device: str = "auto", block_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
-                 backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
+                 backend: str = "auto", seed: int = 0, tokenizer: str | Path | object | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout: float = 600.0,
                  cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
-                 warmup: bool | None = None) -> None:
+                 warmup: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         dev = _resolve_device(device)
+        given_tokenizer = _resolve_tokenizer(tokenizer) if tokenizer is not None else None   # fail before loading
         self._executor: TensorParallelExecutor | None = None
         ctx = None
         if tensor_parallel_size != 1:
@@ -173,7 +189,7 @@ class LLM:
             self.model, found_tokenizer = ctx.run_everywhere("loading the model", load) if ctx else load()
         except torch.OutOfMemoryError as e:
             raise MemoryError(out_of_memory_message("the model weights", None, dev)) from e
-        self.tokenizer = tokenizer or found_tokenizer
+        self.tokenizer = given_tokenizer if given_tokenizer is not None else found_tokenizer
         config = self.model.config
         if block_size is None:        # 16, or what every chunked layer's chunk is a multiple of (logged)
             block_size = config.default_block_size()
@@ -214,10 +230,13 @@ class LLM:
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
                                 backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner,
-                                cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+                                cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+                                max_logprobs=max_logprobs)
         if warmup or (warmup is None and dev.type == "cuda"):
             warm_up(self.engine)
         self._next_id = 0
+        self._owners: dict[str, _Call] = {}       # engine request id -> the call it belongs to
+        self._num_streams = 0                     # open generate_stream calls: steps then build every output
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op without them)."""
@@ -230,93 +249,264 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # -- prompts ------------------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
-            return self.tokenizer.encode(prompt), prompt
-        return list(prompt), None
+    def get_tokenizer(self) -> object | None:
+        return self.tokenizer
 
-    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-                ) -> tuple[list[str], dict[str, int], dict[str, RequestOutput]]:
-        """Add every (prompt, sample) as an engine request; bad prompts become error outputs at once.
-        Returns prompt ids in input order, samples per accepted prompt, and the error outputs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+    # -- prompts ------------------------------------------------------------------------------------
+    def _parse(self, item: object) -> _Prompt:
+        """One prompt of a call: its token ids (checked by the engine) and text, or why it is not one."""
+        try:
+            if isinstance(item, str):
+                return _Prompt(token_ids=self._encode(item), text=item)
+            if isinstance(item, Mapping):
+                unknown = sorted(map(str, set(item) - {"prompt", "prompt_token_ids"}))
+                if unknown:
+                    raise RequestError(f"unsupported prompt keys {unknown} (known: 'prompt', 'prompt_token_ids')")
+                text = item.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise RequestError(f"'prompt' must be a string, got {type(text).__name__}")
+                if "prompt_token_ids" in item:
+                    return _Prompt(token_ids=item["prompt_token_ids"], text=text)
+                if text is None:
+                    raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return _Prompt(token_ids=self._encode(text), text=text)
+            if isinstance(item, Sequence | np.ndarray) and not isinstance(item, bytes):
+                return _Prompt(token_ids=item, text=None)
+            raise RequestError(f"a prompt is a string, a list of token ids or a prompt dict, got "
+                               f"{type(item).__name__}")
+        except RequestError as err:
+            return _Prompt(error=str(err), text=item if isinstance(item, str) else None)
+        except Exception as err:       # the tokenizer failed on this text: this prompt's error, not the call's
+            return _Prompt(error=f"could not encode the prompt ({type(err).__name__}: {err})",
+                           text=item if isinstance(item, str) else None)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
+        from hybridkv.loaders.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
+
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[object]:
+        """A single prompt (text, a dict, or token ids: a sequence whose first item is an int) or a list."""
+        if isinstance(prompts, str | Mapping):
+            return [prompts]
+        if isinstance(prompts, np.ndarray):
+            return [prompts] if prompts.ndim == 1 else list(prompts)
+        items = list(prompts)
+        return [prompts] if items and isinstance(items[0], numbers.Integral) else items
+
+    def _submit(self, prompts: list[_Prompt], params: Params, *, stream: bool) -> _Call:
+        """Add every (prompt, sample) as an engine request owned by a new call; bad prompts become error
+        outputs at once. Nothing stays added if this raises."""
         if params is None:
             params = SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
-        num_samples: dict[str, int] = {}
-        errors: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, plist, strict=True):
-            rid = str(self._next_id)
-            self._next_id += 1
-            ids.append(rid)
-            try:
-                tokens, text = self._encode(prompt)
-                for i in range(p.n):
-                    sample_params = p if p.n == 1 else _nth_sample(p, i)
-                    self.engine.add_request(f"{rid}.{i}", tokens, sample_params, prompt=text)
-                num_samples[rid] = p.n
-            except RequestError as err:
-                for i in range(p.n):
-                    self.engine.abort(f"{rid}.{i}")
-                errors[rid] = RequestOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
-                                            prompt_token_ids=tuple(prompt) if not isinstance(prompt, str) else (),
-                                            outputs=(), finished=True, error=str(err))
-        return ids, num_samples, errors
+        call = _Call(stream=stream)
+        try:
+            for prompt, p in zip(prompts, plist, strict=True):
+                rid = str(self._next_id)
+                self._next_id += 1
+                call.ids.append(rid)
+                added: list[str] = []
+                try:
+                    if prompt.error is not None:
+                        raise RequestError(prompt.error)
+                    if not isinstance(p, SamplingParams):
+                        raise RequestError(f"sampling params must be a SamplingParams, got {type(p).__name__}")
+                    for i in range(p.n):
+                        self.engine.add_request(f"{rid}.{i}", prompt.token_ids, _nth_sample(p, i), prompt=prompt.text)
+                        added.append(f"{rid}.{i}")
+                except RequestError as err:
+                    for sub in added:
+                        self.engine.abort(sub)
+                    call.errors[rid] = _error_output(rid, prompt, str(err))
+                    continue
+                call.num_samples[rid] = len(added)
+                for sub in added:
+                    call.live.add(sub)
+                    self._owners[sub] = call
+        except BaseException:
+            self._release(call)
+            raise
+        return call
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def _pump(self, call: _Call) -> None:
+        """One engine step for ``call``; every output goes to the call that owns its request."""
+        if not self.engine.has_unfinished:
+            raise RuntimeError(f"the engine lost requests {sorted(call.live)[:4]}")
+        for out in self.engine.step(only_finished=not self._num_streams):
+            owner = self._owners.get(out.request_id)
+            if owner is None:
+                continue                   # a request added to the engine directly
+            if out.finished:
+                del self._owners[out.request_id]
+                owner.live.discard(out.request_id)
+            if owner.stream or out.finished:
+                owner.outputs.append(out)
+
+    def _release(self, call: _Call) -> None:
+        """Abort what ``call`` left unfinished (its blocks, slots and rows come back)."""
+        for rid in sorted(call.live):
+            self.engine.abort(rid)
+            self._owners.pop(rid, None)
+        call.live.clear()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. A prompt that cannot be served gets an
-        output with ``error`` set; the others run normally."""
-        ids, num_samples, errors = self._submit(prompts, sampling_params)
-        samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in num_samples}
+        """Generate for every prompt; outputs in input order. A prompt that cannot be served, or a request
+        that fails while running, gets an output with ``error`` set; the others run normally."""
+        return self._run([self._parse(p) for p in self._as_list(prompts)], sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[_Prompt], sampling_params: Params, use_tqdm: bool) -> list[RequestOutput]:
+        call = self._submit(prompts, sampling_params, stream=False)
+        samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in call.num_samples}
         start = time.perf_counter()
         generated = 0
-        with tqdm(total=len(num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished:
-                for out in self.engine.step(only_finished=True):
-                    rid, i = out.request_id.rsplit(".", 1)
-                    samples[rid][int(i)] = out
-                    generated += len(out.outputs[0].token_ids)
-                    if len(samples[rid]) == num_samples[rid]:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        try:
+            with tqdm(total=len(call.num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while call.live or call.outputs:
+                    if not call.outputs:
+                        self._pump(call)
+                    while call.outputs:
+                        out = call.outputs.popleft()
+                        rid, i = out.request_id.rsplit(".", 1)
+                        samples[rid][int(i)] = out
+                        generated += len(out.outputs[0].token_ids)
+                        if len(samples[rid]) == call.num_samples[rid]:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
+                                                refresh=False)
+        finally:
+            self._release(call)
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens in %.2fs (%.1f tok/s)", generated, elapsed, generated / max(elapsed, 1e-9))
-        return [errors[rid] if rid in errors else _merge(rid, samples[rid]) for rid in ids]
+        return [call.errors[rid] if rid in call.errors else _merge(rid, samples[rid]) for rid in call.ids]
 
-    def generate_stream(self, prompts: Prompt | Sequence[Prompt],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    def generate_stream(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None
                         ) -> Iterator[RequestOutput]:
-        """Yield each request's output after every step it advances (``finished`` marks the last);
-        request ids are "<prompt index>.<sample index>"."""
-        _, _, errors = self._submit(prompts, sampling_params)
-        yield from errors.values()
-        while self.engine.has_unfinished:
-            yield from self.engine.step()
+        """Yield each request's output after every step it advances (``finished`` marks the last); request
+        ids are "<call-unique prompt id>.<sample index>" (a rejected prompt's error output: the prompt id).
+        Closing the generator (``break`` then dropping it, ``close()``, an exception) aborts what is left."""
+        call = self._submit([self._parse(p) for p in self._as_list(prompts)], sampling_params, stream=True)
+        self._num_streams += 1
+        try:
+            yield from call.errors.values()
+            while call.live or call.outputs:
+                if not call.outputs:
+                    self._pump(call)
+                while call.outputs:
+                    yield call.outputs.popleft()
+        finally:
+            self._num_streams -= 1
+            self._release(call)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: Params = None, use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of
+        them: each rendered with ``chat_template`` (a Jinja source) or the checkpoint's template (from
+        tokenizer_config.json / chat_template.jinja, rendered as transformers does), then encoded with the
+        BOS token exactly once. A conversation the template refuses gets an output with ``error`` set."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer; this model has none (pass tokenizer=)")
+        from hybridkv.loaders.tokenizer import render_chat
+
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            try:
+                text = render_chat(self.tokenizer, conversation, chat_template=chat_template,  # type: ignore[arg-type]
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   **dict(chat_template_kwargs or {}))
+            except Exception as err:        # jinja's TemplateError (raise_exception), a bad message, ...
+                prompts.append(_Prompt(error=f"chat template: {type(err).__name__}: {err}"))
+                continue
+            prompts.append(self._parse(text))
+        return self._run(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
 
-def _nth_sample(p: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of ``n`` samples: one sequence each, seeds offset so samples differ but stay reproducible."""
-    from dataclasses import replace
+@dataclass(frozen=True, kw_only=True)
+class _Prompt:
+    token_ids: object = None        # as given (the engine checks them)
+    text: str | None = None
+    error: str | None = None
 
-    return replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` / ``generate_stream`` / ``chat`` call: its prompt ids, the engine requests it still
+    waits for, and the outputs routed to it."""
+
+    stream: bool
+    ids: list[str] = field(default_factory=list)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, RequestOutput] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)
+    outputs: deque[RequestOutput] = field(default_factory=deque)
+
+
+def _resolve_tokenizer(tokenizer: str | Path | object) -> object:
+    if not isinstance(tokenizer, str | Path):
+        if not callable(getattr(tokenizer, "encode", None)) or not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer= takes a directory or an object with encode / decode, got "
+                            f"{type(tokenizer).__name__}")
+        return tokenizer
+    from hybridkv.loaders.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(tokenizer)
+    if loaded is None:
+        raise FileNotFoundError(f"{tokenizer}: no tokenizer files (tokenizer.json, tekken.json, tokenizer.model*)")
+    return loaded
+
+
+def _error_output(rid: str, prompt: _Prompt, error: str) -> RequestOutput:
+    ids = prompt.token_ids
+    valid = isinstance(ids, Sequence | np.ndarray) and not isinstance(ids, str | bytes) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+    return RequestOutput(request_id=rid, prompt=prompt.text, prompt_token_ids=tuple(int(t) for t in ids) if valid
+                         else (), outputs=(), finished=True, error=error)
+
+
+def _nth_sample(p: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of ``n`` samples: one sequence, its seed derived from ``(seed, i)`` (``sample_seed``)."""
+    if p.n == 1:
+        return p
+    return replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, i))
 
 
 def _merge(rid: str, samples: dict[int, RequestOutput]) -> RequestOutput:
+    """A prompt's samples as one output: the first error of any, metrics from the first arrival to the last
+    finish, the prefix-cache hit of the sample that reused most."""
     first = samples[0]
-    outputs = tuple(CompletionOutput(index=i, token_ids=o.outputs[0].token_ids, text=o.outputs[0].text,
-                                     finish_reason=o.outputs[0].finish_reason, logprobs=o.outputs[0].logprobs)
-                    for i, o in sorted(samples.items()))
+    ordered = [o for _, o in sorted(samples.items())]
+    outputs = tuple(replace(o.outputs[0], index=i) for i, o in enumerate(ordered))
+    errors = [f"sample {i}: {o.error}" if len(ordered) > 1 else o.error
+              for i, o in enumerate(ordered) if o.error is not None]
+    metrics = [o.metrics for o in ordered if o.metrics is not None]
+
+    def earliest(name: str) -> float | None:
+        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+        return min(values) if values else None
+
+    def latest(name: str) -> float | None:
+        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+        return max(values) if values else None
+
+    merged = RequestMetrics(arrival_time=min(m.arrival_time for m in metrics), first_scheduled_time=earliest(
+        "first_scheduled_time"), first_token_time=earliest("first_token_time"), last_token_time=latest(
+        "last_token_time"), finished_time=latest("finished_time")) if metrics else None
+    cached = [o.num_cached_tokens for o in ordered if o.num_cached_tokens is not None]
     return RequestOutput(request_id=rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                         outputs=outputs, finished=True, prompt_logprobs=first.prompt_logprobs)
+                         outputs=outputs, finished=True, prompt_logprobs=first.prompt_logprobs,
+                         error=errors[0] if errors else None, metrics=merged,
+                         num_cached_tokens=max(cached) if cached else None)
