@@ -30,11 +30,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from hybridkv.engine.config import DEFAULT_MAX_LOGPROBS
 from hybridkv.engine.distributed import TensorParallelError
 from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput, StepRunner, StepTables
 from hybridkv.engine.request import (
     PENDING_TOKEN,
     CompletionOutput,
+    OutputKind,
     Request,
     RequestOutput,
     RequestStatus,
@@ -69,8 +71,6 @@ class RequestError(ValueError):
 NONFINITE_ERROR = "the model produced non-finite logits (NaN or inf) for this request"
 ENGINE_FATAL: tuple[type[BaseException], ...] = (TensorParallelError, torch.AcceleratorError)
 """Step failures after which the engine cannot run anything: they propagate (the step's requests failed)."""
-DEFAULT_MAX_LOGPROBS = 20
-"""vLLM's default ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,8 @@ class LLMEngine:
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._num_prompt_logprob_requests = 0      # unfinished requests that want prompt logprobs
+        self._num_streamed_requests = 0            # unfinished requests with outputs before they finish
+        self._num_prompt_logprob_requests = 0      # ... that want prompt logprobs
         self._num_processed_requests = 0           # ... that need logits processing (bias, min_tokens, penalties)
         self._num_penalty_requests = 0             # ... that use penalties (a token history on the device)
         self._steps = self._prompt_tokens = self._generated = 0
@@ -234,8 +235,9 @@ class LLMEngine:
         return ids, params
 
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                    *, prompt: str | None = None) -> None:
-        """Queue one sequence; ``RequestError`` (nothing queued) when it cannot be served."""
+                    *, prompt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queue one sequence; ``RequestError`` (nothing queued) when it cannot be served. ``output_kind``:
+        which outputs ``step`` builds for it (``OutputKind``)."""
         if not isinstance(request_id, str):
             raise RequestError(f"request ids are strings, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -243,12 +245,14 @@ class LLMEngine:
         ids, params = self._check_request(token_ids, params)
         seed = effective_seed(params.seed) if params.seed is not None else int(self._seeds.integers(0, 2**62))
         req = Request(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params, seed=seed,
-                      arrival=next(self._arrivals), prompt=prompt)
+                      arrival=next(self._arrivals), prompt=prompt, output_kind=OutputKind(output_kind))
         self._requests[request_id] = req
-        self._count(params, +1)
+        self._count(req, +1)
         self.scheduler.add(req)
 
-    def _count(self, params: SamplingParams, sign: int) -> None:
+    def _count(self, req: Request, sign: int) -> None:
+        params = req.params
+        self._num_streamed_requests += sign * (req.output_kind is not OutputKind.FINAL)
         self._num_prompt_logprob_requests += sign * (params.prompt_logprobs is not None)
         self._num_processed_requests += sign * self._needs_processing(params)
         self._num_penalty_requests += sign * params.has_penalties
@@ -282,7 +286,7 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         if self._requests.pop(req.request_id, None) is not None:
-            self._count(req.params, -1)
+            self._count(req, -1)
 
     @property
     def has_unfinished(self) -> bool:
@@ -305,7 +309,8 @@ class LLMEngine:
             problems.append("a step is still in flight")
         if self._undelivered:
             problems.append(f"{len(self._undelivered)} undelivered outputs")
-        counts = (self._num_prompt_logprob_requests, self._num_processed_requests, self._num_penalty_requests)
+        counts = (self._num_streamed_requests, self._num_prompt_logprob_requests, self._num_processed_requests,
+                  self._num_penalty_requests)
         if any(counts):
             problems.append(f"request counters not zero: {counts}")
         coord = self.coordinator
@@ -321,15 +326,17 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model, sample; returns an output for every request that advanced (streaming),
-        or with ``only_finished`` for those that finished (building an output copies all of a request's
-        tokens, which a non-streaming caller would throw away every step).
+        """Schedule, run the model, sample; returns an output for every request that finished, and for every
+        unfinished one that advanced as its ``output_kind`` asks; with ``only_finished`` for those that
+        finished only (building an output copies all of a request's tokens, which a non-streaming caller
+        would throw away every step).
 
         With asynchronous scheduling the outputs are those of the previous step: this step is scheduled,
         built and queued on the device first, then the previous step's tokens are read (the device is
         busy meanwhile) and its requests advance. A failure fails the requests it touched (module
         docstring); the others go on."""
         outputs, self._undelivered = self._undelivered, []
+        only_finished = only_finished or not self._num_streamed_requests
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
@@ -713,7 +720,17 @@ class LLMEngine:
         if only_finished:
             return [self.make_output(r) for r in stopped], bool(stopped)
         done = set(stopped)                 # (all of them requests of this step)
-        return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
+        outputs = []
+        for r in launched.batch.requests:
+            if r in done:
+                outputs.append(self.make_output(r))
+            elif r.finished or r.output_kind is OutputKind.FINAL:
+                continue
+            elif r.output_kind is OutputKind.CUMULATIVE:
+                outputs.append(self.make_output(r))
+            elif r.num_known_tokens - r.num_prompt_tokens > r.num_delivered:       # DELTA with new tokens
+                outputs.append(self._delta_output(r))
+        return outputs, bool(stopped)
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None,
                 greedy_report: torch.Tensor | None = None
@@ -873,6 +890,10 @@ class LLMEngine:
             r.finish_reason = "length"
         return r.finish_reason is not None
 
+    def decode(self, ids: Sequence[int], params: SamplingParams) -> str:
+        """Text of output token ids as a request with ``params`` gets it (needs a tokenizer)."""
+        return self._decode(ids, params)
+
     def _decode(self, ids: Sequence[int], params: SamplingParams) -> str:
         """Text of ``ids``, special tokens skipped or kept as asked (ours skip by default, transformers' keep: the
         keyword is passed whenever the tokenizer takes it)."""
@@ -898,6 +919,19 @@ class LLMEngine:
                              num_cached_tokens=r.num_cached_tokens,
                              prompt_logprobs=(tuple(r.prompt_logprobs) if p.prompt_logprobs is not None
                                               else None))
+
+    def _delta_output(self, r: Request) -> RequestOutput:
+        """A DELTA request's output tokens (and logprobs) since its last output; no text."""
+        start, end = r.num_delivered, r.num_output_tokens
+        r.num_delivered = end
+        first = r.num_prompt_tokens
+        completion = CompletionOutput(index=0, token_ids=tuple(r.token_ids[first + start:first + end]), text=None,
+                                      finish_reason=None,
+                                      logprobs=tuple(r.logprobs[start:end]) if r.params.logprobs is not None
+                                      else None)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                             outputs=(completion,), finished=False, metrics=r.metrics,
+                             num_cached_tokens=r.num_cached_tokens)
 
     def reset_counters(self) -> None:
         """Zero the counters ``stats`` reports (after the start-up warm-up)."""

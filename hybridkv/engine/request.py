@@ -13,6 +13,19 @@ PENDING_TOKEN = -1
 scheduling); never hashed, decoded or returned: the engine replaces it before any of those can see it."""
 
 
+class OutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step`` builds for a request (vLLM's ``RequestOutputKind``, with one change).
+
+    FINAL: one output, when it finishes. CUMULATIVE: after every step it advances, everything so far (the text
+    decoded again each time). DELTA: after every step that gives it tokens, only those tokens and their logprobs
+    (``text`` None: the caller detokenizes incrementally, as ``AsyncLLM`` does); the final output is cumulative,
+    with the text (cut at a stop string) and the prompt logprobs."""
+
+    FINAL = "final"
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -77,6 +90,8 @@ class Request:
     seed: int                                   # effective seed (params.seed or drawn by the engine)
     arrival: int                                # monotonically increasing: preemption takes the latest
     prompt: str | None = None
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    num_delivered: int = 0                      # DELTA: output tokens already in an output
     kv_row: int = -1                            # the coordinator row while running (stable until freed);
                                                 # its computed-token count lives in the coordinator
     status: RequestStatus = RequestStatus.WAITING

@@ -166,6 +166,11 @@ class KVCacheCoordinator:
     def reset_stats(self) -> None:
         self._stats = PrefixCacheStats()
 
+    def group_stats(self) -> dict[int, PrefixCacheStats]:
+        """Per group id: its prefix-cache lookups and hits (every group takes the hybrid hit, the longest prefix
+        all of them accept)."""
+        return dict.fromkeys((g.group_id for g in self.plan.groups), self._stats)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._rows
 
