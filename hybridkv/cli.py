@@ -1,4 +1,4 @@
-"""The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | bench``.
+"""The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | serve``.
 
 Subcommands live in ``commands.COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds
 its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import hybridkv.eval.cli  # noqa: F401  (registers "hybridkv eval")
+import hybridkv.server.cli  # noqa: F401  (registers "hybridkv serve")
 from hybridkv import __version__
 from hybridkv.commands import (
     COMMANDS,
