@@ -157,6 +157,14 @@ def test_sampling_fields_match_the_offline_api(server: ServerProcess, client: op
     assert got.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
     assert all(1 <= len(top) <= 3 for top in got.logprobs.top_logprobs)      # (keyed by text: ids may share one)
     assert "".join(got.logprobs.tokens) == got.text
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1),
+                            use_tqdm=False)[0].prompt_logprobs
+    got = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                           "prompt_logprobs": 1}, timeout=TIMEOUT).json()
+    got = got["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g[str(w.token_id)]["logprob"] == pytest.approx(w.logprob, abs=1e-5) and 1 <= len(g) <= 2
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=3).choices[0]
     assert len(chat.logprobs.content) == 4 and all(len(t.top_logprobs) == 3 for t in chat.logprobs.content)
@@ -211,6 +219,7 @@ def test_errors_are_openai_shaped(server: ServerProcess) -> None:
     assert "maximum context length is 4096" in long["message"]
     error_of(post({"prompt": "x", "stream_options": {"include_usage": True}}), 400, "stream_options")
     error_of(post({"prompt": "x", "suffix": "y"}), 400, "suffix")
+    error_of(post({"prompt": "x", "prompt_logprobs": 1, "stream": True}), 400, "prompt_logprobs")
     error_of(post({"prompt": [[]]}), 400)
     assert error_of(post({"model": "nope", "prompt": "x"}), 404, "model")["type"] == "NotFoundError"
     chat = f"{server.url}/v1/chat/completions"

@@ -249,6 +249,8 @@ class _Server:
             raise APIError(400, "best_of must be unset or equal to n (no beam or best-of search)", param="best_of")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs are returned without streaming only", param="prompt_logprobs")
         try:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
@@ -355,9 +357,23 @@ class _Server:
                     index=p * body.n + c.index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=self._completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None,
                     prompt_token_ids=list(stream.prompt_token_ids) if body.return_token_ids else None,
-                    token_ids=list(c.token_ids) if body.return_token_ids else None))
-        return JSONResponse(api.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                                   usage=_usage(streams)).model_dump())
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
+                    prompt_logprobs=self._prompt_logprobs(out)))
+        return _json(api.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                            usage=_usage(streams)))
+
+    def _prompt_logprobs(self, out: RequestOutput) -> api.PromptLogprobs | None:
+        if out.prompt_logprobs is None:
+            return None
+        entries: api.PromptLogprobs = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                entries.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in lp.top}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": self.token_text(lp.token_id)}
+            entries.append(entry)
+        return entries
 
     def _decode_prompt(self, stream: RequestStream) -> str:
         return "" if self.tokenizer is None else self.engine.llm.engine.decode(stream.prompt_token_ids, _KEEP_SPECIAL)
@@ -445,9 +461,10 @@ class _Server:
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                   token_ids=list(c.token_ids) if body.return_token_ids else None)
                    for c in out.outputs]
-        return JSONResponse(api.ChatCompletionResponse(
+        return _json(api.ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices, usage=_usage(streams),
-            prompt_token_ids=list(stream.prompt_token_ids) if body.return_token_ids else None).model_dump())
+            prompt_token_ids=list(stream.prompt_token_ids) if body.return_token_ids else None,
+            prompt_logprobs=self._prompt_logprobs(out)))
 
     def _chat_logprobs(self, c: CompletionOutput, body: api.ChatCompletionRequest) -> api.ChatLogprobs:
         k = body.top_logprobs or 0
@@ -563,6 +580,11 @@ async def _merged(streams: list[RequestStream], server: _Server) -> AsyncIterato
             server.metrics.aborted.inc(len(streams) - done)
         for s in streams:
             s.abort()
+
+
+def _json(body: Any) -> Response:
+    """A response body as pydantic serializes it (a non-finite float, e.g. a -inf logprob, becomes null)."""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

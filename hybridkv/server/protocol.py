@@ -79,6 +79,11 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+"""vLLM's ``prompt_logprobs``: per prompt position (None for the first), token id -> {"logprob", "decoded_token"}
+for the prompt's token and the top k."""
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -87,6 +92,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -168,6 +174,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
