@@ -1,4 +1,5 @@
-"""Every script in ``examples/`` runs, as a user would run it, on its tiny configuration (``--tiny``)."""
+"""Every script in ``examples/`` runs, as a user would run it, on its tiny configuration (``--tiny``). Slow-marked:
+each is a few seconds of subprocess start-up for what the feature tests already cover."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_every_example_is_checked() -> None:
     assert {p.name for p in EXAMPLES} == set(EXPECTED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(example: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

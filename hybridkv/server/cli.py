@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import threading
 from typing import Any
@@ -112,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
                               model_root=str(args.model), api_key=args.api_key, stats_interval=args.stats_interval)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, settings), host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-        access_log=not args.disable_access_log, timeout_graceful_shutdown=int(args.shutdown_timeout) or None,
+        access_log=not args.disable_access_log, timeout_graceful_shutdown=math.ceil(args.shutdown_timeout),
         lifespan="on"))
 
     def on_terminate(signum: int, frame: object) -> None:
