@@ -14,14 +14,16 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C): TTFT, TPOT (per request:
    time after the first token / tokens after it), ITL (time between streamed chunks, as a client sees it)
    p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests,
-   at most ``--num-prompts``), then waits for them to finish (bounded).
-3. **Peer**: ``transformers serve`` (``--continuous-batching``) on the same checkpoint and conversations,
-   streamed chat completions at rates around a tenth of hybridkv's best (up while it keeps p99 TTFT <= 2 s).
+   at most ``--max-requests-per-rate``), then waits for them to finish (bounded).
+3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
+   (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
+   best rate (up while it keeps p99 TTFT <= 2 s, else down once).
 
 Targets (GPU): HTTP throughput >= 90% of offline on the same requests; the highest rate with p99 TTFT <= 2 s
 >= 10x the peer's; p99 ITL at half that rate <= 2x the batch-32 decode step. The summary table prints
 exactly these. ``--tiny``: tiny models on the CPU, a smoke test of the script (and of the peer when
-transformers serve can run here); the numbers mean nothing.
+transformers serve can run here); the numbers mean nothing (there the offline run and the server's engine
+thread each get an OpenMP pool, and the two spin against each other on a small machine).
 
 The load generator is this file run with ``--client SPEC``; its imports stay light (no torch).
 """
@@ -74,14 +76,17 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[
                 await r.aread()
                 return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
             async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                if not line.startswith("data:") or line.startswith("data: [DONE]"):
                     continue
-                event = json.loads(line[5:])
-                if event.get("usage"):
-                    usage = event["usage"]
-                choices = event.get("choices") or ()
-                if not choices or not (choices[0].get("delta") or {}).get("content"):
-                    continue
+                # (parsing every chunk would make this process the bottleneck at high rates: after the first
+                # token only the usage chunk is parsed, every other chunk counts as one more delta)
+                if ttft is None or '"usage":{' in line:
+                    event = json.loads(line[5:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    choices = event.get("choices") or ()
+                    if not choices or not (choices[0].get("delta") or {}).get("content"):
+                        continue
                 now = time.perf_counter()
                 if ttft is None:
                     ttft = now - start
@@ -130,7 +135,8 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in done)
 
     def pct(values: list[float], q: float) -> float | None:
-        return float(np.percentile(values, q)) if values else None
+        value = float(np.percentile(values, q)) if values else math.nan
+        return value if math.isfinite(value) else None          # (failed requests count as infinitely late)
 
     return {"rate": rate, "requests": n, "failed": n - len(done), "errors": errors, "wall_s": wall,
             "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
@@ -249,20 +255,22 @@ class InProcessServer:
 
 
 class PeerServer:
-    """``transformers serve --continuous-batching`` on ``checkpoint`` (a subprocess; flags as its version has
-    them: the model as ``--force-model`` or as the argument)."""
+    """``transformers serve`` on ``checkpoint`` (a subprocess; flags as its version has them: the model as
+    ``--force-model`` or as the argument), with its continuous batching or without."""
 
     LAUNCH = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
 
-    def __init__(self, checkpoint: Path, *, device: str, dtype: str, log: Path) -> None:
+    def __init__(self, checkpoint: Path, *, device: str, dtype: str, log: Path, continuous_batching: bool) -> None:
         base = [sys.executable, "-c", self.LAUNCH, "serve"]
         help_text = subprocess.run([*base, "--help"], capture_output=True, text=True, timeout=120).stdout
-        if "--continuous-batching" not in help_text:
+        if "--port" not in help_text:
             raise RuntimeError(f"transformers serve cannot run here:\n{help_text[-2000:]}")
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        flags = ["--continuous-batching", "--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype",
-                 dtype, "--log-level", "warning"]
+        flags = ["--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype", dtype, "--log-level",
+                 "warning"]
+        if continuous_batching:
+            flags.append("--continuous-batching")
         if "--model-timeout" in help_text:
             flags += ["--model-timeout", "1000000"]
         model = ["--force-model", str(checkpoint)] if "--force-model" in help_text else [str(checkpoint)]
@@ -297,7 +305,7 @@ def _passes(point: dict[str, Any]) -> bool:
 
 
 def _points_per_rate(rate: float, args: argparse.Namespace) -> int:
-    return int(min(args.num_prompts, max(16, rate * args.seconds_per_rate)))
+    return int(min(args.max_requests_per_rate, max(16, rate * args.seconds_per_rate)))
 
 
 def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
@@ -378,6 +386,8 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+                print(f"  (GPU memory still allocated before the peer: {torch.cuda.memory_allocated() / 2**30:.2f} "
+                      "GiB)", flush=True)
 
         if not args.no_peer:
             result["peer"] = _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"))
@@ -401,15 +411,24 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
     """transformers serve at rates from a tenth of hybridkv's best: up while it keeps the TTFT target, else
     down once (its best rate found within the time the points take)."""
     log = Path(tempfile.gettempdir()) / f"serve_load_peer_{os.getpid()}.log"
-    try:
-        peer = PeerServer(ckpt, device=device.type, dtype=str(dtype).removeprefix("torch."), log=log)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
-        print(f"peer skipped: {err}", flush=True)
-        return {"skipped": str(err)[:500]}
-    try:
+    errors = []
+    for continuous_batching in (True, False):      # (its continuous batching refuses some layer kinds: Mamba)
+        try:
+            peer = PeerServer(ckpt, device=device.type, dtype=str(dtype).removeprefix("torch."), log=log,
+                              continuous_batching=continuous_batching)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+            errors.append(str(err)[-500:])
+            continue
         first = run_load(peer.url, name, convs[:2], rate=math.inf, num_requests=2, output_len=args.output_len)
-        if first["failed"]:
-            return {"skipped": f"transformers serve failed a request: {first['errors']}"}
+        if not first["failed"]:
+            break
+        errors.append(f"continuous_batching={continuous_batching}: {first['errors']} ({log.read_text()[-300:]})")
+        peer.stop()
+    else:
+        print(f"peer skipped: {errors}", flush=True)
+        return {"skipped": errors}
+    print(f"  transformers serve, continuous batching {'on' if continuous_batching else 'off'}", flush=True)
+    try:
         start = (best or 1.0) / 10
         points: list[dict[str, Any]] = []
         rate = start
@@ -425,7 +444,8 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
             else:
                 break
         ok = [p["rate"] for p in points if _passes(p)]
-        return {"rates": points, "best_rate": max(ok) if ok else None, "first_rate": start}
+        return {"rates": points, "best_rate": max(ok) if ok else None, "first_rate": start,
+                "continuous_batching": continuous_batching, "refused": errors}
     finally:
         peer.stop()
 
@@ -483,6 +503,8 @@ def main() -> None:
     ap.add_argument("--rates", default="auto", help="requests/s, comma-separated (auto: 0.5, 0.8, 1.0, 1.25 x the "
                     "offline capacity)")
     ap.add_argument("--seconds-per-rate", type=float, default=6.0, help="seconds of arrivals per rate point")
+    ap.add_argument("--max-requests-per-rate", type=int, default=512,
+                    help="at most this many requests per rate point (the conversations are reused in turn)")
     ap.add_argument("--peer-points", type=int, default=3, help="rate points for transformers serve (default 3)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers serve")
     ap.add_argument("--kv-memory", default="24GiB")
@@ -498,6 +520,7 @@ def main() -> None:
         args.num_prompts, args.input_len, args.output_len = min(args.num_prompts, 24), min(args.input_len, 24), \
             min(args.output_len, 8)
         args.kv_memory, args.max_num_seqs, args.seconds_per_rate = "64MiB", 32, min(args.seconds_per_rate, 2.0)
+        args.max_requests_per_rate = min(args.max_requests_per_rate, 24)
         args.rate_fractions, args.peer_points = (0.5, 1.0), min(args.peer_points, 2)
     started = time.perf_counter()
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
