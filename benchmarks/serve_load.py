@@ -262,7 +262,8 @@ class PeerServer:
 
     def __init__(self, checkpoint: Path, *, device: str, dtype: str, log: Path, continuous_batching: bool) -> None:
         base = [sys.executable, "-c", self.LAUNCH, "serve"]
-        help_text = subprocess.run([*base, "--help"], capture_output=True, text=True, timeout=120).stdout
+        help_text = subprocess.run([*base, "--help"], capture_output=True, text=True, timeout=120,
+                                   env={**os.environ, "COLUMNS": "250"}).stdout        # (no option name cut)
         if "--port" not in help_text:
             raise RuntimeError(f"transformers serve cannot run here:\n{help_text[-2000:]}")
         port = _free_port()
