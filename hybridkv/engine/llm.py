@@ -404,13 +404,9 @@ def sample_submissions(front: EngineFront, rid: str, prompt: ParsedPrompt, param
         raise RequestError(prompt.error)
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    subs = []
-    for i in range(params.n):
-        p = _nth_sample(params, i)
-        front.validate(prompt.token_ids, p)      # (the same for every sample but for the seed)
-        subs.append(Submission(request_id=f"{rid}.{i}", token_ids=prompt.token_ids, params=p, prompt=prompt.text,
-                               output_kind=kind))
-    return subs
+    front.validate(prompt.token_ids, _nth_sample(params, 0))      # (the samples differ in their seeds only)
+    return [Submission(request_id=f"{rid}.{i}", token_ids=prompt.token_ids, params=_nth_sample(params, i),
+                       prompt=prompt.text, output_kind=kind) for i in range(params.n)]
 
 
 @dataclass(eq=False)
