@@ -19,9 +19,8 @@ the device is inside the graph too: it takes the input ids still pending from th
 (asynchronous scheduling) and ends with the greedy tokens, the logits' argmax, in a persistent buffer that
 the next step's pending ids come from (the logits head takes the argmax in its epilogue:
 ``HybridModel.compute_logits_and_greedy``), and the tokens' report for the host: ``NONFINITE`` where the chosen
-logit is not finite, recomputed as one dot product of the row's hidden state with the token's head row since a
-greedy step leaves the logits unwritten (four small launches; argmax picks a NaN logit, so the chosen one is
-non-finite whenever any is). With both outside the graph, 62-72 µs of device work and gaps
+logit, the row's maximum, is not finite (the argmax's reduction stores it beside the token: no extra launch,
+though a greedy step leaves the logits unwritten). With both outside the graph, 62-72 µs of device work and gaps
 separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs), 16-26 µs
 since (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
 directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no builder, which at 13
@@ -52,7 +51,7 @@ import torch
 
 from hybridkv.backends.builders import AttentionInputs, MambaInputs
 from hybridkv.backends.registry import KernelBackend
-from hybridkv.engine.sampler import NONFINITE, head_logit_finite, take_pending
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -358,7 +357,6 @@ class DecodeGraphs:
         self._tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
         # ... and as the host reads them: NONFINITE where the chosen logit is not finite
         self._report = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
-        self._nonfinite = torch.full((), NONFINITE, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
 
@@ -387,13 +385,10 @@ class DecodeGraphs:
         v = self.buffers.views[b]
         ids = take_pending(v.layout.ids(v.dev64, b), v.layout.sources(v.dev64, b), self._tokens)
         hidden = self.model(ids, v.layout.positions(v.dev64, b))
-        out = self.model.compute_logits_and_greedy(hidden, out=self._tokens[:b],
+        out = self.model.compute_logits_and_greedy(hidden, out=self._tokens[:b], report=self._report[:b],
                                                    write_logits=v.layout.write_logits(v.dev64))
         if out is None:
             raise RuntimeError("CUDA graphs: compute_logits returned None (tensor-parallel ranks are not supported)")
-        head, tokens = self.model.lm_head, self._tokens[:b]
-        torch.where(head_logit_finite(hidden, head.weight, head.bias, tokens), tokens, self._nonfinite,
-                    out=self._report[:b])
         return out[0]
 
     def _context(self, b: int) -> ForwardContext:
