@@ -330,6 +330,8 @@ class StateSlotPool:
         self._pins = np.zeros(num_slots, np.int32)
         self._wants = np.zeros(num_slots, np.int32)
         self._uses = np.zeros(num_slots, np.int64)     # hits and stores of the same key since it was stored
+        self._growing = np.zeros(num_slots, np.bool_)  # the answer checkpoint of a request still decoding
+        self._num_growing = 0
         self.num_stored = 0             # checkpoints written (new keys)
         self.num_evicted = 0            # ... that replaced another request's checkpoint
         self.num_refused = 0            # stores without a slot they were allowed to take
@@ -398,25 +400,64 @@ class StateSlotPool:
     def _evictable(self, slot: int) -> bool:
         return self._pins[slot] == 0 and self._wants[slot] == 0
 
+    def settle(self, slot: int) -> None:
+        """The request whose answer checkpoint ``slot`` is has finished or moved on: from now on another
+        answer checkpoint may evict it."""
+        if self._growing[slot]:
+            self._growing[slot] = False
+            self._num_growing -= 1
+
     def _drop(self, slot: int) -> None:
+        self.settle(slot)
         del self._ckpt[self._key.pop(slot)]
         del self._lru[self._kind[slot]][slot]
 
-    def _put(self, key: BlockHash, slot: int, kind: CheckpointKind) -> None:
+    def _put(self, key: BlockHash, slot: int, kind: CheckpointKind, growing: bool = False) -> None:
         self._ckpt[key] = slot
         self._key[slot] = key
         self._kind[slot] = kind
         self._lru[kind][slot] = None
         self._uses[slot] = 0
+        if growing:
+            self._growing[slot] = True
+            self._num_growing += 1
         self.num_stored += 1
 
+    def _reusable(self, replace: int) -> bool:
+        return replace != NULL_SLOT and replace in self._key and self._evictable(replace) and not self._uses[replace]
+
+    def _victim(self, kind: CheckpointKind) -> int:
+        """The stored checkpoint a new one of ``kind`` would take the slot of (0: none may be taken)."""
+        answer = kind == CheckpointKind.ANSWER
+        for k in range(kind + 1):
+            lru = self._lru[k]
+            if answer and k == kind:
+                if len(lru) == self._num_growing:              # every answer checkpoint is still growing
+                    continue
+                slot = next((s for s in lru if self._evictable(s) and not self._growing[s]), NULL_SLOT)
+            else:
+                slot = next((s for s in lru if self._evictable(s)), NULL_SLOT)
+            if slot != NULL_SLOT:
+                return slot
+        return NULL_SLOT
+
+    def has_room(self, kind: CheckpointKind, *, replace: int = NULL_SLOT) -> bool:
+        """Whether ``store_checkpoint`` of a new key of ``kind`` would get a slot (no state change; lets a
+        caller skip hashing for a checkpoint it could not keep). Counts a refusal when not."""
+        if self._free_ckpt or self._reusable(replace) or self._victim(kind) != NULL_SLOT:
+            return True
+        self.num_refused += 1
+        return False
+
     def store_checkpoint(self, key: BlockHash, kind: CheckpointKind = CheckpointKind.PROMPT, *,
-                         replace: int = NULL_SLOT) -> tuple[int, bool]:
+                         replace: int = NULL_SLOT, growing: bool = False) -> tuple[int, bool]:
         """A checkpoint slot for ``key``: (slot, True) when the caller must copy the state into it, (slot,
         False) when ``key`` is already stored (it takes the higher of the two kinds and becomes most recent),
         (0, False) when no slot may be taken. ``replace``: a checkpoint slot the caller owns and no longer
         needs (a decoding request's previous answer checkpoint); it is reused unless another request started
-        from it, means to, or reached the same state."""
+        from it, means to, or reached the same state. ``growing``: the new checkpoint is the answer of a
+        request still decoding, which no other answer checkpoint evicts until ``settle`` (neither is any
+        use before its request ends: evicting one for the other would only copy states back and forth)."""
         slot = self._ckpt.get(key, NULL_SLOT)
         if slot != NULL_SLOT:
             self._uses[slot] += 1
@@ -427,23 +468,20 @@ class StateSlotPool:
             else:
                 self.touch(slot)
             return slot, False
-        if replace != NULL_SLOT and replace in self._key and self._evictable(replace) and not self._uses[replace]:
+        if self._reusable(replace):
             self._drop(replace)
-            self._put(key, replace, kind)
+            self._put(key, replace, kind, growing)
             return replace, True
         if self._free_ckpt:
             slot = self._free_ckpt.pop()
         else:
-            for k in range(kind + 1):
-                slot = next((s for s in self._lru[k] if self._evictable(s)), NULL_SLOT)
-                if slot != NULL_SLOT:
-                    break
+            slot = self._victim(kind)
             if slot == NULL_SLOT:
                 self.num_refused += 1
                 return NULL_SLOT, False
             self._drop(slot)
             self.num_evicted += 1
-        self._put(key, slot, kind)
+        self._put(key, slot, kind, growing)
         return slot, True
 
     def check_invariants(self) -> None:
@@ -459,3 +497,6 @@ class StateSlotPool:
         assert all(self._kind[s] == k for k, lru in enumerate(self._lru) for s in lru), "kind drifted"
         assert (self._pins >= 0).all() and (self._wants >= 0).all(), "negative pin or want count"
         assert not set(self._free_ckpt) & set(self._key), "a free checkpoint slot holds a key"
+        growing = np.flatnonzero(self._growing).tolist()
+        assert len(growing) == self._num_growing, "growing count drifted"
+        assert all(s in self._lru[CheckpointKind.ANSWER] for s in growing), "a growing slot is not an answer"

@@ -341,14 +341,20 @@ class MambaManager:
             arr[[a, b]] = arr[[b, a]]
         self._tail_key[a], self._tail_key[b] = self._tail_key[b], self._tail_key[a]
 
+    def _settle_tail(self, row: int) -> None:
+        tail = int(self.tail[row])
+        if tail and self.slots.key_of(tail) == self._tail_key[row]:
+            self.slots.settle(tail)
+
     def reset_rows(self, rows: np.ndarray) -> None:
         self.next_ckpt[rows] = _NEVER
         self.prompt_ckpt[rows] = 0
         self.final_ckpt[rows] = 0
         self.cache_cap[rows] = 0
-        self.tail[rows] = NULL_SLOT
         for row in rows.tolist():
+            self._settle_tail(row)
             self._tail_key[row] = None
+        self.tail[rows] = NULL_SLOT
 
     # -- where checkpoints land ----------------------------------------------------------------------
     def _next_after(self, nc: np.ndarray, prompt_ckpt: np.ndarray, final_ckpt: np.ndarray) -> np.ndarray:
@@ -404,14 +410,20 @@ class MambaManager:
                     kind = CheckpointKind.SHARED
                 else:
                     kind = CheckpointKind.PROMPT if n == self.prompt_ckpt[row] else CheckpointKind.BOUNDARY
-            key = chain(row, blocks)[blocks - 1]
             evicted = self.slots.num_evicted
-            slot, is_new = self.slots.store_checkpoint(key, kind, replace=replace)
+            if self.slots.has_room(kind, replace=replace):     # (else skip hashing a key it could not keep)
+                key = chain(row, blocks)[blocks - 1]
+                slot, is_new = self.slots.store_checkpoint(key, kind, replace=replace,
+                                                           growing=kind is CheckpointKind.ANSWER)
+            else:
+                slot, is_new = NULL_SLOT, False
             if is_new:
                 self.queue_copy(int(self.slot[row]), slot)
             if slot != NULL_SLOT:
                 self.cache_cap[row] = max(int(self.cache_cap[row]), blocks)
                 if kind is CheckpointKind.ANSWER and is_new:       # (one found stored is someone else's)
+                    if slot != replace:
+                        self._settle_tail(row)
                     self.tail[row] = slot
                     self._tail_key[row] = key
             if not self._warned and (slot == NULL_SLOT or self.slots.num_evicted > evicted):
