@@ -295,9 +295,11 @@ class BlockPool:
 
 
 class CheckpointKind(enum.IntEnum):
-    """Why a Mamba checkpoint was taken. A store may evict checkpoints of its own kind or a lower one (the
-    lowest kind first, least recently used first within a kind), never a higher one: one long request's
-    chunk-end checkpoints cannot flush a prefix that many requests share, nor a prompt's end."""
+    """Why a Mamba checkpoint was taken. A store first takes the slot of the least recently used *cold*
+    checkpoint (not stored or hit since the storing request arrived: whatever its kind, the traffic has moved
+    on), else of a checkpoint of its own kind or a lower one (the lowest kind first, least recently used
+    first), never a warm one of a higher kind: one long request's chunk-end checkpoints cannot flush a
+    prefix that many requests share, nor a prompt's end, and old prompts cannot starve new answers."""
 
     BOUNDARY = 0        # a prefill chunk end inside a prompt (a later prompt may share part of a long one)
     ANSWER = 1          # prompt + output so far of a decoding request (the next chat turn starts there)
@@ -332,6 +334,8 @@ class StateSlotPool:
         self._uses = np.zeros(num_slots, np.int64)     # hits and stores of the same key since it was stored
         self._growing = np.zeros(num_slots, np.bool_)  # the answer checkpoint of a request still decoding
         self._num_growing = 0
+        self._last = np.zeros(num_slots, np.int64)     # clock of the last store or hit
+        self.clock = 0                                 # ticks at every store and hit
         self.num_stored = 0             # checkpoints written (new keys)
         self.num_evicted = 0            # ... that replaced another request's checkpoint
         self.num_refused = 0            # stores without a slot they were allowed to take
@@ -380,6 +384,8 @@ class StateSlotPool:
     def touch(self, slot: int) -> None:
         """A hit: the checkpoint becomes its kind's most recently used."""
         self._lru[self._kind[slot]].move_to_end(slot)
+        self.clock += 1
+        self._last[slot] = self.clock
 
     def pin(self, slot: int) -> None:
         """Keep a checkpoint from eviction until ``unpin`` (a hit whose copy has not been queued yet)."""
@@ -418,6 +424,8 @@ class StateSlotPool:
         self._kind[slot] = kind
         self._lru[kind][slot] = None
         self._uses[slot] = 0
+        self.clock += 1
+        self._last[slot] = self.clock
         if growing:
             self._growing[slot] = True
             self._num_growing += 1
@@ -426,8 +434,19 @@ class StateSlotPool:
     def _reusable(self, replace: int) -> bool:
         return replace != NULL_SLOT and replace in self._key and self._evictable(replace) and not self._uses[replace]
 
-    def _victim(self, kind: CheckpointKind) -> int:
-        """The stored checkpoint a new one of ``kind`` would take the slot of (0: none may be taken)."""
+    def _victim(self, kind: CheckpointKind, since: int) -> int:
+        """The stored checkpoint a new one of ``kind``, taken for a request that arrived at clock ``since``,
+        would take the slot of (0: none may be taken)."""
+        cold, oldest = NULL_SLOT, since
+        for lru in self._lru:            # each list is in order of last use: its cold entries come first
+            for s in lru:
+                if self._last[s] >= oldest:
+                    break
+                if self._evictable(s) and not self._growing[s]:
+                    cold, oldest = s, int(self._last[s])
+                    break
+        if cold != NULL_SLOT:
+            return cold
         answer = kind == CheckpointKind.ANSWER
         for k in range(kind + 1):
             lru = self._lru[k]
@@ -441,23 +460,24 @@ class StateSlotPool:
                 return slot
         return NULL_SLOT
 
-    def has_room(self, kind: CheckpointKind, *, replace: int = NULL_SLOT) -> bool:
+    def has_room(self, kind: CheckpointKind, *, replace: int = NULL_SLOT, since: int = 0) -> bool:
         """Whether ``store_checkpoint`` of a new key of ``kind`` would get a slot (no state change; lets a
         caller skip hashing for a checkpoint it could not keep). Counts a refusal when not."""
-        if self._free_ckpt or self._reusable(replace) or self._victim(kind) != NULL_SLOT:
+        if self._free_ckpt or self._reusable(replace) or self._victim(kind, since) != NULL_SLOT:
             return True
         self.num_refused += 1
         return False
 
     def store_checkpoint(self, key: BlockHash, kind: CheckpointKind = CheckpointKind.PROMPT, *,
-                         replace: int = NULL_SLOT, growing: bool = False) -> tuple[int, bool]:
+                         replace: int = NULL_SLOT, growing: bool = False, since: int = 0) -> tuple[int, bool]:
         """A checkpoint slot for ``key``: (slot, True) when the caller must copy the state into it, (slot,
         False) when ``key`` is already stored (it takes the higher of the two kinds and becomes most recent),
         (0, False) when no slot may be taken. ``replace``: a checkpoint slot the caller owns and no longer
         needs (a decoding request's previous answer checkpoint); it is reused unless another request started
         from it, means to, or reached the same state. ``growing``: the new checkpoint is the answer of a
         request still decoding, which no other answer checkpoint evicts until ``settle`` (neither is any
-        use before its request ends: evicting one for the other would only copy states back and forth)."""
+        use before its request ends: evicting one for the other would only copy states back and forth).
+        ``since``: the clock when the storing request arrived (checkpoints last used before are cold)."""
         slot = self._ckpt.get(key, NULL_SLOT)
         if slot != NULL_SLOT:
             self._uses[slot] += 1
@@ -475,7 +495,7 @@ class StateSlotPool:
         if self._free_ckpt:
             slot = self._free_ckpt.pop()
         else:
-            slot = self._victim(kind)
+            slot = self._victim(kind, since)
             if slot == NULL_SLOT:
                 self.num_refused += 1
                 return NULL_SLOT, False

@@ -143,6 +143,7 @@ class KVCacheCoordinator:
         # checkpoint each waiting request wants kept until it is admitted.
         self.sharing = SharedPrefixIndex()
         self._wanted: dict[str, int] = {}
+        self._arrival: dict[str, int] = {}                 # the slot pool's clock at arrival
         self._stop_step = (self.mamba.block_size // bs) if self.mamba else 1
 
         # Per-row state, (R,) each.
@@ -298,7 +299,9 @@ class KVCacheCoordinator:
         self._rows[request_id] = row
         self._req_ids[row] = request_id
         if self.mamba is not None:
+            assert self.slots is not None
             self._slotless.add(row)
+            self.mamba.arrived(row, self._arrival.get(request_id, self.slots.clock))
         return row
 
     def _release_row(self, row: int) -> None:
@@ -330,6 +333,8 @@ class KVCacheCoordinator:
             return
         chain = self.hasher.chain(token_ids, (len(token_ids) - 1) // self.block_size) if len(token_ids) > 1 else []
         self.sharing.add(request_id, chain)
+        if self.slots is not None:
+            self._arrival[request_id] = self.slots.clock
         if self._checkpoints_on and chain:
             assert self.mamba is not None
             slot = self.mamba.want(chain)
@@ -340,6 +345,7 @@ class KVCacheCoordinator:
         """The request finished or was aborted: it shares nothing any more (``free`` releases its cache)."""
         self._unwant(request_id)
         self.sharing.remove(request_id)
+        self._arrival.pop(request_id, None)
 
     def _unwant(self, request_id: str) -> None:
         slot = self._wanted.pop(request_id, NULL_SLOT)

@@ -327,6 +327,7 @@ class MambaManager:
         self.final_ckpt = np.zeros(R, np.int64)         # last boundary before the known final length (0: none)
         self.cache_cap = np.zeros(R, np.int64)          # hash blocks up to the furthest checkpoint stored
         self.tail = np.zeros(R, np.int32)               # the row's ANSWER checkpoint slot, 0 = none
+        self.since = np.zeros(R, np.int64)              # the slot pool's clock when the row's request arrived
         self._tail_key: list[BlockHash | None] = [None] * R
         self._copies: dict[int, int] = {}               # dst slot -> src slot, composed
         self._warned = False
@@ -334,7 +335,7 @@ class MambaManager:
     def row_arrays(self) -> list[np.ndarray]:
         """The per-row arrays (swapped with the coordinator's rows)."""
         return [self.slot, self.pending, self.next_ckpt, self.prompt_ckpt, self.final_ckpt, self.cache_cap,
-                self.tail]
+                self.tail, self.since]
 
     def swap_rows(self, a: int, b: int) -> None:
         for arr in self.row_arrays():
@@ -367,6 +368,11 @@ class MambaManager:
         decode = (nc // every + 1) * every
         decode = np.where((final_ckpt > nc) & (final_ckpt < decode), final_ckpt, decode)
         return np.where(prefill <= prompt_ckpt, prefill, decode)
+
+    def arrived(self, row: int, clock: int) -> None:
+        """The row's request arrived when the slot pool's clock read ``clock``: checkpoints nobody stored or
+        hit since then are cold for it (any of them may make room for its checkpoints)."""
+        self.since[row] = clock
 
     def set_prompt(self, row: int, num_prompt_tokens: int, num_computed: int) -> None:
         self.prompt_ckpt[row] = (num_prompt_tokens - 1) // self.block_size * self.block_size
@@ -411,9 +417,10 @@ class MambaManager:
                 else:
                     kind = CheckpointKind.PROMPT if n == self.prompt_ckpt[row] else CheckpointKind.BOUNDARY
             evicted = self.slots.num_evicted
-            if self.slots.has_room(kind, replace=replace):     # (else skip hashing a key it could not keep)
+            since = int(self.since[row])
+            if self.slots.has_room(kind, replace=replace, since=since):   # (else skip hashing: it cannot stay)
                 key = chain(row, blocks)[blocks - 1]
-                slot, is_new = self.slots.store_checkpoint(key, kind, replace=replace,
+                slot, is_new = self.slots.store_checkpoint(key, kind, replace=replace, since=since,
                                                            growing=kind is CheckpointKind.ANSWER)
             else:
                 slot, is_new = NULL_SLOT, False
