@@ -263,3 +263,16 @@ def test_bad_hasher() -> None:
         BlockHasher(block_size=4, algorithm="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_size"):
         BlockHasher(block_size=0)
+
+
+def test_cold_checkpoints_go_first_whatever_their_kind() -> None:
+    """A checkpoint nobody stored or hit since the storing request arrived is cold: an answer may take a
+    cold prompt's slot (old prompts cannot starve new answers), but not a warm one's."""
+    s = StateSlotPool(4, 2)
+    old, _ = s.store_checkpoint("old prompt", K.SHARED)
+    arrived = s.clock                              # a request arrives now
+    warm, _ = s.store_checkpoint("its prompt", K.PROMPT)
+    assert s.store_checkpoint("its answer", K.ANSWER, since=arrived, growing=True) == (old, True)
+    assert s.store_checkpoint("next answer", K.ANSWER, since=arrived) == (0, False)    # a warm prompt, a growing answer
+    assert s.store_checkpoint("a later answer", K.ANSWER, since=s.clock) == (warm, True)      # cold by now
+    s.check_invariants()

@@ -437,13 +437,13 @@ class StateSlotPool:
     def _victim(self, kind: CheckpointKind, since: int) -> int:
         """The stored checkpoint a new one of ``kind``, taken for a request that arrived at clock ``since``,
         would take the slot of (0: none may be taken)."""
-        cold, oldest = NULL_SLOT, since
+        cold, bound = NULL_SLOT, since + 1          # cold: last used at or before ``since``
         for lru in self._lru:            # each list is in order of last use: its cold entries come first
             for s in lru:
-                if self._last[s] >= oldest:
+                if self._last[s] >= bound:
                     break
                 if self._evictable(s) and not self._growing[s]:
-                    cold, oldest = s, int(self._last[s])
+                    cold, bound = s, int(self._last[s])
                     break
         if cold != NULL_SLOT:
             return cold
