@@ -19,6 +19,9 @@ Workloads ("reusable" = the block-aligned prefix an earlier request computed, be
   none     N unique prompts of 128-2048 tokens, 64 new: nothing to reuse, on vs off is what caching costs.
 Targets: shared: on >= 3x faster than off, >= 90% of reusable tokens hit, every model; repeat, chat: >= 90%
 hit; none: on <= 1.05x off. ``--tiny`` runs tiny models on the CPU (a smoke test; numbers meaningless).
+``--simulate`` runs the real scheduler and KV coordinator at full size on the CPU with a runner that computes
+nothing (its tokens depend only on the input): hit tokens and steps as the GPU run will see them, in seconds
+(times meaningless).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,6 +42,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_decode import hf_config  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
+from hybridkv.engine.engine import EngineStats, LLMEngine  # noqa: E402
+from hybridkv.engine.model_runner import StepBatch, StepOutput  # noqa: E402
+from hybridkv.engine.request import RequestOutput  # noqa: E402
+from hybridkv.kv_groups.plan import KVCachePlan  # noqa: E402
+from hybridkv.planning import plan as plan_for  # noqa: E402
 from hybridkv.utils import format_bytes, parse_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "prefix_caching.json"
@@ -52,7 +61,53 @@ class Sizes:
         self.first_turn = (16, 48) if tiny else (256, 1024)
 
 
-def build(family: str, *, tiny: bool, caching: bool, kv_memory: int, requests: int, step_tokens: int | None) -> LLM:
+class NoModel:
+    """A step runner that computes nothing: each sampled token is a function of the step's input token."""
+
+    def __init__(self, plan: KVCachePlan, vocab: int) -> None:
+        self.plan, self.vocab = plan, vocab
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        pass
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        last = batch.input_ids[batch.logits_indices]
+        return StepOutput(logits=None, greedy=torch.from_numpy((last * 7 + 3) % (self.vocab - 1) + 1))
+
+
+class Simulated:
+    """What the workloads use of ``LLM``, over an engine with ``NoModel``: the real scheduler and coordinator."""
+
+    def __init__(self, family: str, *, caching: bool, kv_memory: int, requests: int, step_tokens: int | None) -> None:
+        config, _ = hf_config(family, False)
+        step = step_tokens or 8192                          # LLM's default for these models' 16k context
+        self.plan = plan_for(config.to_dict(), kv_memory=kv_memory, max_num_seqs=requests, kv_dtype="bfloat16",
+                             max_num_batched_tokens=step, enable_prefix_caching=caching)
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=config.vocab_size, eos_token_ids=()))
+        self.engine = LLMEngine(self.model, self.plan, max_num_seqs=requests, max_num_batched_tokens=step,  # type: ignore[arg-type]
+                                enable_prefix_caching=caching, runner=NoModel(self.plan, config.vocab_size))
+        self._next = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool = False) -> list[RequestOutput]:
+        ids = []
+        for p in prompts:
+            ids.append(str(self._next))
+            self.engine.add_request(ids[-1], p, params)
+            self._next += 1
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out in self.engine.step(only_finished=True):
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+def build(family: str, *, tiny: bool, caching: bool, kv_memory: int, requests: int, step_tokens: int | None,
+          simulate: bool = False) -> LLM | Simulated:
+    if simulate:
+        return Simulated(family, caching=caching, kv_memory=kv_memory, requests=requests, step_tokens=step_tokens)
     config, cls = hf_config(family, tiny)
     torch.manual_seed(0)
     device = "cpu" if tiny else "cuda"
@@ -149,10 +204,11 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="max_num_batched_tokens (default: the engine's; 128 with --tiny)")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--simulate", action="store_true", help="full size, no model: hits and steps on the CPU")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if not args.tiny and not torch.cuda.is_available():
-        raise SystemExit("prefix_caching.py needs CUDA (or --tiny for a CPU smoke test)")
+    if not (args.tiny or args.simulate) and not torch.cuda.is_available():
+        raise SystemExit("prefix_caching.py needs CUDA (or --tiny / --simulate on the CPU)")
     n = args.requests or (16 if args.tiny else 256)
     kv_memory = parse_bytes(args.kv_memory or ("64MiB" if args.tiny else "24GiB"))
     sizes = Sizes(args.tiny, n)
@@ -161,7 +217,7 @@ def main() -> None:
         results: dict[bool, dict[str, Result]] = {}
         for caching in (True, False):
             llm = build(family, tiny=args.tiny, caching=caching, kv_memory=kv_memory, requests=n,
-                        step_tokens=args.step_tokens or (128 if args.tiny else None))
+                        step_tokens=args.step_tokens or (128 if args.tiny else None), simulate=args.simulate)
             vocab, bs = llm.model.config.vocab_size, llm.plan.block_size
             if caching:
                 print(f"{family}: {llm.plan.summary()}")
@@ -180,8 +236,9 @@ def main() -> None:
             rate = on["hit_tokens"] / on["reusable_tokens"] if on["reusable_tokens"] else 0.0
             rows.append(dict(family=family, workload=w, on=on, off=off, speedup=off["seconds"] / on["seconds"],
                              hit_rate=rate, verdict=verdict(w, on, off)))
-    print(f"\nprefix caching on vs off, {n} requests, KV budget {format_bytes(kv_memory)}"
-          f"{' (tiny models on the CPU: numbers meaningless)' if args.tiny else ''}")
+    note = " (tiny models on the CPU: times meaningless)" if args.tiny else \
+        " (simulated: no model, times meaningless)" if args.simulate else ""
+    print(f"\nprefix caching on vs off, {n} requests, KV budget {format_bytes(kv_memory)}{note}")
     head = f"{'model':10s} {'workload':8s} {'on s':>8s} {'off s':>8s} {'off/on':>7s} {'steps on/off':>13s} " \
            f"{'hit / reusable tokens':>24s} {'hit %':>6s}  verdict"
     print(head)
@@ -190,7 +247,7 @@ def main() -> None:
         print(f"{r['family']:10s} {r['workload']:8s} {on['seconds']:8.2f} {off['seconds']:8.2f} {r['speedup']:7.2f} "
               f"{int(on['steps']):6d}/{int(off['steps']):<6d} {int(on['hit_tokens']):>11d} / "
               f"{int(on['reusable_tokens']):<10d} {100 * r['hit_rate']:6.1f}  {r['verdict']}")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not (args.tiny or args.simulate) else "cpu"
     try:
         import subprocess
 
@@ -200,7 +257,7 @@ def main() -> None:
         commit = ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=device, commit=commit, requests=n, kv_memory=kv_memory,
-                                        tiny=args.tiny, rows=rows), indent=1))
+                                        tiny=args.tiny, simulate=args.simulate, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

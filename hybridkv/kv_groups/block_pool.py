@@ -86,10 +86,17 @@ class BlockPool:
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:
         return self.lookup(group_id, block_hash) != NULL_BLOCK
 
-    def cached_mask(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int]) -> np.ndarray:
-        """(n,) bool: key j is cached in every one of ``group_ids`` (one dict lookup per key)."""
+    def entries(self, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+        """(n,) int64 index entry of each key, -1 = not cached anywhere (one dict lookup per key)."""
         get = self._key_index.get
-        entries = np.fromiter((get(h, -1) for h in block_hashes), np.int64, len(block_hashes))
+        return np.fromiter((get(h, -1) for h in block_hashes), np.int64, len(block_hashes))
+
+    def cached_mask(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int], *,
+                    entries: np.ndarray | None = None) -> np.ndarray:
+        """(n,) bool: key j is cached in every one of ``group_ids`` (``entries``: ``entries(block_hashes)``
+        when the caller has them, e.g. for several managers)."""
+        if entries is None:
+            entries = self.entries(block_hashes)
         known = entries >= 0
         out = np.zeros(len(block_hashes), np.bool_)
         if known.any():
@@ -373,6 +380,11 @@ class StateSlotPool:
     # -- checkpoints -----------------------------------------------------------------------------
     def lookup_checkpoint(self, key: BlockHash) -> int:
         return self._ckpt.get(key, NULL_SLOT)
+
+    @property
+    def stored_keys(self) -> dict[BlockHash, int]:
+        """Key -> slot of every stored checkpoint, for membership tests on the lookup path (do not modify)."""
+        return self._ckpt
 
     def key_of(self, slot: int) -> BlockHash | None:
         """The key a checkpoint slot holds (None: free)."""

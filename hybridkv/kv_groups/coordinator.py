@@ -431,7 +431,9 @@ class KVCacheCoordinator:
         """Fixed point of L <- each group's longest hit <= L, full attention first: the largest L that
         every group accepts (each step only shrinks L and never below that largest L). It starts from the
         smallest of the groups' own longest hits (``record``: counted in ``group_stats``)."""
-        masks = [m.cached_mask(block_hashes[:max_length // self.block_size]) for m in self.managers]
+        keys = block_hashes[:max_length // self.block_size]
+        entries = self.pool.entries(keys) if self.pool is not None else None
+        masks = [m.cached_mask(keys, entries=entries) for m in self.managers]
         own = [m.find_longest_cache_hit(block_hashes, max_length, cached=mask)
                for m, mask in zip(self.managers, masks, strict=True)]
         if self.mamba:

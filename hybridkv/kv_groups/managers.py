@@ -152,9 +152,9 @@ class AttentionManager(ABC):
             self._free(rows, target, rows_rep, cols, self.tables[:, rows_rep, cols])
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def cached_mask(self, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+    def cached_mask(self, block_hashes: Sequence[BlockHash], *, entries: np.ndarray | None = None) -> np.ndarray:
         """(n,) bool: block j of the chain is cached in every group of this spec."""
-        return self.pool.cached_mask(block_hashes, self.group_ids)
+        return self.pool.cached_mask(block_hashes, self.group_ids, entries=entries)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
                                cached: np.ndarray | None = None) -> int:
@@ -384,10 +384,18 @@ class MambaManager:
         self.final_ckpt[row] = (final_length - 1) // self.block_size * self.block_size
         self._update_next(row, num_computed)
 
-    def _update_next(self, row: int, num_computed: int) -> None:
-        r = slice(row, row + 1)
-        self.next_ckpt[r] = self._next_after(np.array([num_computed], np.int64), self.prompt_ckpt[r],
-                                             self.final_ckpt[r])
+    def _update_next(self, row: int, nc: int) -> None:
+        """``_next_after`` for one row, in scalars (admission path)."""
+        if not self.checkpoints:
+            self.next_ckpt[row] = _NEVER
+            return
+        mbs, every, final = self.block_size, self.decode_interval, int(self.final_ckpt[row])
+        prefill = (nc // mbs + 1) * mbs
+        if prefill <= self.prompt_ckpt[row]:
+            self.next_ckpt[row] = prefill
+            return
+        decode = (nc // every + 1) * every
+        self.next_ckpt[row] = final if nc < final < decode else decode
 
     def checkpoint(self, rows: np.ndarray, nc: np.ndarray, chain: Callable[[int, int], list[BlockHash]],
                    prompt_chain: Callable[[int], Sequence[BlockHash] | None], sharing: SharedPrefixIndex) -> None:
@@ -450,10 +458,11 @@ class MambaManager:
         """Largest L <= ``max_length`` with a checkpoint stored exactly at L (0 = start from zero)."""
         if not self.checkpoints:
             return 0
-        length = (max_length // self.block_size) * self.block_size
-        while length > 0 and self.slots.lookup_checkpoint(self.key_at(block_hashes, length)) == NULL_SLOT:
-            length -= self.block_size
-        return length
+        stored, step = self.slots.stored_keys, self.block_size // self.hash_block_size
+        for j in range(max_length // self.block_size * step, 0, -step):     # in hash blocks, longest first
+            if block_hashes[j - 1] in stored:
+                return j * self.hash_block_size
+        return 0
 
     def want(self, block_hashes: Sequence[BlockHash]) -> int:
         """Protect the longest checkpoint along ``block_hashes`` for a request that waits to start from it;

@@ -77,9 +77,9 @@ class SharedPrefixIndex:
         the next ``step_blocks`` by fewer or run past the chain's end (this request leaves there). A drop
         inside an aligned segment stops at the segment's start."""
         n = len(chain) // step_blocks * step_blocks
-        if n == 0:
-            return []
         get = self._count.get
+        if n == 0 or get(chain[step_blocks - 1], 0) < 2:      # counts never grow along a chain
+            return []
         counts = np.fromiter((get(chain[j], 0) for j in range(step_blocks - 1, n, step_blocks)), np.int64,
                              n // step_blocks)                  # count at each aligned end
         nxt = np.zeros_like(counts)      # the count one aligned segment later; none after the last one
