@@ -106,6 +106,8 @@ class Scheduler:
         self._stops: dict[Request, tuple[int, list[tuple[int, BlockHash]]]] = {}
         self._owner: dict[BlockHash, Request] = {}
         self._claims: dict[Request, list[BlockHash]] = {}
+        # Where a state can be checkpointed: multiples of the Mamba block size (align mode).
+        self._ckpt_bs = coordinator.mamba.block_size if coordinator.mamba else coordinator.block_size
 
     # -- queue management --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -158,7 +160,7 @@ class Scheduler:
             if num_computed < stop <= end:
                 return stop - num_computed
             if n < remaining:
-                bs = self.coord.block_size
+                bs = self._ckpt_bs
                 aligned = end // bs * bs - num_computed
                 n = aligned if aligned > 0 else n
         return n
@@ -182,8 +184,7 @@ class Scheduler:
         prompt's last block boundary, whichever comes first after ``num_computed`` (_NEVER: none)."""
         if not self.config.align_prefill_chunks:
             return _NEVER
-        bs = self.coord.mamba.block_size if self.coord.mamba else self.coord.block_size
-        stop = (req.num_tokens - 1) // bs * bs
+        stop = (req.num_tokens - 1) // self._ckpt_bs * self._ckpt_bs
         if stop <= num_computed:
             stop = _NEVER
         for length, _ in self._request_stops(req):
