@@ -70,7 +70,7 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
                 p._entry_count.tobytes(), p._free_entries[:p._entries_top].tobytes(), p._owner.tobytes()]
     if c.slots and c.mamba:
         s = c.slots
-        out += [list(s._free), dict(s._ckpt), s._pins.tobytes(), s._wants.tobytes(), [list(q) for q in s._lru],
+        out += [list(s._free), dict(s._ckpt), list(s._pins), list(s._wants), [list(q) for q in s._lru],
                 dict(c.mamba._copies), [a.tobytes() for a in c.mamba.row_arrays()]]
     return out
 

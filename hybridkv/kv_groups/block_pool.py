@@ -333,15 +333,16 @@ class StateSlotPool:
         self._in_use = np.zeros(num_slots, np.bool_)
         self._ckpt: dict[BlockHash, int] = {}                            # key -> checkpoint slot
         self._key: dict[int, BlockHash] = {}                             # checkpoint slot -> key
-        self._kind = np.zeros(num_slots, np.int8)
+        # Per checkpoint slot, read and written one slot at a time: lists (numpy scalar access costs more).
+        self._kind = [0] * num_slots
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in CheckpointKind]  # oldest first
         self._free_ckpt = list(range(num_slots - 1, self.num_working_slots, -1))
-        self._pins = np.zeros(num_slots, np.int32)
-        self._wants = np.zeros(num_slots, np.int32)
-        self._uses = np.zeros(num_slots, np.int64)     # hits and stores of the same key since it was stored
-        self._growing = np.zeros(num_slots, np.bool_)  # the answer checkpoint of a request still decoding
+        self._pins = [0] * num_slots
+        self._wants = [0] * num_slots
+        self._uses = [0] * num_slots                   # hits and stores of the same key since it was stored
+        self._growing = [False] * num_slots            # the answer checkpoint of a request still decoding
         self._num_growing = 0
-        self._last = np.zeros(num_slots, np.int64)     # clock of the last store or hit
+        self._last = [0] * num_slots                   # clock of the last store or hit
         self.clock = 0                                 # ticks at every store and hit
         self.num_stored = 0             # checkpoints written (new keys)
         self.num_evicted = 0            # ... that replaced another request's checkpoint
@@ -391,7 +392,7 @@ class StateSlotPool:
         return self._key.get(slot)
 
     def kind_of(self, slot: int) -> CheckpointKind:
-        return CheckpointKind(int(self._kind[slot]))
+        return CheckpointKind(self._kind[slot])
 
     def touch(self, slot: int) -> None:
         """A hit: the checkpoint becomes its kind's most recently used."""
@@ -455,7 +456,7 @@ class StateSlotPool:
                 if self._last[s] >= bound:
                     break
                 if self._evictable(s) and not self._growing[s]:
-                    cold, bound = s, int(self._last[s])
+                    cold, bound = s, self._last[s]
                     break
         if cold != NULL_SLOT:
             return cold
@@ -527,8 +528,8 @@ class StateSlotPool:
         listed = [s for lru in self._lru for s in lru]
         assert sorted(listed) == sorted(self._key), "recency lists disagree with the stored checkpoints"
         assert all(self._kind[s] == k for k, lru in enumerate(self._lru) for s in lru), "kind drifted"
-        assert (self._pins >= 0).all() and (self._wants >= 0).all(), "negative pin or want count"
+        assert min(self._pins) >= 0 and min(self._wants) >= 0, "negative pin or want count"
         assert not set(self._free_ckpt) & set(self._key), "a free checkpoint slot holds a key"
-        growing = np.flatnonzero(self._growing).tolist()
+        growing = [s for s, g in enumerate(self._growing) if g]
         assert len(growing) == self._num_growing, "growing count drifted"
         assert all(s in self._lru[CheckpointKind.ANSWER] for s in growing), "a growing slot is not an answer"

@@ -629,6 +629,9 @@ class KVCacheCoordinator:
                 hashes += self._ensure_hashes(row, b)[a:b]
         if len(hashes) == g_rows.size:
             rows_rep, cols = g_rows, g_done
+        elif g_rows.size == 1:                  # one row's run of blocks (a Mamba checkpoint moved on)
+            cols = np.arange(int(g_done[0]), int(g_full[0]))
+            rows_rep = np.repeat(g_rows, cols.size)
         else:
             owner, cols = token_ranges(g_done, g_full - g_done)
             rows_rep = g_rows[owner]
@@ -712,6 +715,6 @@ class KVCacheCoordinator:
             assert held.size == self.slots.num_working_slots - self.slots.num_free_slots, "slot leak"
             wanted = np.bincount(np.fromiter(self._wanted.values(), np.int64, len(self._wanted)),
                                  minlength=self.slots.num_slots)
-            assert (wanted == self.slots._wants).all(), "wanted checkpoints disagree with the waiting requests"
+            assert wanted.tolist() == self.slots._wants, "wanted checkpoints disagree with the waiting requests"
             assert all(self.slots.key_of(s) is not None for s in self._wanted.values()), "a wanted slot is free"
         assert len(self._rows) + len(self._free_rows) == self.max_num_reqs, "row leak"

@@ -358,17 +358,6 @@ class MambaManager:
         self.tail[rows] = NULL_SLOT
 
     # -- where checkpoints land ----------------------------------------------------------------------
-    def _next_after(self, nc: np.ndarray, prompt_ckpt: np.ndarray, final_ckpt: np.ndarray) -> np.ndarray:
-        """(r,) the next length a commit may checkpoint at: every aligned length up to the prompt's last
-        boundary (prefill chunks end aligned), then every ``decode_interval`` and the final boundary."""
-        if not self.checkpoints:
-            return np.full_like(nc, _NEVER)
-        mbs, every = self.block_size, self.decode_interval
-        prefill = (nc // mbs + 1) * mbs
-        decode = (nc // every + 1) * every
-        decode = np.where((final_ckpt > nc) & (final_ckpt < decode), final_ckpt, decode)
-        return np.where(prefill <= prompt_ckpt, prefill, decode)
-
     def arrived(self, row: int, clock: int) -> None:
         """The row's request arrived when the slot pool's clock read ``clock``: checkpoints nobody stored or
         hit since then are cold for it (any of them may make room for its checkpoints)."""
@@ -385,7 +374,9 @@ class MambaManager:
         self._update_next(row, num_computed)
 
     def _update_next(self, row: int, nc: int) -> None:
-        """``_next_after`` for one row, in scalars (admission path)."""
+        """The next length after ``nc`` a commit may checkpoint the row at: every aligned length up to the
+        prompt's last boundary (prefill chunks end aligned there), then every ``decode_interval`` and the
+        final boundary. Scalar: it runs for the few rows that reached a checkpoint length in a step."""
         if not self.checkpoints:
             self.next_ckpt[row] = _NEVER
             return
@@ -406,9 +397,9 @@ class MambaManager:
         due = nc >= self.next_ckpt[rows]
         if not np.count_nonzero(due):
             return
-        rows, nc = rows[due], nc[due]
         mbs, hbs, step = self.block_size, self.hash_block_size, self.block_size // self.hash_block_size
-        for row, n in zip(rows.tolist(), nc.tolist(), strict=True):
+        for row, n in zip(rows[due].tolist(), nc[due].tolist(), strict=True):     # (a few rows per step)
+            self._update_next(row, n)
             if n % mbs:
                 continue
             blocks = n // hbs
@@ -448,7 +439,6 @@ class MambaManager:
                     "an older one of its kind or lower (least recently used first) or is skipped, so prefix "
                     "hits on Mamba layers may degrade (outputs do not); a larger kv_cache_memory holds more",
                     self.slots.num_checkpoint_slots)
-        self.next_ckpt[rows] = self._next_after(nc, self.prompt_ckpt[rows], self.final_ckpt[rows])
 
     # -- prefix hits --------------------------------------------------------------------------------
     def key_at(self, block_hashes: Sequence[BlockHash], length: int) -> BlockHash:
