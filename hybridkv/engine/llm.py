@@ -35,7 +35,7 @@ from hybridkv.engine.model_runner import ModelRunner, out_of_memory_message
 from hybridkv.engine.request import RequestMetrics, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams, sample_seed
 from hybridkv.engine.warmup import warm_up
-from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.layers.parallel import SINGLE, TensorParallel
 from hybridkv.loaders.hf_config import load_config, read_config_json
 from hybridkv.models.config import HybridConfig
@@ -205,10 +205,8 @@ class LLM:
                 return None                               # rank 0's plan is shared below
             specs = config.kv_specs(block_size=block_size, kv_dtype=next(self.model.parameters()).dtype,
                                     tensor_parallel_size=tensor_parallel_size)
-            # Mamba prefix-cache checkpoints: up to one per sequence, within an eighth of the budget.
-            state_bytes = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
-            checkpoints = min(max_num_seqs, budget // (8 * state_bytes)) if state_bytes and enable_prefix_caching \
-                else 0
+            checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=max_num_seqs) \
+                if enable_prefix_caching else 0
             return plan_kv_cache(
                 specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=max_num_seqs,
                 step_tokens=step_tokens, num_checkpoint_slots=checkpoints)
