@@ -428,7 +428,7 @@ def main() -> None:
     rows: list[dict] = []
     for family in args.models.split(","):
         rows += bench_model(family, args, device, dtype, bw, mm, compiles)
-    write_json(args, "serving", {"meta": meta, "rows": rows})
+        write_json(args, "serving", {"meta": meta, "rows": rows})        # after each model: partial runs keep theirs
     print_table(f"serving on {meta['device']} ({meta['commit']}; copy {bw / 1e9:.0f} GB/s, matmul "
                 f"{mm / 1e12:.0f} TFLOP/s)",
                 ["model", "workload", "cache", "pass", "wall s", "steps", "in tok/s", "out tok/s", "hit/reusable",

@@ -48,6 +48,7 @@ class TokenMachine:
 
     def __init__(self, plan: KVCachePlan) -> None:
         self.plan = plan
+        self.device = torch.device("cpu")
         self.engine: OracleEngine | None = None
         self.kv: list[dict[int, tuple[int, int]]] = [{} for _ in plan.groups]
         self.states: dict[int, tuple[int, ...] | None] = {}
