@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridkv import LLM, EngineConfig, SamplingParams
+from hybridkv.kv_groups.plan import checkpoint_slots
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
 
@@ -66,7 +67,9 @@ def test_derived_settings() -> None:
     assert c.step_tokens(128) == 2048 and c.step_tokens(32768) == 8192
     assert EngineConfig(max_num_batched_tokens=96).step_tokens(128) == 96
     plan = c.plan(cfg, kv_dtype=torch.float32, budget=1 << 20)
-    assert plan.max_model_len == 128 and plan.num_checkpoint_slots == 4          # one per sequence, Mamba layers
+    specs = cfg.kv_specs(block_size=cfg.default_block_size(), kv_dtype=torch.float32)
+    assert plan.max_model_len == 128 and plan.num_checkpoint_slots == checkpoint_slots(
+        specs, kv_memory=1 << 20, max_num_seqs=4) > 0                             # Mamba layers: checkpoints
     assert EngineConfig(enable_prefix_caching=False).plan(cfg, kv_dtype=torch.float32,
                                                           budget=1 << 20).num_checkpoint_slots == 0
     ranks = EngineConfig(tokenizer="/some/dir", max_num_seqs=8).for_ranks()

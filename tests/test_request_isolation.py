@@ -15,10 +15,11 @@ import torch
 import hybridkv.engine.engine as engine_module
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.engine import NONFINITE_ERROR
-from hybridkv.engine.sampler import chosen_finite, head_logit_finite
+from hybridkv.engine.sampler import NONFINITE, chosen_finite, report
+from hybridkv.layers.ops.fused_ref import linear_argmax_ref
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
-from tests._triton import gpu
+from tests._triton import gpu, kernel_module
 
 VOCAB = 31
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -260,8 +261,8 @@ def test_a_nan_in_the_logits_head_fails_every_request(model) -> None:
 
 @pytest.mark.parametrize("where", ["hidden", "head_row", "bias", "overflow", "none"])
 def test_the_graph_check_matches_the_logits(where: str) -> None:
-    """What a captured greedy step checks without the logits (the chosen token's logit as one dot product)
-    says what the logits say."""
+    """What a captured greedy step reports without writing the logits (the argmax's reduction checks the row's
+    maximum, the chosen logit) says what the logits say, for the reference head and the Triton one."""
     gen = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(5, 8, generator=gen), torch.randn(11, 8, generator=gen)
     bias = torch.randn(11, generator=gen)
@@ -276,8 +277,15 @@ def test_the_graph_check_matches_the_logits(where: str) -> None:
         weight[:] = 1e30
     logits = torch.nn.functional.linear(hidden, weight, bias)
     tokens = logits.argmax(-1)
-    assert torch.equal(head_logit_finite(hidden, weight, bias, tokens), chosen_finite(logits, tokens))
-    assert bool(chosen_finite(logits, tokens).all()) is (where == "none")
+    want = report(tokens, chosen_finite(logits, tokens))
+    got = torch.full_like(tokens, -7)
+    linear_argmax_ref(hidden, weight, bias, report=got)
+    assert torch.equal(got, want)
+    assert bool((want != NONFINITE).all()) is (where == "none")
+    linear = kernel_module("hybridkv.backends.triton_linear")
+    got = torch.full_like(tokens, -7)
+    linear.linear_argmax_triton(hidden, weight, bias, report=got)
+    assert torch.equal(got, want)
 
 
 @gpu

@@ -3,7 +3,7 @@
 ``LLM(model, **kwargs)`` builds one from its keyword arguments; ``LLM(model, config=EngineConfig(...))`` takes
 one as it is; ``hybridkv serve`` builds one from its command line; tensor-parallel ranks receive rank 0's
 (``for_ranks``). Defaults, validation and the rules that turn settings into numbers (device, dtype, KV
-budget, block size, step token budget, Mamba checkpoint slots) live here and nowhere else.
+budget, block size, step token budget, the plan) live here and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hybridkv.backends.registry import available_backends
-from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.models.config import HybridConfig
 from hybridkv.utils import parse_bytes
 
@@ -171,13 +171,12 @@ class EngineConfig:
         return self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
 
     def plan(self, config: HybridConfig, *, kv_dtype: torch.dtype, budget: int) -> KVCachePlan:
-        """The KV-cache plan of ``config`` within ``budget`` bytes (per rank). With Mamba layers and prefix
-        caching, checkpoint slots: up to one per sequence, within an eighth of the budget."""
+        """The KV-cache plan of ``config`` within ``budget`` bytes (per rank); with Mamba layers and prefix
+        caching, its checkpoint slots as ``checkpoint_slots`` sizes them."""
         max_model_len = self.resolved_max_model_len(config)
         specs = config.kv_specs(block_size=self.resolved_block_size(config), kv_dtype=kv_dtype,
                                 tensor_parallel_size=self.tensor_parallel_size)
-        state_bytes = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
-        checkpoints = min(self.max_num_seqs, budget // (8 * state_bytes)) \
-            if state_bytes and self.enable_prefix_caching else 0
+        checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=self.max_num_seqs) \
+            if self.enable_prefix_caching else 0
         return plan_kv_cache(specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=self.max_num_seqs,
                              step_tokens=self.step_tokens(max_model_len), num_checkpoint_slots=checkpoints)

@@ -156,7 +156,8 @@ class LLMEngine:
             self.coordinator)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
-        self.device = next(model.parameters()).device
+        # where the step's device tensors live: the runner's (a stand-in runner may hold no model), else the model's
+        self.device = getattr(self.runner, "device", None) or next(model.parameters()).device
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}

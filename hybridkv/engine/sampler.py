@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.layers.ops import fused_ref
+
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)   # splitmix64 constants as signed int64
 _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M3 = 0x94D049BB133111EB - (1 << 64)
@@ -38,7 +40,7 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
     return (top53.double() + 0.5) / float(1 << 53)
 
 
-NONFINITE = -2
+NONFINITE = fused_ref.NONFINITE
 """The token the host reads for a row whose logits were not finite (the device keeps a valid id there, so a
 step already queued behind it runs on; the engine fails that request when it reads this)."""
 
@@ -56,18 +58,6 @@ def row_max_finite(logits: torch.Tensor) -> torch.Tensor:
 def chosen_finite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """(B, V), (B,) argmax tokens -> (B,) bool: whether the chosen logit (the row's maximum) is finite."""
     return torch.isfinite(logits.gather(-1, tokens[:, None]).squeeze(-1))
-
-
-def head_logit_finite(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      tokens: torch.Tensor) -> torch.Tensor:
-    """(B, H) hidden states, the (V, H) logits head and (B,) argmax tokens -> (B,) bool: whether each chosen
-    token's logit, recomputed as one dot product per row, is finite. For a captured greedy step that skips
-    writing the logits: a non-finite hidden state or head row makes that dot product non-finite, and argmax
-    picks a NaN logit's token, whose head row then holds the NaN. Four small launches inside the graph."""
-    value = (weight.index_select(0, tokens) * hidden.to(weight.dtype)).sum(-1, dtype=torch.float32)
-    if bias is not None:
-        value = value + bias.index_select(0, tokens)
-    return torch.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
