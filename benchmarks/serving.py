@@ -31,6 +31,7 @@ Writes ``benchmarks/out/serving.json`` (``--save``: the tracked ``benchmarks/res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import tempfile
@@ -254,6 +255,23 @@ def run_pass(llm, w: Workload, seed: int, vocab: int, tiny: bool, compiles: Comp
             "answers": answers_per_turn}
 
 
+def profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
+def print_profile(prof, r: dict, device: torch.device, title: str) -> None:
+    """The kernels that fill a pass, and how much of its wall time the device was busy at all (the rest is
+    host time: scheduling, metadata, launches)."""
+    events = prof.key_averages()
+    cuda = device.type == "cuda"
+    busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else float("nan")
+    print(f"{title}: wall {r['wall_s']:.3f} s, device busy {busy:.3f} s, {r['steps']} steps", flush=True)
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=20,
+                       max_name_column_width=60), flush=True)
+
+
 def run_hf(hf, prompts: list[list[int]], new_tokens: int, device) -> dict:
     """HF's continuous-batching ``generate_batch`` on the same prompts: greedy, exactly ``new_tokens`` each."""
     from transformers import GenerationConfig
@@ -318,7 +336,11 @@ def bench_model(family: str, args, device, dtype, bw: float, mm: float, compiles
                 w = make_workload(name, seed, vocab, bs, tiny=args.tiny)
             if name == "mixed" and pass_no == 0:
                 mixed_first = w
-            r = run_pass(llm, w, seed, vocab, args.tiny, compiles, device)
+            profiling = name == args.profile and caching and pass_no == 1
+            with profiler(device) if profiling else contextlib.nullcontext() as prof:
+                r = run_pass(llm, w, seed, vocab, args.tiny, compiles, device)
+            if profiling:
+                print_profile(prof, r, device, f"[{family}] {name} (steady, caching on)")
             answers = r.pop("answers")
             r.update(floor_seconds(cost, w, answers, bw, mm))
             r.update(model=family, workload=name, pass_=label, caching=caching,
@@ -404,6 +426,8 @@ def main() -> None:
     ap.add_argument("--startup-only", action="store_true",
                     help="only time LLM start-up per model (run twice: empty, then warm Triton cache)")
     ap.add_argument("--trace-compiles", action="store_true", help="print each kernel built while serving")
+    ap.add_argument("--profile", default="", metavar="WORKLOAD",
+                    help="profile this workload's steady pass (caching on): top kernels and device busy time")
     add_output_args(ap, "serving")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
