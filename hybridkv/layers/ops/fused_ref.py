@@ -204,12 +204,14 @@ def compose_rope_attention(qk_rope_write_kv: Callable[..., torch.Tensor], paged_
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q and k prepared and k, v written as ``qk_rope_write_kv``, then ``paged_attention`` of q over the
-        cache: (num_tokens, num_heads, head_dim)."""
+        cache: (num_tokens, num_heads, head_dim). ``sinks``: (num_heads,) sink logits, or None."""
         q = qk_rope_write_kv(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-        return paged_attention(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        return paged_attention(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                               sinks=sinks)
 
     return rope_attention
 
