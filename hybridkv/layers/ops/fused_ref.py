@@ -235,7 +235,7 @@ def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | 
     return weight * normed.to(y.dtype)
 
 
-ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias")
+ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
 
 def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
@@ -243,7 +243,8 @@ def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize:
                   topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (num_tokens, num_experts), any float dtype -> (expert ids int64, fp32 weights), both
     (num_tokens, top_k), best first. ``router`` (``models.config.MoE``): "softmax" (top-k of the softmax,
-    renormalised if asked), "sigmoid_input" (Llama-4: sigmoid of the top-k logits), "sigmoid_bias" (NemotronH:
+    renormalised if asked), "sigmoid_input" (Llama-4: sigmoid of the top-k logits), "topk_softmax" (gpt-oss:
+    softmax over the top-k logits; ``renormalize`` changes nothing), "sigmoid_bias" (NemotronH:
     sigmoid scores, chosen by score + ``correction_bias`` among the ``topk_groups`` best of ``num_groups``
     expert groups (group score: its two best corrected scores), weights renormalised if asked). Weights are
     multiplied by ``scaling`` last."""
@@ -257,6 +258,9 @@ def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize:
     elif router == "sigmoid_input":
         top, ids = logits.topk(top_k, dim=-1)
         weights = top.sigmoid()
+    elif router == "topk_softmax":
+        top, ids = logits.topk(top_k, dim=-1)
+        weights = top.softmax(-1)
     else:
         if correction_bias is None:
             raise ValueError("moe_route: the 'sigmoid_bias' router needs correction_bias")
