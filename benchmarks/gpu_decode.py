@@ -10,11 +10,11 @@ shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head
 Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers), NemotronH-like (Mamba2 +
 attention + relu² MLPs) and gpt-oss-like (gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding
 128 / full with sinks, q/k/v/o biases, YaRN, 32 q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with
-the clamped SwiGLU: 1.03B active parameters per token, 6.8B in all). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager``
-never; ``triton:sync`` turns asynchronous scheduling off (host work of a step no longer under the device's
-work of the step before). The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built
-from its config, saved with ``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME
-weights, dtype (bf16) and batch.
+the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all). ``triton`` runs decode steps as CUDA
+graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
+of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
+``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
+HF loader, so both run the SAME weights, dtype (bf16) and batch.
 
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
 the decode steps (prefill excluded: hybridkv steps are timed one by one, from one step's return to the next, HF
@@ -99,7 +99,7 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.NemotronHConfig(**kw)
         cfg.architectures = ["NemotronHForCausalLM"]
         return cfg, transformers.NemotronHForCausalLM
-    if family == "gpt_oss":     # active per token: 16 x (10.5M attention + 4 x 12.6M experts) + 67M head = 1.03B
+    if family == "gpt_oss":     # active per token: 16 x (10.5M attention + 4 x 12.6M experts) + 67M head = 1.04B
         kw = dict(hidden_size=2048, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=64, vocab_size=32768, num_local_experts=32, num_experts_per_tok=4,
                   sliding_window=128, tie_word_embeddings=False)
