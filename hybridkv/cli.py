@@ -1,9 +1,10 @@
-"""The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | bench``.
+"""The ``hybridkv`` command: ``hybridkv plan | demo | generate | eval | serve``.
 
 Subcommands live in ``commands.COMMANDS``; each is one ``Command`` (a name, a help line, a function that adds
-its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call. Every error, bad input or not (a missing file, bad JSON, an unsupported or corrupt checkpoint, a
-device that is not there, a model that does not fit, a budget too small), is one line on stderr with exit
-code 2, never a traceback; ``--debug`` prints the traceback too. ``hybridkv --version`` names the versions.
+its arguments and a function that runs it and returns the exit code), so adding one is one ``register`` call.
+Every error, bad input or not (a missing file, bad JSON, an unsupported or corrupt checkpoint, a device that is
+not there, a model that does not fit, a budget too small), is one line on stderr with exit code 2, never a
+traceback; ``--debug`` prints the traceback too. ``hybridkv --version`` names the versions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import hybridkv.eval.cli  # noqa: F401  (registers "hybridkv eval")
+import hybridkv.server.cli  # noqa: F401  (registers "hybridkv serve")
 from hybridkv import __version__
 from hybridkv.commands import (
     COMMANDS,

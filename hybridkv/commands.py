@@ -66,3 +66,18 @@ def device_arg(text: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def configure_logging(level: str) -> None:
+    """One stderr handler for the ``hybridkv`` loggers at ``level`` (a name of ``LOG_LEVELS``), with times."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+    root = logging.getLogger("hybridkv")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.kv_groups.specs import DEFAULT_BLOCK_SIZE
 from hybridkv.loaders.hf_config import load_config
 from hybridkv.models.config import HybridConfig
@@ -22,6 +22,7 @@ from hybridkv.utils import parse_bytes
 BUNDLED_CONFIGS = Path(__file__).parent / "configs"
 
 ModelSource = str | Path | Mapping[str, Any] | HybridConfig
+DEFAULT_MAX_NUM_SEQS = 256             # the engine's (``LLM``) default
 
 
 def bundled_config_names() -> tuple[str, ...]:
@@ -69,6 +70,7 @@ def plan(
     max_num_batched_tokens: int | None = None,
     kv_dtype: str | torch.dtype | None = None,
     tensor_parallel_size: int = 1,
+    enable_prefix_caching: bool = True,
 ) -> KVCachePlan:
     """Split ``kv_memory`` (bytes, or a size such as "40GiB") into the block and state-slot pools and
     report how many ``max_model_len``-token requests fit (default: the model's max positions).
@@ -77,12 +79,17 @@ def plan(
     ``ValueError`` when the budget cannot hold one request (the message says how many bytes it needs).
     With ``tensor_parallel_size`` > 1, ``kv_memory`` is one GPU's budget and the plan is one rank's: every
     byte figure is per GPU (its shard of each request), and the concurrency is the whole group's (every
-    rank holds a shard of every running request, so all ranks admit the same requests)."""
+    rank holds a shard of every running request, so all ranks admit the same requests). With prefix caching
+    (and Mamba layers) the plan holds the engine's checkpoint slots (``checkpoint_slots``; ``max_num_seqs``
+    defaults to the engine's 256 there)."""
     config = load_model_config(model)
     length = config.max_position_embeddings if max_model_len is None else max_model_len
     specs = config.kv_specs(block_size=block_size, kv_dtype=_torch_dtype(kv_dtype),
                             tensor_parallel_size=tensor_parallel_size)
     if not specs:
         raise ValueError(f"{config.architecture} keeps no per-request state: nothing to plan")
-    return plan_kv_cache(specs, max_model_len=length, kv_memory=parse_bytes(kv_memory),
-                         max_num_seqs=max_num_seqs, step_tokens=max_num_batched_tokens)
+    budget = parse_bytes(kv_memory)
+    checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS) \
+        if enable_prefix_caching else 0
+    return plan_kv_cache(specs, max_model_len=length, kv_memory=budget, max_num_seqs=max_num_seqs,
+                         step_tokens=max_num_batched_tokens, num_checkpoint_slots=checkpoints)

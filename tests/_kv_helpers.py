@@ -45,10 +45,10 @@ def mamba(bs: int = 4, *, shapes: tuple[tuple[int, ...], ...] = ((3, 4), (2, 2))
 
 
 def small_plan(layer_specs: dict[str, KVCacheSpec], *, num_blocks: int, num_working_slots: int = 4,
-               num_checkpoint_slots: int = 0, max_model_len: int = 64) -> KVCachePlan:
+               num_checkpoint_slots: int = 0, max_model_len: int = 64, step_tokens: int | None = None) -> KVCachePlan:
     """A plan with exactly ``num_blocks`` pool blocks (null included) and the given slot counts."""
     plan = plan_kv_cache(layer_specs, max_model_len=max_model_len, kv_memory=1 << 30, max_num_seqs=4,
-                         num_checkpoint_slots=num_checkpoint_slots)
+                         num_checkpoint_slots=num_checkpoint_slots, step_tokens=step_tokens)
     has_mamba = bool(plan.mamba_groups)
     return dataclasses.replace(
         plan, num_blocks=num_blocks if plan.attention_groups else 0,
@@ -60,9 +60,8 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
     ignores the order of the free queues (blocks freed in one batch call vs one call per request)."""
     order = (lambda v: list(v)) if free_order else (lambda v: sorted(v))
     out: list[Any] = [c.block_tables.np.tobytes(), c._num_cols.tobytes(), c._num_computed.tobytes(),
-                      c._num_cached.tobytes(), sorted(c._slotless), c._next_ckpt.tobytes(), dict(c._rows),
-                      sorted(c._free_rows),
-                      dict(c._copies), [list(h) for h in c._hashes],
+                      c._num_cached.tobytes(), sorted(c._slotless), dict(c._rows), sorted(c._free_rows),
+                      [list(h) for h in c._hashes],
                       [m.num_skipped.tobytes() for m in c.managers], [m.next_free.tobytes() for m in c.managers]]
     if c.pool:
         p = c.pool
@@ -71,8 +70,8 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
                 p._entry_count.tobytes(), p._free_entries[:p._entries_top].tobytes(), p._owner.tobytes()]
     if c.slots and c.mamba:
         s = c.slots
-        out += [list(s._free), dict(s._ckpt), s._pins.tobytes(), c.mamba.slot.tobytes(),
-                c.mamba.pending.tobytes()]
+        out += [list(s._free), dict(s._ckpt), list(s._pins), list(s._wants), [list(q) for q in s._lru],
+                dict(c.mamba._copies), [a.tobytes() for a in c.mamba.row_arrays()]]
     return out
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybridkv.kv_groups.block_pool import BlockPool, StateSlotPool
+from hybridkv.kv_groups.block_pool import BlockPool, CheckpointKind, StateSlotPool
 from hybridkv.kv_groups.hashing import BlockHasher
 
 
@@ -139,6 +139,89 @@ def test_checkpoints_lru_with_pins() -> None:
     s.check_invariants()
 
 
+K = CheckpointKind
+
+
+@pytest.mark.parametrize(("stored", "new", "evicted"), [
+    ([("b", K.BOUNDARY), ("p", K.PROMPT)], ("n", K.PROMPT), "b"),       # the lowest kind goes first ...
+    ([("p", K.PROMPT), ("b", K.BOUNDARY)], ("n", K.PROMPT), "b"),       # ... whatever its age
+    ([("p", K.PROMPT), ("q", K.PROMPT)], ("n", K.PROMPT), "p"),         # within a kind, least recently used
+    ([("p", K.PROMPT), ("s", K.SHARED)], ("n", K.ANSWER), None),        # never a higher kind: refused
+    ([("a", K.ANSWER), ("p", K.PROMPT)], ("n", K.SHARED), "a"),
+    ([("s", K.SHARED), ("t", K.SHARED)], ("n", K.SHARED), "s"),
+])
+def test_checkpoint_eviction_by_kind_then_recency(stored, new, evicted) -> None:
+    s = StateSlotPool(4, 2)
+    for key, kind in stored:
+        s.store_checkpoint(key, kind)
+    slot, is_new = s.store_checkpoint(*new)
+    if evicted is None:
+        assert (slot, is_new) == (0, False) and s.num_refused == 1
+        assert {k for k, _ in stored} == set(s.checkpoints())
+    else:
+        assert is_new and s.lookup_checkpoint(evicted) == 0 and s.lookup_checkpoint(new[0]) == slot
+        assert s.num_evicted == 1
+    s.check_invariants()
+
+
+def test_a_hit_refreshes_and_a_second_store_raises_the_kind() -> None:
+    s = StateSlotPool(4, 2)
+    p, _ = s.store_checkpoint("p", K.PROMPT)
+    s.store_checkpoint("q", K.PROMPT)
+    s.pin(p)                                       # a hit: most recent now
+    s.unpin(p)
+    s.store_checkpoint("r", K.PROMPT)              # evicts q, not p
+    assert s.lookup_checkpoint("p") == p and s.lookup_checkpoint("q") == 0
+    assert s.store_checkpoint("p", K.SHARED) == (p, False) and s.kind_of(p) is K.SHARED
+    assert s.store_checkpoint("p", K.BOUNDARY) == (p, False) and s.kind_of(p) is K.SHARED
+    s.check_invariants()
+
+
+def test_wanted_checkpoints_stay() -> None:
+    s = StateSlotPool(4, 2)
+    a, _ = s.store_checkpoint("a", K.BOUNDARY)
+    s.store_checkpoint("b", K.BOUNDARY)
+    s.want(a)                                      # a waiting request means to start from it
+    s.store_checkpoint("c", K.SHARED)
+    assert s.lookup_checkpoint("a") == a and s.lookup_checkpoint("b") == 0
+    s.want(s.lookup_checkpoint("c"))
+    assert s.store_checkpoint("d", K.SHARED) == (0, False) and not s.has_room(K.SHARED)
+    s.unwant(a)
+    assert s.has_room(K.SHARED) and s.store_checkpoint("d", K.SHARED)[0] == a
+    s.check_invariants()
+
+
+def test_answer_checkpoints_replace_their_own_and_spare_other_decoding_requests() -> None:
+    s = StateSlotPool(5, 3)                        # checkpoint slots 2-4
+    x, _ = s.store_checkpoint("x1", K.ANSWER, growing=True)
+    y, _ = s.store_checkpoint("y1", K.ANSWER, growing=True)
+    z, _ = s.store_checkpoint("z1", K.ANSWER, growing=True)
+    assert s.store_checkpoint("x2", K.ANSWER, replace=x, growing=True) == (x, True)   # moved on, same slot
+    assert s.lookup_checkpoint("x1") == 0
+    assert not s.has_room(K.ANSWER)                # the others are still growing: no churn between them
+    assert s.store_checkpoint("w", K.ANSWER, growing=True) == (0, False)
+    s.settle(y)                                    # y's request finished: its answer may go now
+    assert s.store_checkpoint("w", K.ANSWER, growing=True) == (y, True)
+    assert s.store_checkpoint("p", K.PROMPT)[0] in (x, z)      # a higher kind may take a growing one
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("use", ["hit", "same state", "wanted"])
+def test_an_answer_checkpoint_someone_else_uses_is_not_replaced(use: str) -> None:
+    s = StateSlotPool(5, 3)
+    x, _ = s.store_checkpoint("x1", K.ANSWER, growing=True)
+    if use == "hit":
+        s.pin(x)
+        s.unpin(x)
+    elif use == "same state":
+        assert s.store_checkpoint("x1", K.ANSWER) == (x, False)   # another request reached the same state
+    else:
+        s.want(x)
+    slot, is_new = s.store_checkpoint("x2", K.ANSWER, replace=x, growing=True)
+    assert is_new and slot != x and s.lookup_checkpoint("x1") == x
+    s.check_invariants()
+
+
 # -- hashing -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["blake2b", "builtin"])
 def test_chain_is_a_prefix_function(algorithm: str) -> None:
@@ -180,3 +263,16 @@ def test_bad_hasher() -> None:
         BlockHasher(block_size=4, algorithm="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_size"):
         BlockHasher(block_size=0)
+
+
+def test_cold_checkpoints_go_first_whatever_their_kind() -> None:
+    """A checkpoint nobody stored or hit since the storing request arrived is cold: an answer may take a
+    cold prompt's slot (old prompts cannot starve new answers), but not a warm one's."""
+    s = StateSlotPool(4, 2)
+    old, _ = s.store_checkpoint("old prompt", K.SHARED)
+    arrived = s.clock                              # a request arrives now
+    warm, _ = s.store_checkpoint("its prompt", K.PROMPT)
+    assert s.store_checkpoint("its answer", K.ANSWER, since=arrived, growing=True) == (old, True)
+    assert s.store_checkpoint("next answer", K.ANSWER, since=arrived) == (0, False)    # a warm prompt, a growing answer
+    assert s.store_checkpoint("a later answer", K.ANSWER, since=s.clock) == (warm, True)      # cold by now
+    s.check_invariants()

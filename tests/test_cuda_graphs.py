@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.backends.builders import AttentionInputs, build_group_inputs
-from hybridkv.engine.cuda_graphs import default_buckets, table_width
+from hybridkv.backends.builders import AttentionInputs, build_group_inputs, decode_table_width
+from hybridkv.engine.cuda_graphs import default_buckets
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE
@@ -46,7 +46,7 @@ _SPECS = {
 @given(kind=st.sampled_from(sorted(_SPECS)), lens=st.lists(st.integers(2, 60), min_size=1, max_size=6))
 def test_decode_tables_fit_the_captured_width(kind: str, lens: list[int]) -> None:
     """Whatever a group's builder does to a decode batch, each row keeps one query and the table fits
-    ``table_width`` (what the persistent buffer holds)."""
+    ``decode_table_width`` (what the persistent buffer holds)."""
     spec, max_len = _SPECS[kind], 64
     seq = np.array(lens, np.int32)
     width = -(-int(seq.max()) // spec.block_size)
@@ -56,8 +56,7 @@ def test_decode_tables_fit_the_captured_width(kind: str, lens: list[int]) -> Non
     built = build_group_inputs(spec, cam)
     assert isinstance(built, AttentionInputs)
     assert built.cam.num_reqs == len(lens)
-    assert built.cam.block_table_cpu.shape[1] <= table_width(spec, block_size=spec.block_size,
-                                                             max_model_len=max_len)
+    assert built.cam.block_table_cpu.shape[1] <= decode_table_width(spec, max_model_len=max_len)
 
 
 def _mix_config() -> HybridConfig:

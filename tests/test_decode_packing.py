@@ -66,7 +66,8 @@ def assert_same_buffers(lay: _Layout, got: Sequence[np.ndarray], want: Sequence[
         for name, got_f, want_f in (("slots", lay.slots(g64, a, n), lay.slots(w64, a, n)),
                                     ("seq_lens", lay.seq_lens(g32, a, n), lay.seq_lens(w32, a, n)),
                                     ("table", lay.table(g32, a, n), lay.table(w32, a, n))):
-            assert np.array_equal(got_f, want_f), f"group {gi} ({lay.rules[a]}) {name}:\n{got_f}\n!=\n{want_f}"
+            assert np.array_equal(got_f, want_f), \
+                f"group {gi} ({lay.specs[a].describe()}) {name}:\n{got_f}\n!=\n{want_f}"
     for m, gi in enumerate(lay.mamba):
         assert np.array_equal(lay.state_slots(g64, m, n), lay.state_slots(w64, m, n)), f"group {gi} state slots"
     assert np.array_equal(g64, w64) and np.array_equal(g32, w32), "whole buffers"
@@ -211,7 +212,7 @@ def read_fields(lay: _Layout, h64: np.ndarray, h32: np.ndarray, b: int) -> dict[
     for a in range(len(lay.attention)):
         seq = lay.seq_lens(h32, a, b)
         table = lay.table(h32, a, b)
-        bs = lay.rules[a][1]
+        bs = lay.specs[a].block_size
         out[f"slots{a}"] = lay.slots(h64, a, b).tolist()
         out[f"seq{a}"] = seq.tolist()
         out[f"table{a}"] = [table[r, :-(-int(seq[r]) // bs)].tolist() for r in range(b)]

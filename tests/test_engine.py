@@ -226,15 +226,19 @@ def test_max_num_seqs_requests_run_together(model):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.step()
     assert len(engine.scheduler.running) == 4
+    while engine.has_unfinished:
+        engine.step()
 
 
 def test_identical_prompts_share_the_prefill(model):
     """n samples of one prompt: the later samples wait one step and hit the prefix cache (Mamba layers
-    included: the first prefill stops at its last block boundary, where the state is checkpointed)."""
+    included: the first prefill stops at its last block boundary, where the state is checkpointed). The
+    prompt saves more than a step's token budget (3 x 16 tokens >= 16); with a larger budget the samples
+    compute it in parallel instead of waiting a step."""
     sp = SamplingParams(temperature=1.0, n=4, seed=11, max_tokens=6, ignore_eos=True)
     prompt = prompts()[3]
-    on = make_llm(model, max_num_batched_tokens=256)
-    off = make_llm(model, max_num_batched_tokens=256, enable_prefix_caching=False)
+    on = make_llm(model, max_num_batched_tokens=16)
+    off = make_llm(model, max_num_batched_tokens=16, enable_prefix_caching=False)
     samples_on = [c.token_ids for c in on.generate([prompt], sp, use_tqdm=False)[0].outputs]
     samples_off = [c.token_ids for c in off.generate([prompt], sp, use_tqdm=False)[0].outputs]
     assert samples_on == samples_off

@@ -473,7 +473,7 @@ def test_sliding_window_frees_as_it_decodes() -> None:
 def test_state_copies_compose_sequentially() -> None:
     c = _coordinator({"m": mamba(2)})
     for src, dst in [(1, 4), (4, 2), (3, 1), (5, 5), (2, 2)]:
-        c._queue_copy(src, dst)
+        c.mamba.queue_copy(src, dst)
     src, dst = c.take_state_copies()
     assert dict(zip(dst.tolist(), src.tolist(), strict=True)) == {4: 1, 2: 1, 1: 3}
     assert c.take_state_copies()[0].size == 0
@@ -488,7 +488,7 @@ def test_state_copies_parallel_equals_pairwise(seed: int) -> None:
     truth = {s: s for s in range(6)}
     for _ in range(rng.randint(1, 12)):
         src, dst = rng.randrange(6), rng.randrange(6)
-        c._queue_copy(src, dst)
+        c.mamba.queue_copy(src, dst)
         truth[dst] = truth[src]
     src, dst = c.take_state_copies()
     assert np.unique(dst).size == dst.size
@@ -584,13 +584,15 @@ def test_rows_run_out_without_exceptions() -> None:
 
 @pytest.mark.parametrize(("layers", "kw", "want"), [
     ({"f": full(2)}, {}, 9),                               # attention only: every full block, decode too
-    ({"f": full(2), "m": mamba(2)}, {}, 3),                # up to the last prompt checkpoint (6 of 7 tokens)
-    ({"f": full(2), "m": mamba(4)}, {}, 2),                # ... at Mamba's coarser granularity (4)
-    ({"f": full(2), "m": mamba(2)}, {"checkpoint_decode": True}, 9),
+    ({"f": full(2), "m": mamba(2)}, {"decode_checkpoint_interval": 64}, 3),   # up to the prompt checkpoint (6)
+    ({"f": full(2), "m": mamba(2)}, {"decode_checkpoint_interval": 8}, 8),    # ... the decode checkpoint at 16
+    ({"f": full(2), "m": mamba(4)}, {"decode_checkpoint_interval": 64}, 2),   # ... at Mamba's granularity (4)
+    ({"f": full(2), "m": mamba(2)}, {"decode_checkpoint_interval": 2}, 9),    # a checkpoint every block
     ({"f": full(2), "m": mamba(2)}, {"ckpt": 0}, 0),        # no checkpoint slots: no hit is possible
 ])
 def test_registers_only_blocks_a_hit_can_use(layers: dict, kw: dict, want: int) -> None:
-    """A hybrid hit needs a Mamba checkpoint at its length, so blocks past the last one are not hashed."""
+    """A hybrid hit needs a Mamba checkpoint at its length, so blocks past the last one are not hashed (a
+    decoding request keeps one checkpoint, moved every ``decode_checkpoint_interval`` tokens)."""
     c = _coordinator(layers, **kw)
     assert c.find_prefix_hit("a", TOKENS[:7]) == 0
     for start, end in ((0, 2), (2, 4), (4, 6), (6, 7)):     # prefill chunks that end at checkpoints
@@ -663,11 +665,11 @@ def test_prefix_caching_off_and_decode_checkpoints() -> None:
     assert off.allocate("a", num_computed_tokens=0, num_new_tokens=8, token_ids=TOKENS)
     off.commit("a", num_computed_tokens=8)
     assert off.find_prefix_hit("b", TOKENS[:12]) == 0 and off.take_state_copies()[0].size == 0
-    on = _coordinator(layers, checkpoint_decode=True)
+    on = _coordinator(layers, decode_checkpoint_interval=2)
     assert on.find_prefix_hit("a", TOKENS[:3]) == 0
     for n in range(3, 9):                                  # decode past the 3-token prompt
         assert on.allocate("a", num_computed_tokens=n - 1 if n > 3 else 0, num_new_tokens=1 if n > 3 else 3,
                            token_ids=TOKENS)
         on.commit("a", num_computed_tokens=n)
-    assert on.slots is not None and on.slots.num_checkpoints == 3   # at 4, 6, 8
+    assert on.slots is not None and on.slots.num_checkpoints == 1   # at 4, moved to 6, then 8: one slot
     assert on.find_prefix_hit("b", TOKENS[:12]) == 8

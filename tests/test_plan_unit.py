@@ -91,7 +91,8 @@ def test_mamba_hybrid_default_block_size_has_no_padding() -> None:
     assert p.block_size == 16 and p.padding_bytes == 0
     assert p.allocated_bytes / p.budget_bytes <= 1.0
     needed = p.max_concurrent_requests * p.bytes_per_request_max
-    assert p.allocated_bytes >= needed and p.num_state_slots == 1 + 8 + p.max_concurrent_requests
+    assert p.allocated_bytes >= needed and p.num_checkpoint_slots == 8
+    assert p.num_state_slots >= 1 + 8 + p.max_concurrent_requests      # working slots never go to checkpoints
 
 
 def test_padding_when_attention_specs_differ_in_width() -> None:
@@ -108,8 +109,8 @@ def test_to_dict_keys() -> None:
     d = p.to_dict()
     assert set(d) == {
         "max_model_len", "step_tokens", "budget_bytes", "allocated_bytes", "block_size", "layers_per_block",
-        "page_bytes", "num_blocks", "num_state_slots", "num_checkpoint_slots", "reserved_step_blocks",
-        "groups",
+        "page_bytes", "num_blocks", "num_state_slots", "num_checkpoint_slots", "checkpoint_bytes",
+        "reserved_step_blocks", "groups",
         "bytes_per_request_max", "bytes_per_request_if_all_full_attention", "padding_bytes",
         "max_concurrent_requests", "max_concurrent_requests_if_all_full_attention",
         "concurrency_vs_all_full_attention"}

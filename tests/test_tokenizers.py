@@ -191,3 +191,38 @@ def test_text_prompts_through_llm(tmp_path: Path) -> None:
     assert out.prompt_token_ids == tuple(ids)
     assert list(out.outputs[0].token_ids) == hf_models.hf_greedy(hf, ids, 6)
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+
+
+def _tokenizer_of(kind: str, tmp_path: Path):
+    """One tokenizer of each source, built or copied into ``tmp_path``."""
+    if kind == "hf":
+        return load_tokenizer(_bpe_dir(tmp_path))
+    if kind == "sentencepiece":
+        spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=str(tmp_path / "sp"),
+                                       vocab_size=400, model_type="bpe", hard_vocab_limit=False, byte_fallback=True,
+                                       minloglevel=2, normalization_rule_name="identity",
+                                       remove_extra_whitespaces=False)
+        (tmp_path / "sp.model").rename(tmp_path / "tokenizer.model")
+    elif kind == "mistral":
+        shutil.copy(_package_file("mistral_common", "data/tekken_240911.json"), tmp_path / "tekken.json")
+    else:
+        pytest.importorskip("tiktoken", reason="tiktoken is not installed (needed by llama-models)")
+        shutil.copy(_package_file("llama_models", "llama4/tokenizer.model"), tmp_path / "tokenizer.model")
+    return load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece", "mistral", "llama4"])
+def test_bos_exactly_once(kind: str, tmp_path: Path) -> None:
+    """A text that already starts with the BOS token's text (a rendered chat template) gets no second BOS;
+    special tokens stay in the decoded text only when asked."""
+    tok = _tokenizer_of(kind, tmp_path)
+    assert tok.bos_token
+    plain = tok.encode(TEXTS[0])
+    bos = plain[0]
+    with_text = tok.encode(tok.bos_token + TEXTS[0])
+    assert with_text == plain and with_text.count(bos) == 1
+    assert tok.encode(TEXTS[0], add_special_tokens=False) == plain[1:]
+    assert tok.decode(plain) == TEXTS[0]
+    kept = tok.decode(plain, skip_special_tokens=False)
+    assert kept.startswith(tok.bos_token) and kept != tok.decode(plain)

@@ -14,7 +14,7 @@ from _triton import DEVICE, kernel_module, tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layers.ops.fused_ref import argmax_ref, linear_argmax_ref
+from hybridkv.layers.ops.fused_ref import NONFINITE, argmax_ref, linear_argmax_ref
 
 ts = kernel_module("hybridkv.backends.triton_sampling")
 tl_mod = kernel_module("hybridkv.backends.triton_linear")
@@ -54,12 +54,19 @@ def _logits(rows: int, vocab: int, case: str, seed: int) -> torch.Tensor:
 CASES = [(1, 7, "plain"), (3, 40, "plain"), (2, 33, "ties"), (4, 50, "nan"), (2, 40, "-inf"), (5, 64, "bf16")]
 
 
-@pytest.mark.parametrize("rows,vocab,case", CASES)
+@pytest.mark.parametrize("rows,vocab,case", CASES + [(3, 40, "+inf")])
 def test_argmax_matches_reference(small_chunks, rows, vocab, case):
     x = _logits(rows, vocab, case, seed=rows * vocab)
-    got = ts.argmax_triton(x)
+    if case == "+inf":
+        x[1, 7] = float("inf")
+    got_report = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    want_report = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    got = ts.argmax_triton(x, report=got_report)
     assert got.dtype == torch.int64
-    assert torch.equal(got, argmax_ref(x))
+    assert torch.equal(got, argmax_ref(x, report=want_report))
+    assert torch.equal(got_report, want_report)             # NONFINITE where the chosen logit is NaN or +-inf
+    nonfinite = {"nan": {0, rows - 1}, "-inf": {0}, "+inf": {1}}.get(case, set())
+    assert set(torch.nonzero(want_report == NONFINITE).flatten().tolist()) == nonfinite
 
 
 def test_argmax_writes_out_and_checks_it(small_chunks):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.warmup import scenarios, warm_up
@@ -44,12 +45,9 @@ def test_warm_up_leaves_the_engine_clean_and_outputs_unchanged():
     assert run(True) == run(False)
 
 
+@pytest.mark.engine_busy
 def test_warm_up_refuses_a_busy_engine():
     llm = LLM(build_model(tiny_config(), seed=1), block_size=4, max_model_len=64, kv_cache_memory="2MiB")
     llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
-    try:
+    with pytest.raises(RuntimeError, match="already has requests"):
         warm_up(llm.engine)
-    except RuntimeError as err:
-        assert "already has requests" in str(err)
-    else:
-        raise AssertionError("warm_up ran with a request in the engine")

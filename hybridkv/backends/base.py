@@ -42,6 +42,11 @@ class KernelBackend:
     ssd_state_update: Callable[..., torch.Tensor]
     selective_scan: Callable[..., torch.Tensor]
     selective_state_update: Callable[..., torch.Tensor]
+    # gated delta rule (Gated DeltaNet) and Kimi Delta Attention: prefill and one-token decode (``gated_delta_ref``)
+    gated_delta_rule: Callable[..., torch.Tensor]
+    gated_delta_rule_update: Callable[..., torch.Tensor]
+    kda: Callable[..., torch.Tensor]
+    kda_update: Callable[..., torch.Tensor]
     # the elementwise work between GEMMs (``layers/ops/fused_ref.py``)
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
@@ -72,6 +77,10 @@ def torch_backend() -> KernelBackend:
         ssd_state_update=ops.ssd_state_update_ref,
         selective_scan=ops.selective_scan_ref,
         selective_state_update=ops.selective_state_update_mamba1_ref,
+        gated_delta_rule=ops.gated_delta_rule_ref,
+        gated_delta_rule_update=ops.gated_delta_rule_update_ref,
+        kda=ops.kda_ref,
+        kda_update=ops.kda_update_ref,
         rms_norm=fused_ref.rms_norm_ref,
         add_rms_norm=fused_ref.add_rms_norm_ref,
         act_mul=fused_ref.act_mul_ref,

@@ -8,6 +8,11 @@ Each group kind applies its transform once per step, and every layer of the grou
 - Mamba: state-slot indices, has-initial-state flags and the decode/prefill split.
 
 KV writes always use the untransformed slot mapping: transforms change what is *read*, not where a token lives.
+
+Each attention kind also owns its *decode rule* (``decode_rows``, ``decode_table_width``): what its transform
+makes of a decode batch (one query per row), as a few numpy ops on the rows as the coordinator keeps them.
+CUDA-graph decode steps pack their persistent buffers with it (``engine/cuda_graphs.py``), skipping the CAM;
+``tests/test_decode_packing.py`` holds it equal to the builders' CAMs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from hybridkv.kv_groups.specs import (
 )
 from hybridkv.metadata import CommonAttentionMetadata, host_to_device
 from hybridkv.transforms import make_local_attention_virtual_batches, trim_sliding_window
+from hybridkv.transforms.block_rows import floordiv
+from hybridkv.transforms.local_attention import query_chunk_columns
+from hybridkv.transforms.sliding_window import window_drop
+
+_max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,3 +119,73 @@ def build_group_inputs(spec: KVCacheSpec, cam: CommonAttentionMetadata) -> Atten
     if builder is None:
         raise TypeError(f"no metadata builder for spec kind {type(spec).__name__}")
     return builder(spec, cam)
+
+
+# -- decode rules: what each kind's transform makes of a decode batch, without a CAM -------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DecodeRows:
+    """A group's decode batch after its transform, for rows that start at block ``start`` (the coordinator's
+    form): the keys each row reads from its kept table's first key; the kept table's first column in the given
+    rows (None: the rows as they are); blocks kept per row; the kept width (0 when the rows stay as they are)."""
+
+    seq_lens: np.ndarray             # (n,) int32
+    col0: np.ndarray | None = None   # (n,)
+    num_blocks: np.ndarray | None = None   # (n,)
+    width: int = 0
+
+
+def _decode_full(spec: FullAttentionSpec, seq_lens: np.ndarray, key_start: np.ndarray | int) -> DecodeRows:
+    return DecodeRows(seq_lens=seq_lens - key_start)          # every key from the row's start
+
+
+def _decode_sliding(spec: SlidingWindowSpec, seq_lens: np.ndarray, key_start: np.ndarray | int) -> DecodeRows:
+    """``trim_sliding_window`` for one query per row: whole blocks before the query's window [s - W, s) drop."""
+    bs = spec.block_size
+    seq = seq_lens - key_start
+    drop = window_drop(seq - 1, spec.sliding_window, bs)
+    if drop is None:
+        return DecodeRows(seq_lens=seq)
+    seq -= drop * bs
+    nblk = floordiv(seq + (bs - 1), bs)
+    return DecodeRows(seq_lens=seq, col0=drop, num_blocks=nblk, width=int(_max(nblk)))
+
+
+def _decode_chunked(spec: ChunkedLocalAttentionSpec, seq_lens: np.ndarray, key_start: np.ndarray | int
+                    ) -> DecodeRows:
+    """``make_local_attention_virtual_batches`` for one query per row: the request from its query's chunk start."""
+    bs = spec.block_size
+    into, col0 = query_chunk_columns(seq_lens - 1, key_start, spec.attention_chunk_size, bs)
+    into += 1
+    if not col0.any():
+        return DecodeRows(seq_lens=into)
+    nblk = floordiv(into + (bs - 1), bs)
+    return DecodeRows(seq_lens=into, col0=col0, num_blocks=nblk, width=int(_max(nblk)))
+
+
+_DECODE_RULES: dict[type[KVCacheSpec], Callable] = {
+    FullAttentionSpec: _decode_full,
+    SlidingWindowSpec: _decode_sliding,
+    ChunkedLocalAttentionSpec: _decode_chunked,
+}
+
+
+def decode_rows(spec: KVCacheSpec, seq_lens: np.ndarray, start: np.ndarray | None) -> DecodeRows:
+    """An attention group's decode batch (one query per row, at ``seq_lens`` - 1, (n,) int32) whose rows start at
+    block ``start`` ((n,), None = column 0) after its builder's transform, down to when the transform keeps the
+    table as is (with the transforms' own arithmetic: ``window_drop``, ``query_chunk_columns``)."""
+    rule = _DECODE_RULES.get(type(spec))
+    if rule is None:
+        raise TypeError(f"no decode rule for spec kind {type(spec).__name__}")
+    return rule(spec, seq_lens, 0 if start is None else start * spec.block_size)
+
+
+def decode_table_width(spec: KVCacheSpec, *, max_model_len: int) -> int:
+    """Widest block-table row a decode request of ``spec`` reads after its group's transform (what a captured
+    graph's buffer holds for it)."""
+    bs = spec.block_size
+    full = -(-max_model_len // bs)
+    if isinstance(spec, SlidingWindowSpec):
+        return min(full, -(-(spec.sliding_window - 1) // bs) + 2)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return min(full, spec.attention_chunk_size // bs + 1)
+    return full

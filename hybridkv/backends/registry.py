@@ -1,9 +1,9 @@
 """Kernel backends: a named set of ops with the signatures of the ``*_ref`` reference twins.
 
 ``torch`` (the references) runs everywhere and is complete. ``triton`` replaces what it has kernels for.
-The vendor backends ``flash_attn`` and ``mamba_ssm`` (mamba-ssm + causal-conv1d) derive from ``triton`` and
-replace only the ops their packages provide. Asking for a backend that is not installed, or not usable on
-the device, is a clear error, never a silent change of math path.
+The vendor backends ``flash_attn``, ``mamba_ssm`` (mamba-ssm + causal-conv1d) and ``fla`` (flash-linear-attention:
+the gated delta rule and KDA) derive from ``triton`` and replace only the ops their packages provide. Asking for a
+backend that is not installed, or not usable on the device, is a clear error, never a silent change of math path.
 
 ``auto`` on CUDA composes the best available: ``triton`` (or ``torch`` without triton) plus, from every
 importable vendor backend, the ops measured faster than triton's (``_AUTO_OPS``), e.g. ``triton+mamba_ssm``.
@@ -52,6 +52,12 @@ def _mamba_ssm_ops() -> dict[str, Callable[..., Any]]:
     return mamba_ssm_ops()
 
 
+def _fla_ops() -> dict[str, Callable[..., Any]]:
+    from hybridkv.backends.vendor_fla import fla_ops
+
+    return fla_ops()
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Entry:
     factory: Callable[[], KernelBackend] | None = None           # None: named, not built yet
@@ -60,6 +66,7 @@ class _Entry:
     # vendor backends: the ops they replace on top of ``base`` (may raise ImportError: broken install)
     vendor_ops: Callable[[], dict[str, Callable[..., Any]]] | None = None
     base: str = "triton"
+    install: str = "pip install 'hybridkv[cuda]'"                # what brings the required packages
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -68,6 +75,8 @@ _REGISTRY: dict[str, _Entry] = {
     "flash_attn": _Entry(vendor_ops=_flash_attn_ops, requires=("triton", "flash_attn"), cuda_only=True),
     "mamba_ssm": _Entry(vendor_ops=_mamba_ssm_ops, requires=("triton", "mamba_ssm", "causal_conv1d"),
                         cuda_only=True),
+    "fla": _Entry(vendor_ops=_fla_ops, requires=("triton", "fla"), cuda_only=True,
+                  install="pip install flash-linear-attention"),
 }
 
 
@@ -89,7 +98,7 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
     entry = _REGISTRY[name]
     missing = [m for m in entry.requires if not _importable(m)]
     if missing:
-        return f"needs the package(s) {', '.join(missing)} (pip install 'hybridkv[cuda]')"
+        return f"needs the package(s) {', '.join(missing)} ({entry.install})"
     if entry.cuda_only and device.type != "cuda":
         return f"runs on CUDA devices only, not {device.type}"
     if entry.factory is None and entry.vendor_ops is None:
@@ -160,7 +169,8 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
 # kernels beat mamba-ssm / causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1
 # state update beats our reference 4-5x. flash-attn 2's paged path (its split-KV kernel, at block size 256)
 # was slower than our paged attention on all 15 measured shapes (ours 0.43-0.97x its time), so ``auto`` takes
-# none of it; ``backend="flash_attn"`` still asks for it.
+# none of it; ``backend="flash_attn"`` still asks for it. fla's delta-rule kernels are not measured against ours yet
+# (benchmarks/gpu_delta_rule.py), so ``auto`` takes none of them; ``backend="fla"`` asks for them.
 _AUTO_OPS: dict[str, frozenset[str]] = {
     "mamba_ssm": frozenset({"selective_state_update"}),
 }

@@ -227,8 +227,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
+                         report: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear_argmax_ref``: fp32 logits (rows, N) as ``linear_triton(..., out_dtype=fp32)`` and each row's
     argmax (rows,) int64 (into ``out`` when given): the kernel's epilogue leaves a first maximum per column
     block, and one short launch picks among them (``triton_sampling``); the logits are not read again. With
@@ -242,7 +242,7 @@ def linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     indices = torch.empty(rows, blocks, dtype=torch.int32, device=x.device)
     logits = _launch(x, weight, bias, n=n, act=_NO_ACT, gated=False, gate_multiplier=1.0, out_dtype=torch.float32,
                      argmax=(values, indices), write_logits=write_logits)
-    return logits, reduce_partials(values, indices, out=out)
+    return logits, reduce_partials(values, indices, out=out, report=report)
 
 
 def linear_act_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -287,14 +287,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
+                  report: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The triton backend's ``linear_argmax`` (``linear_argmax_ref``'s contract): the argmax inside the
     kernel's epilogue at decode sizes (``write_logits`` honoured), else cuBLAS's logits and ``argmax_triton``."""
     if _kernel_fits(x, weight, gated=False):
-        return linear_argmax_triton(x, weight, bias, out=out, write_logits=write_logits)
+        return linear_argmax_triton(x, weight, bias, out=out, write_logits=write_logits, report=report)
     logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
-    return logits, argmax_triton(logits, out=out)
+    return logits, argmax_triton(logits, out=out, report=report)
 
 
 def linear_act_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,

@@ -23,12 +23,14 @@ import triton
 import triton.language as tl
 
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
+from hybridkv.layers.ops import fused_ref
 
 __all__ = ["argmax_triton", "reduce_partials"]
 
 _BLOCK = 2048           # columns per program of the standalone pass (8 KB of fp32 logits)
 _REDUCE_BLOCK = 1024    # partials per iteration of the per-row reduction
 _FAR = tl.constexpr(2**31 - 1)   # an index past any column
+_NONFINITE = tl.constexpr(fused_ref.NONFINITE)
 
 
 @triton.jit
@@ -63,7 +65,8 @@ def _partials_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, n_parts, BLOCK: tl.co
 
 
 @triton.jit
-def _reduce_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _reduce_kernel(val_ptr, idx_ptr, out_ptr, report_ptr, n_parts, BLOCK: tl.constexpr, REPORT: tl.constexpr,
+                   PDL: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     pdl_wait(PDL)
@@ -79,22 +82,28 @@ def _reduce_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK: tl.constexpr, PDL:
         best = tl.where(take, v, best)
         best_idx = tl.where(take, col, best_idx)
     tl.store(out_ptr + row, best_idx.to(tl.int64))
+    if REPORT:          # the chosen logit is the row's maximum: NaN (chosen first) or +-inf -> NONFINITE
+        finite = (best == best) & (tl.abs(best) < float("inf"))
+        tl.store(report_ptr + row, tl.where(finite, best_idx.to(tl.int64), _NONFINITE))
 
 
-def reduce_partials(values: torch.Tensor, indices: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def reduce_partials(values: torch.Tensor, indices: torch.Tensor, *, out: torch.Tensor | None = None,
+                    report: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, parts) fp32 partial maxima and their int32 columns, in column order -> (rows,) int64 tokens,
-    written into ``out`` when given."""
+    written into ``out`` when given; ``report`` as ``argmax_ref``'s (one more store, no extra launch)."""
     rows, parts = values.shape
     if out is not None and (out.shape != (rows,) or out.dtype != torch.int64):
         raise ValueError(f"argmax: out must be ({rows},) int64, got {tuple(out.shape)} {out.dtype}")
     tokens = out if out is not None else torch.empty(rows, dtype=torch.int64, device=values.device)
     if rows:
-        _reduce_kernel[(rows,)](values, indices, tokens, parts, BLOCK=min(_REDUCE_BLOCK, triton.next_power_of_2(parts)),
+        _reduce_kernel[(rows,)](values, indices, tokens, report if report is not None else tokens, parts,
+                                BLOCK=min(_REDUCE_BLOCK, triton.next_power_of_2(parts)), REPORT=report is not None,
                                 num_warps=4, **pdl_kwargs(values.device))
     return tokens
 
 
-def argmax_triton(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, *, out: torch.Tensor | None = None,
+                  report: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax_ref``: logits (rows, vocab), any float dtype, unit stride along the vocabulary -> (rows,)
     int64, written into ``out`` (rows,) when given."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
@@ -108,4 +117,4 @@ def argmax_triton(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     if rows:
         _partials_kernel[(parts, rows)](logits, values, indices, vocab, logits.stride(0), parts, BLOCK=_BLOCK,
                                         num_warps=8, **pdl_kwargs(logits.device))
-    return reduce_partials(values, indices, out=out)
+    return reduce_partials(values, indices, out=out, report=report)

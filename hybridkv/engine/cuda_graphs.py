@@ -18,9 +18,11 @@ moves it, then the graph of the smallest bucket >= the batch replays. Everything
 the device is inside the graph too: it takes the input ids still pending from the previous step's tokens
 (asynchronous scheduling) and ends with the greedy tokens, the logits' argmax, in a persistent buffer that
 the next step's pending ids come from (the logits head takes the argmax in its epilogue:
-``HybridModel.compute_logits_and_greedy``). Why inside: with both outside the graph, 62-72 µs of device work
-and gaps separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs),
-with both inside 16-26 µs (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
+``HybridModel.compute_logits_and_greedy``), and the tokens' report for the host: ``NONFINITE`` where the chosen
+logit, the row's maximum, is not finite (the argmax's reduction stores it beside the token: no extra launch,
+though a greedy step leaves the logits unwritten). With both outside the graph, 62-72 µs of device work and gaps
+separated two replays of the Gemma-3-like model at batch 32 on an H100 (the argmax alone 25.4 µs), 16-26 µs
+since (``benchmarks/gpu_step_gaps.py``). The engine's ``StepTables`` are packed
 directly (``DecodeTables``: a few vectorised numpy ops per group kind, no CAM, no builder, which at 13
 groups were most of a step's host work); any other block tables go through the eager path's per-group CAMs
 and builders on host arrays, whose results are the same by construction (``tests/test_decode_packing.py``
@@ -47,24 +49,20 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from hybridkv.backends.builders import AttentionInputs, MambaInputs
+from hybridkv.backends.builders import AttentionInputs, DecodeRows, MambaInputs, decode_rows, decode_table_width
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.plan import KVCachePlan
-from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.kv_groups.specs import KVCacheSpec, SlidingWindowSpec
 from hybridkv.metadata import CommonAttentionMetadata
 from hybridkv.models.hybrid import HybridModel
-from hybridkv.transforms.block_rows import floordiv, gather_block_rows
-from hybridkv.transforms.local_attention import query_chunk_columns
-from hybridkv.transforms.sliding_window import window_drop
+from hybridkv.transforms.block_rows import gather_block_rows
 
 logger = logging.getLogger("hybridkv.engine")
 
 _NULL_SLOT = 0
-_max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
 _Buf = TypeVar("_Buf", torch.Tensor, np.ndarray)     # a flat buffer: device, pinned host, or its numpy view
-_Rule = tuple[str, int, int]    # an attention group's decode transform: (spec kind, block_size, window or chunk or 0)
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -72,16 +70,6 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max(max_num_seqs, 96) + 1, 32))
     out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
     return tuple(out)
-
-
-def table_width(spec: object, *, block_size: int, max_model_len: int) -> int:
-    """Widest block-table row a decode request of ``spec`` reads after its group's transform."""
-    full = -(-max_model_len // block_size)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(full, -(-(spec.sliding_window - 1) // block_size) + 2)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return min(full, spec.attention_chunk_size // block_size + 1)
-    return full
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +80,8 @@ class _Layout:
     attention: tuple[int, ...]           # plan group indices of attention groups
     mamba: tuple[int, ...]               # plan group indices of Mamba groups
     widths: tuple[int, ...]              # block-table width per attention group
-    rules: tuple[_Rule, ...]             # decode transform per attention group
+    specs: tuple[KVCacheSpec, ...]       # per attention group: its spec (the builders' decode rule and block size)
+    spec_ids: tuple[int, ...]            # per attention group: the first one with an equal spec (shared decode rows)
     table_starts: tuple[int, ...]        # offset of each attention group's table in the int32 buffer
     i64_size: int
     i32_size: int
@@ -102,13 +91,13 @@ class _Layout:
     def make(plan: KVCachePlan, max_batch: int) -> _Layout:
         attention = tuple(i for i, g in enumerate(plan.groups) if g.spec.is_attention)
         mamba = tuple(i for i, g in enumerate(plan.groups) if not g.spec.is_attention)
-        widths = tuple(table_width(plan.groups[i].spec, block_size=plan.groups[i].spec.block_size,
-                                   max_model_len=plan.max_model_len) for i in attention)
-        rules = tuple(_rule(plan.groups[i].spec) for i in attention)
+        specs = tuple(plan.groups[i].spec for i in attention)
+        spec_ids = tuple(specs.index(spec) for spec in specs)
+        widths = tuple(decode_table_width(spec, max_model_len=plan.max_model_len) for spec in specs)
         b = max_batch
         w = np.array(widths, np.int64)
         starts = b * (len(attention) + np.cumsum(w) - w)            # (attention,) where each table begins
-        return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths, rules=rules,
+        return _Layout(max_batch=b, attention=attention, mamba=mamba, widths=widths, specs=specs, spec_ids=spec_ids,
                        table_starts=tuple(starts.tolist()), i64_size=b * (3 + len(attention) + len(mamba)) + 1,
                        i32_size=b * len(attention) + b * sum(widths),
                        column0=starts[:, None] + w[:, None] * np.arange(b))
@@ -163,14 +152,6 @@ class _Layout:
         return buf[:len(self.attention) * self.max_batch].reshape(len(self.attention), self.max_batch)
 
 
-def _rule(spec: KVCacheSpec) -> _Rule:
-    if isinstance(spec, SlidingWindowSpec):
-        return (spec.kind, spec.block_size, spec.sliding_window)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return (spec.kind, spec.block_size, spec.attention_chunk_size)
-    return (spec.kind, spec.block_size, 0)
-
-
 @dataclass(frozen=True, kw_only=True)
 class DecodeTables:
     """A decode batch's tables in the engine's ``StepTables`` form (rows as the coordinator keeps them, each
@@ -180,33 +161,6 @@ class DecodeTables:
     tables: Sequence[np.ndarray]           # per plan group, (n, *) int32 from column starts[g]; Mamba: slot in col 0
     starts: Sequence[np.ndarray | None]    # per plan group, (n,) int32 first logical block, None = column 0
     slots: Sequence[np.ndarray | None]     # per plan group, (n,) int64 KV slot of each query (None for Mamba)
-
-
-def _decode_rows(rule: _Rule, s: np.ndarray, start: np.ndarray | None
-                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
-    """What a group's builder makes of a decode batch (one query per row, at s - 1) whose rows start at
-    block ``start``: (seq_lens (n,) from the kept table's first key; the kept table's first column in the
-    given rows (n,), or None = the rows as they are; blocks kept per row (n,); the kept width). Mirrors
-    ``trim_sliding_window`` and ``_one_query_each`` (transforms/), down to when they keep the table as is,
-    with their arithmetic (``window_drop``, ``query_chunk_columns``)."""
-    kind, bs, span = rule
-    key_start = 0 if start is None else start * bs
-    if kind == SlidingWindowSpec.kind:              # drop whole blocks before the query's window [s - W, s)
-        seq = s - key_start
-        drop = window_drop(seq - 1, span, bs)
-        if drop is None:
-            return seq, None, None, 0
-        seq -= drop * bs
-        nblk = floordiv(seq + (bs - 1), bs)
-        return seq, drop, nblk, int(_max(nblk))
-    if kind == ChunkedLocalAttentionSpec.kind:      # the request from its query's chunk start on
-        into, col0 = query_chunk_columns(s - 1, key_start, span, bs)
-        into += 1
-        if not col0.any():
-            return into, None, None, 0
-        nblk = floordiv(into + (bs - 1), bs)
-        return into, col0, nblk, int(_max(nblk))
-    return s - key_start, None, None, 0             # full attention: every key from the row's start
 
 
 def _put_attention(lay: _Layout, h64: np.ndarray, h32: np.ndarray, a: int, n: int, slots: np.ndarray,
@@ -225,15 +179,16 @@ def _pack_tables(lay: _Layout, h64: np.ndarray, h32: np.ndarray, step: DecodeTab
     array: the coordinator keeps them per manager), so each (kind, start) computes its lengths once."""
     s = step.seq_lens.astype(np.int32)
     rows = np.arange(n)
-    kept: dict[tuple[_Rule, int], tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]] = {}
+    kept: dict[tuple[int, int], DecodeRows] = {}
     for a, gi in enumerate(lay.attention):
-        rule, start, table = lay.rules[a], step.starts[gi], step.tables[gi]
-        key = (rule, id(start))
+        start, table = step.starts[gi], step.tables[gi]
+        key = (lay.spec_ids[a], id(start))
         if key not in kept:
-            kept[key] = _decode_rows(rule, s, start)
-        seq, col0, nblk, width = kept[key]
-        if col0 is not None:
-            table = gather_block_rows(table, rows, col0, nblk, width)
+            kept[key] = decode_rows(lay.specs[a], s, start)
+        d = kept[key]
+        seq = d.seq_lens
+        if d.col0 is not None:
+            table = gather_block_rows(table, rows, d.col0, d.num_blocks, d.width)
         slots = step.slots[gi]
         assert slots is not None
         _put_attention(lay, h64, h32, a, n, slots, seq, table)
@@ -353,6 +308,8 @@ class DecodeGraphs:
         self._arange = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=self.device)
         # the greedy tokens of the last replay: the next step's pending input ids are read from here
         self._tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
+        # ... and as the host reads them: NONFINITE where the chosen logit is not finite
+        self._report = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         self._copied = torch.cuda.Event()       # the pinned buffers may be rewritten once this has passed
 
@@ -376,11 +333,13 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """A ``b``-row decode step from the persistent buffers: its pending input ids from the previous step's
-        tokens, the forward, fp32 logits (returned) and their argmax into ``_tokens``."""
+        tokens, the forward, fp32 logits (returned), their argmax into ``_tokens`` and its report into
+        ``_report`` (the chosen logit recomputed as one dot product per row: the logits may not be written)."""
         v = self.buffers.views[b]
         ids = take_pending(v.layout.ids(v.dev64, b), v.layout.sources(v.dev64, b), self._tokens)
-        out = self.model.compute_logits_and_greedy(self.model(ids, v.layout.positions(v.dev64, b)),
-                                                   out=self._tokens[:b], write_logits=v.layout.write_logits(v.dev64))
+        hidden = self.model(ids, v.layout.positions(v.dev64, b))
+        out = self.model.compute_logits_and_greedy(hidden, out=self._tokens[:b], report=self._report[:b],
+                                                   write_logits=v.layout.write_logits(v.dev64))
         if out is None:
             raise RuntimeError("CUDA graphs: compute_logits returned None (tensor-parallel ranks are not supported)")
         return out[0]
@@ -427,10 +386,12 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray,
             inputs: DecodeTables | Sequence[AttentionInputs | MambaInputs], *, sources: np.ndarray | None = None,
-            prev_tokens: torch.Tensor | None = None, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+            prev_tokens: torch.Tensor | None = None, logits: bool = True
+            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Replay for a decode batch of (n,) ``input_ids`` at (n,) ``positions``, its groups' fields from
         ``inputs`` (``pack_host``); returns fp32 logits (n, vocab_size) (None unless ``logits``: the head then
-        skips writing them where it can) and their argmax (n,) int64, both valid until the next replay.
+        skips writing them where it can), their argmax (n,) int64 and its report (``StepOutput.report``), all
+        valid until the next replay.
         ``sources`` (n,) >= 0 takes those input ids from ``prev_tokens`` on the device (no copy when they are
         the tokens of the last replay, as in a run of greedy decode steps)."""
         n = int(input_ids.shape[0])
@@ -446,4 +407,4 @@ class DecodeGraphs:
                 self._tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
         graph, out, _ = self._graphs[b]
         graph.replay()
-        return (out[:n] if logits else None), self._tokens[:n]
+        return (out[:n] if logits else None), self._tokens[:n], self._report[:n]

@@ -1,30 +1,64 @@
 """The engine loop: ``add_request`` / ``step`` / ``abort`` over a scheduler, the KV-cache coordinator
-and a model runner. ``LLM`` is the friendly facade; streaming users drive this directly."""
+and a model runner. ``LLM`` is the friendly facade; streaming users drive this directly.
+
+Requests fail alone. Everything a request asks is checked against the model when it is submitted
+(``RequestError``). What goes wrong later is attributed as narrowly as it can be:
+
+- non-finite logits (NaN, inf) in a request's row finish that request with ``error`` set (``sampler.report``);
+- an exception while sampling the batch is retried row by row; the rows that fail alone finish with ``error``;
+- an exception in the batched forward (or anything else of a step) cannot be pinned on one request: the
+  step's requests finish with ``error`` (the forward may have updated their Mamba states in place, so they
+  cannot simply run again), the step before it is read back as usual, and every other request goes on.
+  ``KeyboardInterrupt`` / ``SystemExit`` and errors that leave no working engine (a tensor-parallel rank
+  gone, a CUDA fault that poisons the context: ``ENGINE_FATAL``) do the same, then propagate; their error
+  outputs come with the next ``step``.
+
+A finished request has released its blocks, its state slot and its row; ``check_idle`` checks that an engine
+with nothing to do holds nothing.
+"""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
+import numbers
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from hybridkv.engine.config import DEFAULT_MAX_LOGPROBS
+from hybridkv.engine.distributed import TensorParallelError
 from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput, StepRunner, StepTables
 from hybridkv.engine.request import (
     PENDING_TOKEN,
     CompletionOutput,
+    OutputKind,
     Request,
     RequestOutput,
+    RequestStatus,
     TokenLogprob,
 )
-from hybridkv.engine.sampler import SamplingTensors, logprobs_of, sample
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampler import (
+    NONFINITE,
+    LogitsProcessing,
+    SamplingTensors,
+    chosen_finite,
+    logprobs_of,
+    process_logits,
+    report,
+    row_max_finite,
+    sample,
+)
+from hybridkv.engine.sampling_params import SamplingParams, effective_seed
 from hybridkv.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridkv.kv_groups.block_table import token_ranges
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
 from hybridkv.kv_groups.plan import KVCachePlan
+from hybridkv.metadata import host_to_device
 from hybridkv.models.hybrid import HybridModel
 
 logger = logging.getLogger("hybridkv.engine")
@@ -32,6 +66,11 @@ logger = logging.getLogger("hybridkv.engine")
 
 class RequestError(ValueError):
     """A request that cannot be served (empty, too long, bad token ids); other requests are unaffected."""
+
+
+NONFINITE_ERROR = "the model produced non-finite logits (NaN or inf) for this request"
+ENGINE_FATAL: tuple[type[BaseException], ...] = (TensorParallelError, torch.AcceleratorError)
+"""Step failures after which the engine cannot run anything: they propagate (the step's requests failed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,10 +110,12 @@ class _Launched:
     rows: np.ndarray                       # (S,) their coordinator rows at launch
     positions: np.ndarray                  # (S,) index of each one's new token in its token_ids
     tokens: torch.Tensor                   # (S,) int64 on the device: the next step's input ids
-    host: torch.Tensor                     # (S,) int64 host copy, filled asynchronously on CUDA
+    host: torch.Tensor                     # (S,) int64 host copy of the reported tokens (NONFINITE where the
+                                           # row's logits were not finite), filled asynchronously on CUDA
     ready: torch.cuda.Event | None         # recorded after the copy (None: already on the host)
     logprobs: tuple[torch.Tensor, ...] | None   # (chosen, top values, top ids), copying to the host
     prompt_logprobs: list[_PromptLogprobs]  # of this step's prompt chunks, recorded with its tokens
+    failed: dict[Request, str] = field(default_factory=dict)   # requests whose sampling or logprobs failed
 
     def tokens_on_host(self) -> np.ndarray:
         if self.ready is not None:
@@ -86,17 +127,26 @@ class LLMEngine:
     """``async_scheduling``: schedule and prepare step N+1 while the device runs step N (the sampled
     tokens of step N feed step N+1 on the device and reach the host one step later); outputs then lag
     one step, and a request that stops on a token computes one more step that is thrown away. None = on
-    for an in-process runner on CUDA, where the host's work per step would otherwise leave the GPU idle."""
+    for an in-process runner on CUDA, where the host's work per step would otherwise leave the GPU idle.
+    ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary).
+
+    Logits processing (logit bias, min_tokens, penalties) keeps per-row state on the device, written when a
+    request takes a row: its bias and masked ids, and for penalties its token history in a
+    (max_num_seqs, longest such request) int32 buffer, made on first use and grown by doubling; each step
+    appends the sampled tokens on the device. A step without such requests pays nothing for it."""
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
                  seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
+        if not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or >= 0, got {max_logprobs!r}")
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
         has_mamba = bool(plan.mamba_groups)
         self.coordinator = KVCacheCoordinator(plan, enable_prefix_caching=enable_prefix_caching,
                                               max_num_reqs=max_num_seqs)
@@ -106,10 +156,15 @@ class LLMEngine:
             self.coordinator)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
+        # where the step's device tensors live: the runner's (a stand-in runner may hold no model), else the model's
+        self.device = getattr(self.runner, "device", None) or next(model.parameters()).device
         self._seeds = np.random.default_rng(seed)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._num_prompt_logprob_requests = 0      # unfinished requests that want prompt logprobs
+        self._num_streamed_requests = 0            # unfinished requests with outputs before they finish
+        self._num_prompt_logprob_requests = 0      # ... that want prompt logprobs
+        self._num_processed_requests = 0           # ... that need logits processing (bias, min_tokens, penalties)
+        self._num_penalty_requests = 0             # ... that use penalties (a token history on the device)
         self._steps = self._prompt_tokens = self._generated = 0
         # Largest request the pool can ever hold next to the per-step reserve.
         self._capacity_blocks = plan.num_blocks - 1 - plan.reserved_step_blocks
@@ -124,95 +179,257 @@ class LLMEngine:
         logger.info("asynchronous scheduling %s", "on" if self.async_scheduling else "off")
         self._inflight: _Launched | None = None
         self._pinned: list[torch.Tensor] = []        # two alternating host buffers for sampled tokens (CUDA)
+        self._undelivered: list[RequestOutput] = []  # error outputs of a step interrupted by a BaseException
+        self._decode_skips = _takes_skip_special_tokens(tokenizer)
+        # Per coordinator row, written when a request takes the row (``_note_admissions``): its owner and what
+        # logits processing it needs. Device buffers are made on first use and widened as needed.
+        R = max_num_seqs
+        self._row_owner = np.full(R, None, dtype=object)
+        self._row_processed = np.zeros(R, bool)
+        self._row_penalized = np.zeros(R, bool)
+        self._row_penalties = np.zeros((R, 3), np.float32)      # presence, frequency, repetition
+        self._row_num_bias = np.zeros(R, np.int64)
+        self._row_num_masked = np.zeros(R, np.int64)
+        self._row_min_tokens = np.zeros(R, np.int64)
+        self._history: torch.Tensor | None = None              # (R, cap) int32 token ids (penalties)
+        self._bias_ids: torch.Tensor | None = None             # (R, K) int64
+        self._bias_values: torch.Tensor | None = None          # (R, K) float32
+        self._masked_ids: torch.Tensor | None = None           # (R, M) int64 (min_tokens)
 
     # -- requests ------------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ``RequestError`` with the reason a prompt cannot be served."""
-        n = len(token_ids)
-        if n == 0:
-            raise RequestError("empty prompt")
-        if n > self.plan.max_model_len:
-            raise RequestError(f"prompt has {n} tokens, more than max_model_len={self.plan.max_model_len}")
-        arr = np.asarray(token_ids)
-        if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= self.vocab_size:
-            raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got "
-                               f"min {arr.min()} max {arr.max()}")
-        final = min(n + params.max_tokens, self.plan.max_model_len)
+        """Raise ``RequestError`` with the reason a request cannot be served."""
+        self._check_request(token_ids, params)
+
+    def _check_request(self, token_ids: object, params: object) -> tuple[list[int], SamplingParams]:
+        """The prompt as a list of ints and the params as the engine runs them (``max_tokens`` resolved), or
+        ``RequestError`` with the first reason the request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        ids = _token_list(token_ids, self.vocab_size)
+        n, limit = len(ids), self.plan.max_model_len
+        if n > limit:
+            raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}")
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got min {low} max {high}")
+        if params.n != 1:
+            raise RequestError(f"LLMEngine takes one sequence per request (n={params.n}); LLM splits n samples")
+        for what, values in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in values if t >= self.vocab_size]
+            if bad:
+                raise RequestError(f"{what} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
+        for what, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > self.max_logprobs:
+                raise RequestError(f"{what}={k} is more than max_logprobs={self.max_logprobs} (an engine option)")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if not params.skip_special_tokens and self.tokenizer is not None and not self._decode_skips:
+            raise RequestError("skip_special_tokens=False: this tokenizer's decode takes no skip_special_tokens")
+        max_tokens = max(limit - n, 1) if params.max_tokens is None else params.max_tokens
+        final = min(n + max_tokens, limit)
         if self.plan.attention_groups and self.coordinator.blocks_to_admit(final) > self._capacity_blocks:
             raise RequestError(f"a {final}-token request needs {self.coordinator.blocks_to_admit(final)} "
                                f"blocks; the KV cache holds {self._capacity_blocks}: raise kv_cache_memory")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max_tokens)
+        return ids, params
 
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                    *, prompt: str | None = None) -> None:
+                    *, prompt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queue one sequence; ``RequestError`` (nothing queued) when it cannot be served. ``output_kind``:
+        which outputs ``step`` builds for it (``OutputKind``)."""
+        if not isinstance(request_id, str):
+            raise RequestError(f"request ids are strings, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(token_ids, params)
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**62))
-        req = Request(request_id=request_id, token_ids=[int(t) for t in token_ids],
-                      num_prompt_tokens=len(token_ids), params=params, seed=seed,
-                      arrival=next(self._arrivals), prompt=prompt)
+        ids, params = self._check_request(token_ids, params)
+        seed = effective_seed(params.seed) if params.seed is not None else int(self._seeds.integers(0, 2**62))
+        req = Request(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params, seed=seed,
+                      arrival=next(self._arrivals), prompt=prompt, output_kind=OutputKind(output_kind))
         self._requests[request_id] = req
-        self._num_prompt_logprob_requests += params.prompt_logprobs is not None
+        self._count(req, +1)
         self.scheduler.add(req)
 
+    def _count(self, req: Request, sign: int) -> None:
+        params = req.params
+        self._num_streamed_requests += sign * (req.output_kind is not OutputKind.FINAL)
+        self._num_prompt_logprob_requests += sign * (params.prompt_logprobs is not None)
+        self._num_processed_requests += sign * self._needs_processing(params)
+        self._num_penalty_requests += sign * params.has_penalties
+
+    def _min_tokens_ids(self, params: SamplingParams) -> list[int]:
+        """What ``min_tokens`` keeps from being sampled: the stop token ids and EOS (unless ignored)."""
+        if params.min_tokens == 0:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return list(dict.fromkeys([*params.stop_token_ids, *eos]))
+
+    def _needs_processing(self, params: SamplingParams) -> bool:
+        return params.has_penalties or bool(params.logit_bias) or bool(self._min_tokens_ids(params))
+
     def abort(self, request_id: str) -> bool:
+        """Finish a request wherever it is (finish_reason "abort") and free what it holds; False if unknown
+        or already finished."""
+        self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
         req = self.scheduler.abort(request_id)
         if req is None:
+            stale = self._requests.get(request_id)
+            if stale is not None and stale.finished:        # finished by a step that was interrupted
+                self._forget(stale)
             return False
         req.drop_pending()
+        req.finished_time = time.monotonic()
         self._forget(req)
+        if self._inflight is not None and not self.scheduler.has_unfinished:
+            self._inflight = None       # every request of the step in flight is gone: nothing to read back
         return True
 
     def _forget(self, req: Request) -> None:
-        self._requests.pop(req.request_id, None)
-        self._num_prompt_logprob_requests -= req.params.prompt_logprobs is not None
+        if self._requests.pop(req.request_id, None) is not None:
+            self._count(req, -1)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._inflight is not None
+        return self.scheduler.has_unfinished or self._inflight is not None or bool(self._undelivered)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def check_idle(self) -> None:
+        """Raise ``AssertionError`` unless the engine holds nothing: no request (queued, running, in flight or
+        with undelivered outputs), every block free or cached, every working state slot free, the
+        coordinator's own invariants intact. Tests call it after every public call that ends a batch."""
+        problems = []
+        if self._requests:
+            problems.append(f"{len(self._requests)} requests still known: {sorted(self._requests)[:5]}")
+        if self.scheduler.waiting or self.scheduler.running:
+            problems.append(f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running")
+        if self._inflight is not None:
+            problems.append("a step is still in flight")
+        if self._undelivered:
+            problems.append(f"{len(self._undelivered)} undelivered outputs")
+        counts = (self._num_streamed_requests, self._num_prompt_logprob_requests, self._num_processed_requests,
+                  self._num_penalty_requests)
+        if any(counts):
+            problems.append(f"request counters not zero: {counts}")
+        coord = self.coordinator
+        coord.check_invariants()
+        if coord.num_requests:
+            problems.append(f"the KV cache holds {coord.num_requests} requests")
+        if self.plan.attention_groups and coord.num_free_blocks != self.plan.num_blocks - 1:
+            problems.append(f"{self.plan.num_blocks - 1 - coord.num_free_blocks} blocks neither free nor cached")
+        if self.plan.mamba_groups and coord.slots is not None \
+                and coord.slots.num_free_slots != coord.slots.num_working_slots:
+            problems.append(f"{coord.slots.num_working_slots - coord.slots.num_free_slots} working slots held")
+        assert not problems, "engine not idle: " + "; ".join(problems)
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model, sample; returns an output for every request that advanced (streaming),
-        or with ``only_finished`` for those that finished (building an output copies all of a request's
-        tokens, which a non-streaming caller would throw away every step).
+        """Schedule, run the model, sample; returns an output for every request that finished, and for every
+        unfinished one that advanced as its ``output_kind`` asks; with ``only_finished`` for those that
+        finished only (building an output copies all of a request's tokens, which a non-streaming caller
+        would throw away every step).
 
         With asynchronous scheduling the outputs are those of the previous step: this step is scheduled,
         built and queued on the device first, then the previous step's tokens are read (the device is
-        busy meanwhile) and its requests advance."""
+        busy meanwhile) and its requests advance. A failure fails the requests it touched (module
+        docstring); the others go on."""
+        outputs, self._undelivered = self._undelivered, []
+        only_finished = only_finished or not self._num_streamed_requests
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
             if prev is not None:            # what is left waits for its last tokens: drain
-                return self._finish(prev, only_finished=only_finished)[0]
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("the scheduler made no progress: no request fits the KV cache")
-            return []
+                return outputs + self._finish_or_fail(prev, only_finished=only_finished)[0]
+            if self.scheduler.running:
+                raise RuntimeError("the scheduler made no progress with requests running")
+            if self.scheduler.waiting:
+                # (submission checks make this unreachable; if it happens, the request fails, not the engine)
+                head = self.scheduler.waiting[0]
+                outputs += self._fail_requests([head], "the request does not fit the KV cache: it cannot be "
+                                                       "scheduled")
+            return outputs
         self._steps += 1
-        src, dst = self.coordinator.take_state_copies()
         try:
+            src, dst = self.coordinator.take_state_copies()
             self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
             step = self._step_batch(batch, prev)
             out = self.runner.execute(step)
-        except BaseException:
-            self._inflight = prev       # its tokens stay readable; this step's tokens were never committed
-            raise
-        assert out is not None          # (None only on tensor-parallel ranks > 0, which run no engine)
-        launched = self._launch(batch, step, out)
-        outputs: list[RequestOutput] = []
-        stopped = False
-        if prev is not None:
-            outputs, stopped = self._finish(prev, only_finished=only_finished)
-        self._commit(batch, skip_finished=stopped)
-        if self.async_scheduling:
-            self._inflight = launched
-        else:
-            outputs += self._finish(launched, only_finished=only_finished)[0]
+            assert out is not None          # (None only on tensor-parallel ranks > 0, which run no engine)
+            launched = self._launch(batch, step, out)
+        except BaseException as exc:
+            # The step's own requests fail (their Mamba states may be half-updated); the step before it is
+            # read back as usual (a broken device fails that too).
+            outputs += self._finish_or_fail(prev, only_finished=only_finished)[0] if prev is not None else []
+            outputs += self._fail_requests(batch.requests, _step_error(exc, batch.num_reqs), exc)
+            return self._deliver_or_raise(outputs, exc)
+        try:
+            stopped = False
+            if prev is not None:
+                done, stopped = self._finish(prev, only_finished=only_finished)
+                outputs += done
+            self._commit(batch, skip_finished=stopped)
+            if self.async_scheduling:
+                # (every request it sampled for may have stopped meanwhile: then nothing waits for it)
+                self._inflight = launched if self.scheduler.has_unfinished else None
+            else:
+                outputs += self._finish(launched, only_finished=only_finished)[0]
+        except BaseException as exc:
+            self._inflight = None
+            involved = [*(prev.batch.requests if prev is not None else ()), *batch.requests]
+            outputs += self._fail_requests(involved, _step_error(exc, len(involved)), exc)
+            return self._deliver_or_raise(outputs, exc)
         return outputs
+
+    def _deliver_or_raise(self, outputs: list[RequestOutput], exc: BaseException) -> list[RequestOutput]:
+        """An ``Exception`` is contained: the outputs (failed requests included) are returned. Anything else
+        (``KeyboardInterrupt``, ``SystemExit``, ``ENGINE_FATAL``) propagates; the outputs come with the next
+        ``step``."""
+        if isinstance(exc, Exception) and not isinstance(exc, ENGINE_FATAL):
+            return outputs
+        self._undelivered = outputs
+        raise exc
+
+    def _finish_or_fail(self, launched: _Launched, *, only_finished: bool) -> tuple[list[RequestOutput], bool]:
+        """``_finish``; when reading the step back fails (a broken device), its requests fail instead."""
+        try:
+            return self._finish(launched, only_finished=only_finished)
+        except Exception as exc:
+            reqs = launched.batch.requests
+            return self._fail_requests(reqs, _step_error(exc, len(reqs)), exc), True
+
+    def _fail_requests(self, reqs: Sequence[Request], message: str,
+                       exc: BaseException | None = None) -> list[RequestOutput]:
+        """Finish every unfinished request of ``reqs`` with ``error`` = ``message``; their outputs."""
+        failed = [r for r in dict.fromkeys(reqs) if not r.finished]
+        if failed and isinstance(exc, Exception):
+            logger.error("%s (requests %s)", message, [r.request_id for r in failed[:8]], exc_info=exc)
+        now = time.monotonic()
+        outputs = []
+        for r in failed:
+            r.error, r.finish_reason = message, "error"
+            self._release(r, now)
+            outputs.append(self.make_output(r))
+        return outputs
+
+    def _release(self, r: Request, now: float) -> None:
+        """A request that has finished (``finish_reason`` set) gives back its row, blocks and state slot."""
+        r.drop_pending()
+        if r.status is RequestStatus.WAITING:         # never admitted: out of the queue
+            reason = r.finish_reason
+            self.scheduler.abort(r.request_id)
+            r.finish_reason = reason
+        elif r.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(r)
+        r.finished_time = now
+        self._forget(r)
 
     def _step_batch(self, batch: ScheduledBatch, prev: _Launched | None = None) -> StepBatch:
         """The runner's view of ``batch``; a token still on its way from ``prev`` (the step in flight)
         is taken from ``prev.tokens`` on the device."""
+        self._note_admissions(batch)
         reqs, sched = batch.requests, self.scheduler
         new, computed, rows = batch.num_new_tokens, batch.num_computed, batch.rows
         n = len(reqs)
@@ -238,7 +455,8 @@ class LLMEngine:
                 sources = pending
         greedy = bool((sched.row_sampling[rows, 0] == 0).all())                # temperature 0 everywhere
         needs_logits = (not greedy or bool(self._num_prompt_logprob_requests)     # sampling or logprobs
-                        or bool((sched.row_logprobs[rows] >= 0).any()))
+                        or bool((sched.row_logprobs[rows] >= 0).any())
+                        or (bool(self._num_processed_requests) and bool(self._row_processed[rows].any())))
         extra = dict(greedy=greedy, needs_logits=needs_logits)
         if sources is not None:
             extra.update(input_sources=sources, prev_tokens=prev.tokens)
@@ -257,6 +475,81 @@ class LLMEngine:
         index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
                          logits_indices=index.astype(np.int64), **extra)
+
+    def _note_admissions(self, batch: ScheduledBatch) -> None:
+        """Requests that took a row since it was last looked at (admitted, or re-admitted after preemption):
+        first-scheduled time and prefix-cache hit, and their logits-processing state. A pure decode batch
+        admits nothing and costs nothing here."""
+        if batch.decode or not batch.num_reqs:
+            return
+        reqs, rows = batch.requests, batch.rows
+        current = np.empty(len(reqs), dtype=object)
+        current[:] = reqs
+        new = np.flatnonzero(self._row_owner[rows] != current)
+        if not new.size:
+            return
+        now = time.monotonic()
+        for i in new.tolist():
+            r, row = reqs[i], int(rows[i])
+            self._row_owner[row] = r
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+                r.num_cached_tokens = int(batch.num_computed[i])
+            self._load_row(row, r)
+
+    def _load_row(self, row: int, r: Request) -> None:
+        """Write request ``r``'s logits-processing state into row ``row`` (host arrays and device buffers)."""
+        p = r.params
+        masked = self._min_tokens_ids(p)
+        self._row_processed[row] = processed = p.has_penalties or bool(p.logit_bias) or bool(masked)
+        self._row_penalized[row] = p.has_penalties
+        if not processed:
+            return
+        self._row_penalties[row] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        self._row_num_bias[row] = len(p.logit_bias)
+        self._row_num_masked[row] = len(masked)
+        self._row_min_tokens[row] = p.min_tokens
+        if p.has_penalties:
+            assert not r.num_pending, "a request takes a row with all its tokens on the host"
+            self._grow_history(r.num_tokens + 1)
+            assert self._history is not None
+            self._history[row, :r.num_tokens] = host_to_device(np.asarray(r.token_ids, np.int32), self.device)
+        if p.logit_bias:
+            ids, values = list(p.logit_bias), list(p.logit_bias.values())
+            self._bias_ids, self._bias_values = self._padded_row(self._bias_ids, row, ids, torch.int64), \
+                self._padded_row(self._bias_values, row, values, torch.float32, pad=0.0)
+        if masked:
+            self._masked_ids = self._padded_row(self._masked_ids, row, masked, torch.int64)
+
+    def _padded_row(self, buffer: torch.Tensor | None, row: int, values: list, dtype: torch.dtype,
+                    pad: float | None = None) -> torch.Tensor:
+        """``buffer`` (R, width), made or widened by doubling as needed, with row ``row`` = ``values`` padded by
+        ``pad`` (None: the row's first value, so padded ids repeat a real one). Widening pads every row the
+        same way."""
+        k = len(values)
+        if buffer is None or buffer.shape[1] < k:
+            width = max(k, 2 * buffer.shape[1] if buffer is not None else 4)
+            grown = torch.zeros(len(self._row_owner), width, dtype=dtype, device=self.device)
+            if buffer is not None:
+                grown[:, :buffer.shape[1]] = buffer
+                grown[:, buffer.shape[1]:] = buffer[:, :1] if pad is None else pad
+            buffer = grown
+        filler = values[0] if pad is None else pad
+        padded = np.full(buffer.shape[1], filler, np.float32 if dtype == torch.float32 else np.int64)
+        padded[:k] = values
+        buffer[row] = host_to_device(padded, self.device)
+        return buffer
+
+    def _grow_history(self, length: int) -> None:
+        """The penalty token history holds ``length`` tokens per row (grown by doubling, up to max_model_len + 1)."""
+        have = 0 if self._history is None else self._history.shape[1]
+        if length <= have:
+            return
+        cap = min(max(length, 2 * have, 64), self.plan.max_model_len + 1)
+        grown = torch.zeros(len(self._row_owner), max(cap, length), dtype=torch.int32, device=self.device)
+        if self._history is not None:
+            grown[:, :have] = self._history
+        self._history = grown
 
     def _step_tables(self, rows: np.ndarray, seq_lens: np.ndarray, token_rows: np.ndarray,
                      positions: np.ndarray) -> StepTables:
@@ -289,16 +582,21 @@ class LLMEngine:
         samples = computed + new == sched.row_num_tokens[batch.rows]
         sample_idx = np.flatnonzero(samples)
         samplers = reqs if sample_idx.size == len(reqs) else [reqs[i] for i in sample_idx.tolist()]
-        logits, greedy = out.logits, out.greedy
+        logits, greedy, greedy_report = out.logits, out.greedy, out.report
         prompt_logprobs = []
+        failed: dict[Request, str] = {}
         if self._num_prompt_logprob_requests:        # logits rows of prompt chunks come first per request
             wants = np.array([r.params.prompt_logprobs is not None for r in reqs], bool)
             lengths = np.where(wants, new, samples)
             offsets = np.cumsum(lengths) - lengths
             sample_rows = (offsets + lengths - 1)[sample_idx]
             for i in np.flatnonzero(wants).tolist():
-                chunk = self._prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
-                                              logits[int(offsets[i]):int(offsets[i] + new[i])])
+                try:
+                    chunk = self._prompt_logprobs(reqs[i], int(computed[i]), int(new[i]),
+                                                  logits[int(offsets[i]):int(offsets[i] + new[i])])
+                except Exception as exc:
+                    failed[reqs[i]] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
+                    continue
                 if chunk is not None:
                     prompt_logprobs.append(chunk)
         else:
@@ -309,19 +607,41 @@ class LLMEngine:
         if sample_rows is None:
             picked = None if logits is None else logits[:sample_idx.size]
             greedy = None if greedy is None else greedy[:sample_idx.size]
+            greedy_report = None if greedy_report is None else greedy_report[:sample_idx.size]
         else:
             assert logits is not None            # prompt logprobs: the step needed its logits
             index = torch.as_tensor(sample_rows, device=logits.device)
-            picked, greedy = logits[index], (None if greedy is None else greedy[index])
-        tokens, logprobs = self._sample(rows, picked, greedy)
+            picked = logits[index]
+            greedy = None if greedy is None else greedy[index]
+            greedy_report = None if greedy_report is None else greedy_report[index]
+        try:
+            tokens, reported, logprobs = self._sample(rows, picked, greedy, greedy_report)
+        except Exception as exc:     # a batch-wide failure: find the rows that fail alone
+            logger.warning("sampling the batch failed (%s: %s); sampling its rows one by one", type(exc).__name__, exc)
+            tokens, reported, logprobs, row_errors = self._sample_alone(rows, picked, greedy, greedy_report)
+            failed.update((samplers[i], message) for i, message in row_errors.items())
         positions = sched.row_num_tokens[rows].copy()
+        if self._num_penalty_requests:
+            self._append_history(rows, positions, tokens)
         sched.add_sampled(rows)
         for r in samplers:
             r.token_ids.append(PENDING_TOKEN)
             r.num_pending += 1
-        host, ready = self._to_host(tokens)
+        host, ready = self._to_host(reported)
         return _Launched(batch=batch, samplers=samplers, rows=rows, positions=positions, tokens=tokens,
-                         host=host, ready=ready, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                         host=host, ready=ready, logprobs=logprobs, prompt_logprobs=prompt_logprobs, failed=failed)
+
+    def _append_history(self, rows: np.ndarray, positions: np.ndarray, tokens: torch.Tensor) -> None:
+        """Penalized rows' new tokens into their device history, where the next step's penalties read them."""
+        sel = np.flatnonzero(self._row_penalized[rows])
+        if not sel.size:
+            return
+        pos = positions[sel]
+        self._grow_history(int(pos.max()) + 1)
+        assert self._history is not None
+        dev = tokens.device
+        self._history[host_to_device(rows[sel], dev), host_to_device(pos, dev)] = \
+            tokens[host_to_device(sel, dev)].to(torch.int32)
 
     def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the device-to-host copy of a step's tokens: into one of two pinned buffers (the other may
@@ -355,19 +675,29 @@ class LLMEngine:
         tokens = launched.tokens_on_host()
         toks = tokens.tolist()
         lp = None if launched.logprobs is None else [t.tolist() for t in launched.logprobs]
+        failed = launched.failed
         for chunk in launched.prompt_logprobs:
             if not chunk.request.finished:            # (aborted meanwhile)
                 self._record_prompt_logprobs(chunk)
         sched = self.scheduler
+        now = time.monotonic()
         stopped: list[Request] = []
-        gone = []                           # samplers whose row is no longer theirs
+        gone = []                           # samplers whose row is no longer theirs (or who failed)
         for i, (r, p, tok) in enumerate(zip(launched.samplers, launched.positions.tolist(), toks, strict=True)):
             if r.finished:                  # stopped a step earlier, or aborted: the token is dropped
+                gone.append(i)
+                continue
+            if tok == NONFINITE or (failed and r in failed):
+                r.error, r.finish_reason = failed.get(r, NONFINITE_ERROR), "error"
+                stopped.append(r)
                 gone.append(i)
                 continue
             r.token_ids[p] = tok
             r.num_pending -= 1
             self._generated += 1
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.last_token_time = now
             if lp is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
                 r.logprobs.append(TokenLogprob(token_id=tok, logprob=lp[0][i],
@@ -376,6 +706,10 @@ class LLMEngine:
                 gone.append(i)
             if self._stops(r, tok, p + 1):
                 stopped.append(r)
+        for r, message in failed.items():   # a prompt chunk whose logprobs failed (no token this step)
+            if not r.finished and r.finish_reason is None:
+                r.error, r.finish_reason = message, "error"
+                stopped.append(r)
         if gone:
             keep = np.ones(len(toks), bool)
             keep[gone] = False
@@ -383,32 +717,49 @@ class LLMEngine:
         else:
             sched.set_last_tokens(launched.rows, tokens)
         for r in stopped:
-            r.drop_pending()
-            sched.finish(r)
-            self._forget(r)
+            self._release(r, now)
         if only_finished:
             return [self.make_output(r) for r in stopped], bool(stopped)
-        done = set(stopped)
-        return [self.make_output(r) for r in launched.batch.requests if r in done or not r.finished], bool(stopped)
+        done = set(stopped)                 # (all of them requests of this step)
+        outputs = []
+        for r in launched.batch.requests:
+            if r in done:
+                outputs.append(self.make_output(r))
+            elif r.finished or r.output_kind is OutputKind.FINAL:
+                continue
+            elif r.output_kind is OutputKind.CUMULATIVE:
+                outputs.append(self.make_output(r))
+            elif r.num_known_tokens - r.num_prompt_tokens > r.num_delivered:       # DELTA with new tokens
+                outputs.append(self._delta_output(r))
+        return outputs, bool(stopped)
 
-    def _sample(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), and
-        the logprobs asked for; ``greedy``: the logits' argmax when the step computed it (``logits`` None: a
-        greedy step that needed nothing else). The per-row parameters come from the scheduler's arrays: no
-        loop over requests."""
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None,
+                greedy_report: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """One token per sampling request (coordinator ``rows``, (B,)) on the device ((B,) int64), the tokens
+        as the host reads them (``NONFINITE`` where a row's logits were not finite) and the logprobs asked
+        for; ``greedy``: the logits' argmax when the step computed it, ``greedy_report`` its report (``logits``
+        None: a greedy step that needed nothing else). The per-row parameters come from the scheduler's and
+        the engine's row arrays: no loop over requests."""
         if logits is None:
             assert greedy is not None, "a step without logits returns its greedy tokens"
-            return greedy, None
+            return greedy, (greedy if greedy_report is None else greedy_report), None
         device, sched = logits.device, self.scheduler
         knobs = sched.row_sampling[rows]                                   # (B, 3): temperature, top_p, min_p
         top_k = sched.row_top_k[rows]
+        processed = bool(self._num_processed_requests) and bool(self._row_processed[rows].any())
+        x = self._process(rows, logits) if processed else logits
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
         if (knobs[:, 0] == 0).all():     # greedy batch: the argmax, no parameter tensors to ship
-            tokens = logits.argmax(-1) if greedy is None else greedy
+            if greedy is not None and not processed:
+                tokens = greedy
+                reported = greedy_report if greedy_report is not None else report(tokens, chosen_finite(logits, tokens))
+            else:
+                tokens = x.argmax(-1)
+                reported = report(tokens, row_max_finite(logits) if processed else chosen_finite(logits, tokens))
         else:
             st = SamplingTensors(
                 temperature=dev(knobs[:, 0]), top_k=dev(top_k), top_p=dev(knobs[:, 1]), min_p=dev(knobs[:, 2]),
@@ -416,11 +767,89 @@ class LLMEngine:
                 counters=dev(sched.row_num_tokens[rows] - sched.row_num_prompt[rows]),   # outputs so far
                 needs_filtering=bool((top_k > 0).any() or (knobs[:, 1] < 1).any() or (knobs[:, 2] > 0).any()),
             )
-            tokens = sample(logits, st)
+            tokens = sample(x, st)
+            reported = report(tokens, row_max_finite(logits))
         asked = sched.row_logprobs[rows]
         if not (asked >= 0).any():
-            return tokens, None
-        return tokens, _start_copy(logprobs_of(logits, tokens, int(asked.max())))
+            return tokens, reported, None
+        return tokens, reported, _start_copy(logprobs_of(logits, tokens, int(asked.max())))
+
+    def _process(self, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) raw logits of sampler ``rows`` (B,) -> logits with each row's bias, min-tokens mask and
+        penalties applied (a copy; rows without processing unchanged)."""
+        sched = self.scheduler
+        idx = np.flatnonzero(self._row_processed[rows])
+        prow = rows[idx]
+        dev = logits.device
+
+        def d(a: np.ndarray) -> torch.Tensor:
+            return host_to_device(np.ascontiguousarray(a), dev)
+
+        prow_dev = d(prow)
+        num_bias, num_masked = self._row_num_bias[prow], self._row_num_masked[prow]
+        outputs = sched.row_num_tokens[prow] - sched.row_num_prompt[prow]
+        active = (outputs < self._row_min_tokens[prow]) & (num_masked > 0)
+        penalized = self._row_penalized[prow]
+        parts: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("bias_ids", "bias_values", "masked_ids", "mask_active", "history", "num_prompt", "num_tokens",
+             "presence", "frequency", "repetition"))
+        if num_bias.any():
+            assert self._bias_ids is not None and self._bias_values is not None
+            k = int(num_bias.max())
+            parts.update(bias_ids=self._bias_ids[prow_dev, :k],
+                         bias_values=torch.where(torch.arange(k, device=dev)[None, :] < d(num_bias)[:, None],
+                                                 self._bias_values[prow_dev, :k], 0.0))
+        if active.any():
+            assert self._masked_ids is not None
+            parts.update(masked_ids=self._masked_ids[prow_dev, :int(num_masked.max())], mask_active=d(active))
+        if penalized.any():
+            assert self._history is not None
+            lengths = np.where(penalized, sched.row_num_tokens[prow], 0)
+            pen = self._row_penalties[prow]
+            parts.update(history=self._history[prow_dev, :int(lengths.max())].long(),
+                         num_prompt=d(sched.row_num_prompt[prow]), num_tokens=d(lengths), presence=d(pen[:, 0]),
+                         frequency=d(pen[:, 1]), repetition=d(pen[:, 2]))
+        proc = LogitsProcessing(**parts)
+        if idx.size == rows.size:
+            return process_logits(logits, proc)
+        full = logits.clone()
+        index = d(idx)
+        full.index_copy_(0, index, process_logits(logits.index_select(0, index), proc))
+        return full
+
+    def _sample_alone(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None,
+                      greedy_report: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None, dict[int, str]]:
+        """``_sample`` one row at a time (after the batch failed): the rows that fail alone get token 0 on the
+        device and an error; the others their token. Host work per row: an error path only."""
+        tokens, reported, logprobs, errors = [], [], [], {}
+        for i in range(rows.size):
+            one = slice(i, i + 1)
+            try:
+                t, rep, lp = self._sample(rows[one], None if logits is None else logits[one],
+                                          None if greedy is None else greedy[one],
+                                          None if greedy_report is None else greedy_report[one])
+                lp = None if lp is None else tuple(v.cpu() for v in lp)
+            except Exception as exc:
+                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                t = torch.zeros(1, dtype=torch.int64, device=logits.device if logits is not None else self.device)
+                rep, lp = torch.full_like(t, NONFINITE), None
+            tokens.append(t)
+            reported.append(rep)
+            logprobs.append(lp)
+        width = max((lp[1].shape[1] for lp in logprobs if lp is not None), default=None)
+        merged = None
+        if width is not None:
+            chosen = torch.zeros(rows.size, dtype=torch.float32)
+            values = torch.full((rows.size, width), float("-inf"))
+            ids = torch.zeros((rows.size, width), dtype=torch.int64)
+            for i, lp in enumerate(logprobs):
+                if lp is not None:
+                    chosen[i] = lp[0][0]
+                    values[i, :lp[1].shape[1]] = lp[1][0]
+                    ids[i, :lp[2].shape[1]] = lp[2][0]
+            merged = (chosen, values, ids)
+        return torch.cat(tokens), torch.cat(reported), merged, errors
 
     @staticmethod
     def _prompt_logprobs(r: Request, start: int, n: int, logits: torch.Tensor) -> _PromptLogprobs | None:
@@ -445,34 +874,65 @@ class LLMEngine:
                                                   top=tuple(zip(ids[i], values[i], strict=True))))
 
     def _stops(self, r: Request, tok: int, known: int) -> bool:
-        """Whether ``tok``, the request's ``known``-th token, ends it (sets ``finish_reason``)."""
+        """Whether ``tok``, the request's ``known``-th token, ends it (sets ``finish_reason`` and
+        ``stop_reason``). Before ``min_tokens`` outputs only the length limits end it."""
         p = r.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            r.finish_reason = "stop"
-        elif p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.token_ids[r.num_prompt_tokens:known])
-            if any(s in text for s in p.stop):
+        num_out = known - r.num_prompt_tokens
+        if num_out >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                r.finish_reason, r.stop_reason = "stop", tok
+            elif tok in self.eos_token_ids and not p.ignore_eos:
                 r.finish_reason = "stop"
-        if r.finish_reason is None and (known - r.num_prompt_tokens >= p.max_tokens
-                                        or known >= self.plan.max_model_len):
+            elif p.stop and self.tokenizer is not None:
+                found = _first_stop(self._decode(r.token_ids[r.num_prompt_tokens:known], p), p.stop)
+                if found is not None:
+                    r.finish_reason, r.stop_reason = "stop", found[1]
+        if r.finish_reason is None and (num_out >= p.max_tokens or known >= self.plan.max_model_len):
             r.finish_reason = "length"
         return r.finish_reason is not None
 
+    def decode(self, ids: Sequence[int], params: SamplingParams) -> str:
+        """Text of output token ids as a request with ``params`` gets it (needs a tokenizer)."""
+        return self._decode(ids, params)
+
+    def _decode(self, ids: Sequence[int], params: SamplingParams) -> str:
+        """Text of ``ids``, special tokens skipped or kept as asked (ours skip by default, transformers' keep: the
+        keyword is passed whenever the tokenizer takes it)."""
+        assert self.tokenizer is not None
+        if not self._decode_skips:
+            return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=params.skip_special_tokens)
+
     def make_output(self, r: Request) -> RequestOutput:
+        p = r.params
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_token_ids)
-            for s in r.params.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    text = text[:cut]
+            text = self._decode(r.output_token_ids, p)
+            found = _first_stop(text, p.stop) if p.stop else None
+            if found is not None:
+                cut, s = found
+                text = text[:cut + len(s)] if p.include_stop_str_in_output else text[:cut]
         completion = CompletionOutput(index=0, token_ids=tuple(r.output_token_ids), text=text,
-                                      finish_reason=r.finish_reason,
-                                      logprobs=tuple(r.logprobs) if r.params.logprobs is not None else None)
+                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                                      logprobs=tuple(r.logprobs) if p.logprobs is not None else None)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-                             outputs=(completion,), finished=r.finished,
-                             prompt_logprobs=(tuple(r.prompt_logprobs) if r.params.prompt_logprobs is not None
+                             outputs=(completion,), finished=r.finished, error=r.error, metrics=r.metrics,
+                             num_cached_tokens=r.num_cached_tokens,
+                             prompt_logprobs=(tuple(r.prompt_logprobs) if p.prompt_logprobs is not None
                                               else None))
+
+    def _delta_output(self, r: Request) -> RequestOutput:
+        """A DELTA request's output tokens (and logprobs) since its last output; no text."""
+        start, end = r.num_delivered, r.num_output_tokens
+        r.num_delivered = end
+        first = r.num_prompt_tokens
+        completion = CompletionOutput(index=0, token_ids=tuple(r.token_ids[first + start:first + end]), text=None,
+                                      finish_reason=None,
+                                      logprobs=tuple(r.logprobs[start:end]) if r.params.logprobs is not None
+                                      else None)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                             outputs=(completion,), finished=False, metrics=r.metrics,
+                             num_cached_tokens=r.num_cached_tokens)
 
     def reset_counters(self) -> None:
         """Zero the counters ``stats`` reports (after the start-up warm-up)."""
@@ -485,3 +945,56 @@ class LLMEngine:
         return EngineStats(steps=self._steps, prompt_tokens=self._prompt_tokens,
                            generated_tokens=self._generated, preemptions=self.scheduler.num_preemptions,
                            prefix_hit_tokens=s.hit_tokens, prefix_query_tokens=s.query_tokens)
+
+
+def _step_error(exc: BaseException, num_requests: int) -> str:
+    if not isinstance(exc, Exception):
+        return f"interrupted ({type(exc).__name__}) while its step ran"
+    if isinstance(exc, ENGINE_FATAL):
+        return f"the engine failed ({type(exc).__name__}: {exc})"
+    return (f"the model step failed ({type(exc).__name__}: {exc}); it held {num_requests} requests, which all "
+            "failed with it")
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(position, stop string) of the earliest stop string in ``text`` (the longest at a tie), or None."""
+    best = None
+    for s in stops:
+        at = text.find(s)
+        if at >= 0 and (best is None or at < best[0] or (at == best[0] and len(s) > len(best[1]))):
+            best = (at, s)
+    return best
+
+
+def _takes_skip_special_tokens(tokenizer: object | None) -> bool:
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        return False
+    try:
+        parameters = inspect.signature(decode).parameters
+    except (TypeError, ValueError):
+        return True                 # a builtin without a signature: assume the common keyword
+    return "skip_special_tokens" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _token_list(token_ids: object, vocab_size: int) -> list[int]:
+    """A prompt's token ids as Python ints, or ``RequestError``: a sequence (or 1-D integer array) of ints
+    (not bools, not floats), not empty (the caller checks their range)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise RequestError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
+        ids = token_ids.tolist()
+    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise RequestError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
+    else:
+        ids = list(token_ids)
+        if not all(type(t) is int for t in ids):          # the common case is one C-speed pass
+            for i, t in enumerate(ids):
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool | np.bool_):
+                    raise RequestError(f"token ids must be integers in [0, {vocab_size}), got {t!r} at "
+                                       f"position {i}")
+            ids = [int(t) for t in ids]
+    if not ids:
+        raise RequestError("empty prompt")
+    return ids

@@ -3,65 +3,54 @@
     from hybridkv import LLM, SamplingParams
     llm = LLM("path/to/checkpoint")            # or a HybridConfig (random weights) or a built model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
+
+Prompts are text, token ids, or vLLM's prompt dicts (``{"prompt": "..."}``, ``{"prompt_token_ids": [...]}``).
+Every call owns its requests: whatever way it ends (return, exception, ``KeyboardInterrupt``, a stream closed
+or dropped early), what it left unfinished is aborted and freed; calls may interleave (a paused stream keeps
+its outputs queued while ``generate`` runs) and run on several threads at once (``engine/front.py``: a lone
+call steps the engine in its own thread, as fast as without the front; concurrent calls share the steps).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
+import numbers
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.distributed import join_group, spawn_group, torchrun_world
 from hybridkv.engine.engine import EngineStats, LLMEngine, RequestError
 from hybridkv.engine.executor import TensorParallelExecutor, serve
+from hybridkv.engine.front import EngineFront, Submission
 from hybridkv.engine.model_runner import ModelRunner, out_of_memory_message
-from hybridkv.engine.request import CompletionOutput, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.request import OutputKind, RequestMetrics, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams, sample_seed
 from hybridkv.engine.warmup import warm_up
-from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
+from hybridkv.kv_groups.plan import KVCachePlan
 from hybridkv.layers.parallel import SINGLE, TensorParallel
 from hybridkv.loaders.hf_config import load_config, read_config_json
 from hybridkv.models.config import HybridConfig
 from hybridkv.models.hybrid import CONFIG_NAME, HybridModel, build_model, load_model, shard_model
-from hybridkv.utils import format_bytes, parse_bytes
+from hybridkv.utils import format_bytes
 
 logger = logging.getLogger("hybridkv")
 
-Prompt = str | Sequence[int]
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str | torch.dtype, config: HybridConfig, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        # Checkpoint dtype on GPUs; fp32 on the CPU, where bf16 matmuls are slow and less exact.
-        return config.torch_dtype if device.type == "cuda" else torch.float32
-    value = getattr(torch, dtype, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return value
-
-
-def _default_kv_memory(device: torch.device) -> int:
-    """A safe share of what is free: 80% of free GPU memory, or 10% of available RAM (at most 4 GiB)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(int(available * 0.1), 4 << 30)
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or a vLLM prompt dict: ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (both: the ids
+are used, the text is reported)."""
+Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 @dataclass(frozen=True)
@@ -97,8 +86,8 @@ def _full_weights(model: HybridModel) -> _FullWeights:
     return _FullWeights(config=model.config, state=state, dtype=next(model.parameters()).dtype)
 
 
-def _load(model: ModelArg | _FullWeights, device: torch.device, dtype: str | torch.dtype, seed: int,
-          tp: TensorParallel = SINGLE, *, with_tokenizer: bool = True) -> tuple[HybridModel, object | None]:
+def _load(model: ModelArg | _FullWeights, device: torch.device, config: EngineConfig, tp: TensorParallel = SINGLE,
+          *, with_tokenizer: bool = True) -> tuple[HybridModel, object | None]:
     """This rank's model (the whole model at tensor_parallel_size 1) and the checkpoint's tokenizer."""
     if isinstance(model, HybridModel) and tp.size == 1:
         return model.to(device).eval(), None
@@ -106,15 +95,17 @@ def _load(model: ModelArg | _FullWeights, device: torch.device, dtype: str | tor
         full = model if isinstance(model, _FullWeights) else _full_weights(model)
         return shard_model(full.config, full.state, tp=tp, dtype=full.dtype, device=device), None
     if isinstance(model, HybridConfig):
-        return build_model(model, dtype=_resolve_dtype(dtype, model, device), device=device, seed=seed, tp=tp), None
+        return build_model(model, dtype=config.resolved_dtype(model, device), device=device, seed=config.seed,
+                           tp=tp), None
     path = Path(model)
-    config, native = _checkpoint_config(path)
+    model_config, native = _checkpoint_config(path)
+    dtype = config.resolved_dtype(model_config, device)
     if native:
-        loaded = load_model(path, dtype=_resolve_dtype(dtype, config, device), device=device, tp=tp)
+        loaded = load_model(path, dtype=dtype, device=device, tp=tp)
     else:   # an HF checkpoint: hub weight names, converted by the loaders package
         from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
-        loaded = load_hf_checkpoint(path, dtype=_resolve_dtype(dtype, config, device), device=device, tp=tp)
+        loaded = load_hf_checkpoint(path, dtype=dtype, device=device, tp=tp)
     if not with_tokenizer:
         return loaded, None
     from hybridkv.loaders.tokenizer import load_tokenizer
@@ -122,80 +113,68 @@ def _load(model: ModelArg | _FullWeights, device: torch.device, dtype: str | tor
     return loaded, load_tokenizer(path)
 
 
-def _spawned_rank(model: ModelArg | _FullWeights, kwargs: dict[str, object]) -> None:
+def _spawned_rank(model: ModelArg | _FullWeights, config: EngineConfig) -> None:
     """Entry point of a rank spawned by rank 0: the same ``LLM`` construction, which joins the group from
     the environment, serves steps, and exits when rank 0 shuts down."""
-    LLM(model, **kwargs)  # type: ignore[arg-type]
+    LLM(model, config=config)
 
 
 class LLM:
-    """``tensor_parallel_size`` > 1 shards the model over that many ranks (docs/parallelism.md): rank 0 is
+    """``LLM(model, **settings)`` or ``LLM(model, config=EngineConfig(...))`` (settings given with a config
+    replace its fields): every setting, its default and its check are ``EngineConfig``'s.
+
+    ``tensor_parallel_size`` > 1 shards the model over that many ranks (docs/parallelism.md): rank 0 is
     this process and spawns the others, or, under ``torchrun``, every process constructs the same ``LLM``
     and the constructor does not return on ranks > 0 (they serve steps and exit when rank 0 shuts down).
-    ``distributed_timeout`` (seconds) bounds every collective of a step: a dead or stuck rank is an error,
-    not a hang. ``cuda_graphs``: replay captured decode steps (None = on when the device and backend allow it).
-    ``async_scheduling``: prepare step N+1 on the host while the device runs step N (None = on CUDA without
-    tensor parallelism; ``LLMEngine`` says what changes). ``warmup``: serve a few synthetic requests at start-up
-    so no kernel is compiled while serving (``engine/warmup.py``; None = on CUDA).
-    With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops
-    the other ranks (done at exit otherwise)."""
+    With tensor parallelism ``llm.model`` is rank 0's shard; ``shutdown()`` (or ``with``) stops the other ranks
+    (done at exit otherwise).
 
-    def __init__(self, model: ModelArg, *, dtype: str | torch.dtype = "auto",
-                 device: str = "auto", block_size: int | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
-                 backend: str = "auto", seed: int = 0, tokenizer: object | None = None,
-                 tensor_parallel_size: int = 1, distributed_timeout: float = 600.0,
-                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
-                 warmup: bool | None = None) -> None:
-        dev = _resolve_device(device)
+    Thread-safe: calls from several threads share the engine's steps (``EngineFront``); each gets its own
+    outputs. ``AsyncLLM(llm)`` serves the same engine to coroutines."""
+
+    def __init__(self, model: ModelArg, *, config: EngineConfig | None = None, **settings: Any) -> None:
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings:
+            config = replace(config, **settings)
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        dev = config.resolved_device()
+        given_tokenizer = _resolve_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         self._executor: TensorParallelExecutor | None = None
         ctx = None
-        if tensor_parallel_size != 1:
-            _model_config(model).check_tensor_parallel(tensor_parallel_size)   # before starting any process
+        tp_size = config.tensor_parallel_size
+        if tp_size != 1:
+            _model_config(model).check_tensor_parallel(tp_size)   # before starting any process
             if torchrun_world() is not None:
-                ctx = join_group(tensor_parallel_size, dev, distributed_timeout)
+                ctx = join_group(tp_size, dev, config.distributed_timeout)
             else:
-                kwargs = dict(dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                              backend=backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
-                              distributed_timeout=distributed_timeout)
                 source = _full_weights(model) if isinstance(model, HybridModel) else model
-                ctx = spawn_group(tensor_parallel_size, dev, distributed_timeout, _spawned_rank, (source, kwargs))
+                ctx = spawn_group(tp_size, dev, config.distributed_timeout, _spawned_rank,
+                                  (source, config.for_ranks()))
             dev = ctx.device
 
         def load() -> tuple[HybridModel, object | None]:
-            return _load(model, dev, dtype, seed, ctx.tp if ctx else SINGLE,
-                         with_tokenizer=ctx is None or ctx.is_driver)
+            return _load(model, dev, config, ctx.tp if ctx else SINGLE, with_tokenizer=ctx is None or ctx.is_driver)
 
         try:
             self.model, found_tokenizer = ctx.run_everywhere("loading the model", load) if ctx else load()
         except torch.OutOfMemoryError as e:
             raise MemoryError(out_of_memory_message("the model weights", None, dev)) from e
-        self.tokenizer = tokenizer or found_tokenizer
-        config = self.model.config
-        if block_size is None:        # 16, or what every chunked layer's chunk is a multiple of (logged)
-            block_size = config.default_block_size()
-            logger.info("KV block size %d", block_size)
-        max_model_len = max_model_len or config.max_position_embeddings
-        step_tokens = max_num_batched_tokens or max(2048, min(max_model_len, 8192))
-        budget = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else _default_kv_memory(dev)
+        self.tokenizer = given_tokenizer if given_tokenizer is not None else found_tokenizer
+        model_config = self.model.config
+        if config.block_size is None:        # 16, or what every chunked layer's chunk is a multiple of (logged)
+            logger.info("KV block size %d", config.resolved_block_size(model_config))
+        budget = config.kv_budget(dev)
         if ctx is not None:
             budget = ctx.min_over_ranks(budget)          # every rank plans the same pools
+        kv_dtype = next(self.model.parameters()).dtype
 
         def make_plan() -> KVCachePlan | None:
             if ctx is not None and not ctx.is_driver:
                 return None                               # rank 0's plan is shared below
-            specs = config.kv_specs(block_size=block_size, kv_dtype=next(self.model.parameters()).dtype,
-                                    tensor_parallel_size=tensor_parallel_size)
-            # Mamba prefix-cache checkpoints: up to one per sequence, within an eighth of the budget.
-            state_bytes = sum(s.bytes_per_block for s in specs.values() if not s.is_attention)
-            checkpoints = min(max_num_seqs, budget // (8 * state_bytes)) if state_bytes and enable_prefix_caching \
-                else 0
-            return plan_kv_cache(
-                specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=max_num_seqs,
-                step_tokens=step_tokens, num_checkpoint_slots=checkpoints)
+            return config.plan(model_config, kv_dtype=kv_dtype, budget=budget)
 
         runner = None
         if ctx is None:
@@ -203,21 +182,24 @@ class LLM:
         else:
             self.plan = ctx.share(ctx.run_everywhere("planning the KV cache", make_plan))
             local = ctx.run_everywhere("allocating the KV cache",
-                                       lambda: ModelRunner(self.model, self.plan, backend=backend))
+                                       lambda: ModelRunner(self.model, self.plan, backend=config.backend))
             if not ctx.is_driver:
                 serve(local, ctx)
                 raise SystemExit(0)
             runner = self._executor = TensorParallelExecutor(local, ctx)
             weakref.finalize(self, runner.shutdown)
-        per_rank = f" per rank, {tensor_parallel_size} ranks" if tensor_parallel_size > 1 else ""
+        per_rank = f" per rank, {tp_size} ranks" if tp_size > 1 else ""
         logger.info("KV cache plan: %s (budget %s%s)", self.plan.summary(), format_bytes(budget), per_rank)
-        self.engine = LLMEngine(self.model, self.plan, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=step_tokens, enable_prefix_caching=enable_prefix_caching,
-                                backend=backend, tokenizer=self.tokenizer, seed=seed, runner=runner,
-                                cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
-        if warmup or (warmup is None and dev.type == "cuda"):
+        self.engine = LLMEngine(self.model, self.plan, max_num_seqs=config.max_num_seqs,
+                                max_num_batched_tokens=config.step_tokens(self.plan.max_model_len),
+                                enable_prefix_caching=config.enable_prefix_caching, backend=config.backend,
+                                tokenizer=self.tokenizer, seed=config.seed, runner=runner,
+                                cuda_graphs=config.cuda_graphs, async_scheduling=config.async_scheduling,
+                                max_logprobs=config.max_logprobs)
+        if config.warmup or (config.warmup is None and dev.type == "cuda"):
             warm_up(self.engine)
-        self._next_id = 0
+        self.front = EngineFront(self.engine)
+        self._ids = itertools.count()             # prompt ids (next() on a count is atomic)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op without them)."""
@@ -230,93 +212,274 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # -- prompts ------------------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
-            return self.tokenizer.encode(prompt), prompt
-        return list(prompt), None
+    def get_tokenizer(self) -> object | None:
+        return self.tokenizer
 
-    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-                ) -> tuple[list[str], dict[str, int], dict[str, RequestOutput]]:
-        """Add every (prompt, sample) as an engine request; bad prompts become error outputs at once.
-        Returns prompt ids in input order, samples per accepted prompt, and the error outputs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
+    # -- prompts ------------------------------------------------------------------------------------
+    def parse_prompt(self, item: object) -> ParsedPrompt:
+        """One prompt of a call: its token ids (checked by the engine) and text, or why it is not one."""
+        try:
+            if isinstance(item, str):
+                return ParsedPrompt(token_ids=self._encode(item), text=item)
+            if isinstance(item, Mapping):
+                unknown = sorted(map(str, set(item) - {"prompt", "prompt_token_ids"}))
+                if unknown:
+                    raise RequestError(f"unsupported prompt keys {unknown} (known: 'prompt', 'prompt_token_ids')")
+                text = item.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise RequestError(f"'prompt' must be a string, got {type(text).__name__}")
+                if "prompt_token_ids" in item:
+                    return ParsedPrompt(token_ids=item["prompt_token_ids"], text=text)
+                if text is None:
+                    raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return ParsedPrompt(token_ids=self._encode(text), text=text)
+            if isinstance(item, Sequence | np.ndarray) and not isinstance(item, bytes):
+                return ParsedPrompt(token_ids=item, text=None)
+            raise RequestError(f"a prompt is a string, a list of token ids or a prompt dict, got "
+                               f"{type(item).__name__}")
+        except RequestError as err:
+            return ParsedPrompt(error=str(err), text=item if isinstance(item, str) else None)
+        except Exception as err:       # the tokenizer failed on this text: this prompt's error, not the call's
+            return ParsedPrompt(error=f"could not encode the prompt ({type(err).__name__}: {err})",
+                                text=item if isinstance(item, str) else None)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
+        from hybridkv.loaders.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """One conversation as the prompt text its chat template makes (``chat`` says which template)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none (pass tokenizer=)")
+        from hybridkv.loaders.tokenizer import render_chat
+
+        return render_chat(self.tokenizer, messages, chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           tools=tools, **dict(chat_template_kwargs or {}))
+
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[object]:
+        """A single prompt (text, a dict, or token ids: a sequence whose first item is an int) or a list."""
+        if isinstance(prompts, str | Mapping):
+            return [prompts]
+        if isinstance(prompts, np.ndarray):
+            return [prompts] if prompts.ndim == 1 else list(prompts)
+        items = list(prompts)
+        return [prompts] if items and isinstance(items[0], numbers.Integral) else items
+
+    def _submit(self, prompts: list[ParsedPrompt], params: Params, *, stream: bool) -> _Call:
+        """Submit every (prompt, sample) as an engine request owned by a new call; a prompt that cannot be
+        served becomes an error output at once. Nothing stays submitted if this raises."""
         if params is None:
             params = SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
-        num_samples: dict[str, int] = {}
-        errors: dict[str, RequestOutput] = {}
+        call = _Call(stream=stream)
+        kind = OutputKind.CUMULATIVE if stream else OutputKind.FINAL
+        submissions: list[Submission] = []
         for prompt, p in zip(prompts, plist, strict=True):
-            rid = str(self._next_id)
-            self._next_id += 1
-            ids.append(rid)
+            rid = str(next(self._ids))
+            call.ids.append(rid)
             try:
-                tokens, text = self._encode(prompt)
-                for i in range(p.n):
-                    sample_params = p if p.n == 1 else _nth_sample(p, i)
-                    self.engine.add_request(f"{rid}.{i}", tokens, sample_params, prompt=text)
-                num_samples[rid] = p.n
+                subs = sample_submissions(self.front, rid, prompt, p, kind)
             except RequestError as err:
-                for i in range(p.n):
-                    self.engine.abort(f"{rid}.{i}")
-                errors[rid] = RequestOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
-                                            prompt_token_ids=tuple(prompt) if not isinstance(prompt, str) else (),
-                                            outputs=(), finished=True, error=str(err))
-        return ids, num_samples, errors
+                call.errors[rid] = _error_output(rid, prompt, str(err))
+                continue
+            call.num_samples[rid] = len(subs)
+            submissions += subs
+        call.live.update(s.request_id for s in submissions)
+        if submissions:
+            self.front.submit(submissions, call)
+        return call
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def _wait(self, call: _Call) -> None:
+        """Until ``call`` has outputs to read or nothing left to wait for (this thread may drive the engine)."""
+        self.front.drive(lambda: bool(call.outputs) or not call.live)
+
+    def _release(self, call: _Call) -> None:
+        """Abort what ``call`` left unfinished (its blocks, slots and rows come back)."""
+        live, call.live = sorted(call.live), set()
+        self.front.abort(live)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. A prompt that cannot be served gets an
-        output with ``error`` set; the others run normally."""
-        ids, num_samples, errors = self._submit(prompts, sampling_params)
-        samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in num_samples}
+        """Generate for every prompt; outputs in input order. A prompt that cannot be served, or a request
+        that fails while running, gets an output with ``error`` set; the others run normally."""
+        return self._run([self.parse_prompt(p) for p in self._as_list(prompts)], sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[ParsedPrompt], sampling_params: Params, use_tqdm: bool) -> list[RequestOutput]:
+        call = self._submit(prompts, sampling_params, stream=False)
+        samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in call.num_samples}
         start = time.perf_counter()
         generated = 0
-        with tqdm(total=len(num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished:
-                for out in self.engine.step(only_finished=True):
-                    rid, i = out.request_id.rsplit(".", 1)
-                    samples[rid][int(i)] = out
-                    generated += len(out.outputs[0].token_ids)
-                    if len(samples[rid]) == num_samples[rid]:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        try:
+            with tqdm(total=len(call.num_samples), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while call.live or call.outputs:
+                    if not call.outputs:
+                        self._wait(call)
+                    while call.outputs:
+                        out = call.outputs.popleft()
+                        rid, i = out.request_id.rsplit(".", 1)
+                        samples[rid][int(i)] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        if len(samples[rid]) == call.num_samples[rid]:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
+                                                refresh=False)
+        finally:
+            self._release(call)
         elapsed = time.perf_counter() - start
         logger.info("generated %d tokens in %.2fs (%.1f tok/s)", generated, elapsed, generated / max(elapsed, 1e-9))
-        return [errors[rid] if rid in errors else _merge(rid, samples[rid]) for rid in ids]
+        return [call.errors[rid] if rid in call.errors else merge_samples(rid, samples[rid]) for rid in call.ids]
 
-    def generate_stream(self, prompts: Prompt | Sequence[Prompt],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    def generate_stream(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None
                         ) -> Iterator[RequestOutput]:
-        """Yield each request's output after every step it advances (``finished`` marks the last);
-        request ids are "<prompt index>.<sample index>"."""
-        _, _, errors = self._submit(prompts, sampling_params)
-        yield from errors.values()
-        while self.engine.has_unfinished:
-            yield from self.engine.step()
+        """Yield each request's output after every step it advances (``finished`` marks the last); request
+        ids are "<call-unique prompt id>.<sample index>" (a rejected prompt's error output: the prompt id).
+        Closing the generator (``break`` then dropping it, ``close()``, an exception) aborts what is left."""
+        call = self._submit([self.parse_prompt(p) for p in self._as_list(prompts)], sampling_params, stream=True)
+        try:
+            yield from call.errors.values()
+            while call.live or call.outputs:
+                if not call.outputs:
+                    self._wait(call)
+                while call.outputs:
+                    yield call.outputs.popleft()
+        finally:
+            self._release(call)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: Params = None, use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of
+        them: each rendered with ``chat_template`` (a Jinja source) or the checkpoint's template (from
+        tokenizer_config.json / chat_template.jinja, rendered as transformers does), then encoded with the
+        BOS token exactly once. A conversation the template refuses gets an output with ``error`` set."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer; this model has none (pass tokenizer=)")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            try:
+                text = self.render_chat(conversation, chat_template=chat_template,  # type: ignore[arg-type]
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        chat_template_kwargs=chat_template_kwargs, tools=tools)
+            except Exception as err:        # jinja's TemplateError (raise_exception), a bad message, ...
+                prompts.append(ParsedPrompt(error=f"chat template: {type(err).__name__}: {err}"))
+                continue
+            prompts.append(self.parse_prompt(text))
+        return self._run(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParsedPrompt:
+    """A prompt as given to a call: its token ids as given (the engine checks them) and text, or its error."""
+
+    token_ids: object = None
+    text: str | None = None
+    error: str | None = None
+
+
+def sample_submissions(front: EngineFront, rid: str, prompt: ParsedPrompt, params: object,
+                       kind: OutputKind) -> list[Submission]:
+    """The engine requests "<rid>.<i>" of ``prompt``'s ``n`` samples, each checked (``RequestError``)."""
+    if prompt.error is not None:
+        raise RequestError(prompt.error)
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    front.validate(prompt.token_ids, _nth_sample(params, 0))      # (the samples differ in their seeds only)
+    return [Submission(request_id=f"{rid}.{i}", token_ids=prompt.token_ids, params=_nth_sample(params, i),
+                       prompt=prompt.text, output_kind=kind) for i in range(params.n)]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` / ``generate_stream`` / ``chat`` call: its prompt ids, the engine requests it still
+    waits for, and the outputs routed to it (a ``Sink`` of the engine front)."""
+
+    stream: bool
+    ids: list[str] = field(default_factory=list)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, RequestOutput] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)
+    outputs: deque[RequestOutput] = field(default_factory=deque)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+            self.outputs.append(out)
+
+
+def _resolve_tokenizer(tokenizer: str | Path | object) -> object:
+    if not isinstance(tokenizer, str | Path):
+        if not callable(getattr(tokenizer, "encode", None)) or not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer= takes a directory or an object with encode / decode, got "
+                            f"{type(tokenizer).__name__}")
+        return tokenizer
+    from hybridkv.loaders.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(tokenizer)
+    if loaded is None:
+        raise FileNotFoundError(f"{tokenizer}: no tokenizer files (tokenizer.json, tekken.json, tokenizer.model*)")
+    return loaded
+
+
+def _error_output(rid: str, prompt: ParsedPrompt, error: str) -> RequestOutput:
+    ids = prompt.token_ids
+    valid = isinstance(ids, Sequence | np.ndarray) and not isinstance(ids, str | bytes) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+    return RequestOutput(request_id=rid, prompt=prompt.text, prompt_token_ids=tuple(int(t) for t in ids) if valid
+                         else (), outputs=(), finished=True, error=error)
+
+
 def _nth_sample(p: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of ``n`` samples: one sequence each, seeds offset so samples differ but stay reproducible."""
-    from dataclasses import replace
+    """The i-th of ``n`` samples: one sequence, its seed derived from ``(seed, i)`` (``sample_seed``)."""
+    if p.n == 1:
+        return p
+    return replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, i))
 
-    return replace(p, n=1, seed=None if p.seed is None else p.seed + i)
 
-
-def _merge(rid: str, samples: dict[int, RequestOutput]) -> RequestOutput:
+def merge_samples(rid: str, samples: dict[int, RequestOutput]) -> RequestOutput:
+    """A prompt's samples as one output: the first error of any, metrics from the first arrival to the last
+    finish, the prefix-cache hit of the sample that reused most."""
     first = samples[0]
-    outputs = tuple(CompletionOutput(index=i, token_ids=o.outputs[0].token_ids, text=o.outputs[0].text,
-                                     finish_reason=o.outputs[0].finish_reason, logprobs=o.outputs[0].logprobs)
-                    for i, o in sorted(samples.items()))
+    ordered = [o for _, o in sorted(samples.items())]
+    outputs = tuple(replace(o.outputs[0], index=i) for i, o in enumerate(ordered))
+    errors = [f"sample {i}: {o.error}" if len(ordered) > 1 else o.error
+              for i, o in enumerate(ordered) if o.error is not None]
+    metrics = [o.metrics for o in ordered if o.metrics is not None]
+
+    def earliest(name: str) -> float | None:
+        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+        return min(values) if values else None
+
+    def latest(name: str) -> float | None:
+        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+        return max(values) if values else None
+
+    merged = RequestMetrics(arrival_time=min(m.arrival_time for m in metrics), first_scheduled_time=earliest(
+        "first_scheduled_time"), first_token_time=earliest("first_token_time"), last_token_time=latest(
+        "last_token_time"), finished_time=latest("finished_time")) if metrics else None
+    cached = [o.num_cached_tokens for o in ordered if o.num_cached_tokens is not None]
     return RequestOutput(request_id=rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                         outputs=outputs, finished=True, prompt_logprobs=first.prompt_logprobs)
+                         outputs=outputs, finished=True, prompt_logprobs=first.prompt_logprobs,
+                         error=errors[0] if errors else None, metrics=merged,
+                         num_cached_tokens=max(cached) if cached else None)

@@ -22,7 +22,7 @@ import torch
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
-from hybridkv.engine.sampler import take_pending
+from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
 from hybridkv.kv_groups.plan import KVCachePlan, plan_kv_cache
@@ -132,10 +132,12 @@ class StepOutput:
     """A step's results on the device: fp32 ``logits`` (num_outputs, vocab_size) at the batch's
     ``logits_indices`` (None for a batch that said it ``needs_logits`` not: a captured step then skips their
     write, 4 bytes x vocabulary per row) and, for a ``greedy`` batch, ``greedy`` (num_outputs,) int64, their
-    argmax. A captured graph's outputs are its buffers: valid until the next step runs."""
+    argmax, with ``report``, the same tokens as the host should read them (``sampler.NONFINITE`` where the
+    chosen logit is not finite). A captured graph's outputs are its buffers: valid until the next step runs."""
 
     logits: torch.Tensor | None
     greedy: torch.Tensor | None = None
+    report: torch.Tensor | None = None
 
 
 class StepRunner(Protocol):
@@ -307,11 +309,11 @@ class ModelRunner:
         tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
         if self._graph_eligible(batch):
             assert self.graphs is not None
-            logits, greedy = self.graphs.run(np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1,
-                                             self.graph_inputs(batch), sources=batch.input_sources,
-                                             prev_tokens=batch.prev_tokens,
-                                             logits=batch.needs_logits or not batch.greedy)
-            return StepOutput(logits=logits, greedy=greedy)
+            logits, greedy, reported = self.graphs.run(
+                np.asarray(batch.input_ids, np.int64), batch.seq_lens - 1, self.graph_inputs(batch),
+                sources=batch.input_sources, prev_tokens=batch.prev_tokens,
+                logits=batch.needs_logits or not batch.greedy)
+            return StepOutput(logits=logits, greedy=greedy, report=reported)
         ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
         if batch.input_sources is not None:
             assert batch.prev_tokens is not None
@@ -322,8 +324,11 @@ class ModelRunner:
             hidden = self.model(ids, positions).index_select(0, index)
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
-                return None if out is None else StepOutput(logits=out[0] if batch.needs_logits else None,
-                                                           greedy=out[1])
+                if out is None:
+                    return None
+                logits, greedy = out        # (eager: the logits are always written)
+                return StepOutput(logits=logits if batch.needs_logits else None, greedy=greedy,
+                                  report=report(greedy, chosen_finite(logits, greedy)))
             logits = self.model.compute_logits(hidden)
         return None if logits is None else StepOutput(logits=logits)
 

@@ -1,8 +1,13 @@
-"""Batched sampling: temperature, top-k, top-p, min-p, greedy, logprobs — one pass for the whole batch.
+"""Batched sampling: logits processing (logit bias, the min-tokens mask, repetition / frequency / presence
+penalties), temperature, top-k, top-p, min-p, greedy, logprobs — one pass for the whole batch.
 
 Randomness is counter-based: the noise for request r at output index i is a hash of (seed_r, i, token),
 so a request's samples depend on its own seed only, never on what else shares the batch or on how
 steps were cut (reproducible per request, and no per-request generator loop on the hot path).
+
+Non-finite logits are reported, not sampled from: a row whose maximum is NaN, +inf or -inf (every logit -inf)
+gets ``NONFINITE`` in the tokens the host reads (``report``). For greedy rows the chosen logit is that maximum
+(``torch.argmax`` takes NaN as the largest value), so checking the one chosen value per row is enough.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hybridkv.layers.ops import fused_ref
 
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)   # splitmix64 constants as signed int64
 _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -31,6 +38,80 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
     bits = _mix(base[:, None] + cols[None, :] * _M1)
     top53 = (bits >> 11) & ((1 << 53) - 1)
     return (top53.double() + 0.5) / float(1 << 53)
+
+
+NONFINITE = fused_ref.NONFINITE
+"""The token the host reads for a row whose logits were not finite (the device keeps a valid id there, so a
+step already queued behind it runs on; the engine fails that request when it reads this)."""
+
+
+def report(tokens: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 tokens with ``NONFINITE`` where ``finite`` (B,) bool is False: what the host reads."""
+    return torch.where(finite, tokens, NONFINITE)
+
+
+def row_max_finite(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B,) bool: whether each row's maximum is finite (amax propagates NaN)."""
+    return torch.isfinite(logits.amax(-1))
+
+
+def chosen_finite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, V), (B,) argmax tokens -> (B,) bool: whether the chosen logit (the row's maximum) is finite."""
+    return torch.isfinite(logits.gather(-1, tokens[:, None]).squeeze(-1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogitsProcessing:
+    """Per-row logits processing for the P rows of a step that need it, as device tensors (vLLM's order:
+    logit bias and the min-tokens mask, then the penalties). Rows without some part carry neutral values
+    (bias 0, mask inactive, penalties 0 / 0 / 1 with an empty history)."""
+
+    bias_ids: torch.Tensor | None       # (P, K) int64 token ids (padding: any id with bias 0)
+    bias_values: torch.Tensor | None    # (P, K) float32
+    masked_ids: torch.Tensor | None     # (P, M) int64: EOS and stop token ids (padding repeats an id)
+    mask_active: torch.Tensor | None    # (P,) bool: fewer outputs than min_tokens, so the ids above are -inf
+    history: torch.Tensor | None        # (P, L) int64: prompt then output token ids, padded (None: no penalties)
+    num_prompt: torch.Tensor | None     # (P,) int64
+    num_tokens: torch.Tensor | None     # (P,) int64 valid history entries (0 for rows without penalties)
+    presence: torch.Tensor | None       # (P,) float32
+    frequency: torch.Tensor | None      # (P,) float32
+    repetition: torch.Tensor | None     # (P,) float32
+
+
+def process_logits(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:
+    """(P, V) fp32 raw logits -> a processed copy. Penalties scatter each row's history into (P, V) counts:
+    O(P x (V + L)) for the P rows that use them, nothing for the others."""
+    x = logits.clone()
+    if proc.bias_ids is not None:
+        assert proc.bias_values is not None
+        x.scatter_add_(1, proc.bias_ids, proc.bias_values)
+    if proc.masked_ids is not None:
+        assert proc.mask_active is not None
+        kept = x.gather(1, proc.masked_ids)
+        x.scatter_(1, proc.masked_ids, torch.where(proc.mask_active[:, None], float("-inf"), kept))
+    if proc.history is not None:
+        x = apply_penalties(x, proc)
+    return x
+
+
+def apply_penalties(x: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:
+    """Repetition (prompt and outputs), then frequency and presence (outputs) penalties, as vLLM applies
+    them; history entries past ``num_tokens`` are ignored."""
+    assert proc.history is not None and proc.num_prompt is not None and proc.num_tokens is not None
+    assert proc.presence is not None and proc.frequency is not None and proc.repetition is not None
+    rows, vocab = x.shape
+    pos = torch.arange(proc.history.shape[1], device=x.device)[None, :]
+    valid = pos < proc.num_tokens[:, None]
+    spare = torch.full_like(proc.history, vocab)          # invalid entries land in a column cut off below
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=x.device)
+    seen.scatter_(1, torch.where(valid, proc.history, spare), True)
+    rep = proc.repetition[:, None]
+    x = torch.where(seen[:, :vocab], torch.where(x > 0, x / rep, x * rep), x)
+    output = valid & (pos >= proc.num_prompt[:, None])
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.float32, device=x.device)
+    counts.scatter_add_(1, torch.where(output, proc.history, spare), output.to(torch.float32))
+    counts = counts[:, :vocab]
+    return x - proc.frequency[:, None] * counts - proc.presence[:, None] * (counts > 0).to(torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,16 @@ Each step, under a token budget:
    (the steady need of the request at its current length; the transient prefill extra is reserved
    once per step by the coordinator), allocation of a prefill chunk.
 
-The batch comes out decodes first, which the Mamba builder relies on. With Mamba groups and prefix
-caching, an unfinished prefill chunk ends on a block boundary so the state there can be checkpointed.
+The batch comes out decodes first, which the Mamba builder relies on.
+
+Shared prefixes. The coordinator indexes every unfinished prompt at arrival; a request's *stops* are the
+ends of the prefixes it shares with others (``KVCacheCoordinator.prefix_stops``). The first request to be
+admitted with a stop ahead *owns* it and computes it once; a waiting request whose shared prefix an owner
+is still computing is passed over (later arrivals are admitted meanwhile) and joins as soon as the chunk
+that reaches the stop is committed, together with every other such request, as a prefix hit. With Mamba
+groups and prefix caching (``align_prefill_chunks``) a state exists only where a step ends, so prefill
+chunks end at the stops, at the prompt's last block boundary, and otherwise on block boundaries: every
+checkpoint a later request can use lands there (``MambaManager``).
 No request is ever lost or duplicated: every request is in exactly one of waiting / running / finished.
 """
 
@@ -24,8 +32,13 @@ import numpy as np
 
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
+from hybridkv.kv_groups.hashing import BlockHash
 
 _max = np.maximum.reduce        # a direct ufunc reduction: ndarray.max goes through a Python wrapper
+_NEVER = np.iinfo(np.int64).max
+# A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
+# the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
+STOP_MIN_SAVING = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +46,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
-    align_prefill_chunks: bool = False     # end unfinished prefill chunks on block boundaries
+    align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -88,10 +101,18 @@ class Scheduler:
         self.row_pending = np.full(R, -1, np.int64)
         self._arange = np.arange(R, dtype=np.int64)
         self._running_rows: np.ndarray | None = None      # rows of ``running``; None once it changes
+        # Shared prefixes: each request's stops (cached per sharing generation) and who computes each
+        # stop's prefix.
+        self._stops: dict[Request, tuple[int, list[tuple[int, BlockHash]]]] = {}
+        self._owner: dict[BlockHash, Request] = {}
+        self._claims: dict[Request, list[BlockHash]] = {}
+        # Where a state can be checkpointed: multiples of the Mamba block size (align mode).
+        self._ckpt_bs = coordinator.mamba.block_size if coordinator.mamba else coordinator.block_size
 
     # -- queue management --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self.coord.add_waiting(request.request_id, request.token_ids)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -101,8 +122,7 @@ class Scheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self._running_rows = None
-                    self.coord.free(request_id)
-                    req.status = RequestStatus.FINISHED
+                    self._end(req)
                     req.finish_reason = "abort"
                     return req
         return None
@@ -115,7 +135,13 @@ class Scheduler:
         else:
             self.running.remove(request)
             self._running_rows = None
-            self.coord.free(request.request_id)
+        self._end(request)
+
+    def _end(self, request: Request) -> None:
+        self.coord.free(request.request_id)
+        self.coord.forget(request.request_id)
+        self._release_claims(request)
+        self._stops.pop(request, None)
         request.status = RequestStatus.FINISHED
 
     @property
@@ -123,18 +149,77 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------------------------
-    def _chunk(self, num_computed: int, remaining: int, budget: int) -> int:
+    def _chunk(self, num_computed: int, remaining: int, budget: int, stop: int = _NEVER) -> int:
         """Tokens to compute for a request this step. With ``align_prefill_chunks`` (Mamba groups and
-        prefix caching) a chunk ends on a block boundary, where the state is checkpointed: an unfinished
-        chunk is rounded down, and the chunk that would finish a prompt stops at its last boundary so an
-        identical prompt later hits the cache there (the remaining < block_size tokens run next step)."""
+        prefix caching) a chunk ends where a checkpoint can be taken: at ``stop`` (a shared prefix's end or
+        the prompt's last block boundary, ``_next_stop``) when it reaches it, else an unfinished chunk is
+        rounded down to a block boundary (the remaining < block_size tokens run next step)."""
         n = min(remaining, budget)
         if self.config.align_prefill_chunks and n > 1:
-            bs = self.coord.block_size
-            end = num_computed + n if n < remaining else num_computed + remaining - 1
-            aligned = end // bs * bs - num_computed
-            n = aligned if aligned > 0 else n
+            end = num_computed + n
+            if num_computed < stop <= end:
+                return stop - num_computed
+            if n < remaining:
+                bs = self._ckpt_bs
+                aligned = end // bs * bs - num_computed
+                n = aligned if aligned > 0 else n
         return n
+
+    # -- shared prefixes ---------------------------------------------------------------------------------
+    def _request_stops(self, req: Request) -> list[tuple[int, BlockHash]]:
+        """(length, key) of the request's shared-prefix stops worth a step (cached until the requests that
+        could share with it change): those whose prefix saves ``STOP_MIN_SAVING`` x a step's token budget
+        (length x other sharers)."""
+        gen = self.coord.stops_generation(req.request_id)
+        cached = self._stops.get(req)
+        if cached is None or cached[0] != gen:
+            least = self.config.max_num_batched_tokens * STOP_MIN_SAVING
+            stops = [(length, key) for length, key, sharers in self.coord.prefix_stops(req.request_id)
+                     if length * (sharers - 1) >= least]
+            cached = self._stops[req] = (gen, stops)
+        return cached[1]
+
+    def _next_stop(self, req: Request, num_computed: int) -> int:
+        """Where the request's next prefill chunk must end (align mode): its next shared-prefix stop or its
+        prompt's last block boundary, whichever comes first after ``num_computed`` (_NEVER: none)."""
+        if not self.config.align_prefill_chunks:
+            return _NEVER
+        stop = (req.num_tokens - 1) // self._ckpt_bs * self._ckpt_bs
+        if stop <= num_computed:
+            stop = _NEVER
+        for length, _ in self._request_stops(req):
+            if length > num_computed:
+                return min(length, stop)
+        return stop
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether another running request is still computing a prefix this one shares (then this one
+        starts from it once it is cached instead of computing it again)."""
+        for length, key in self._request_stops(req):
+            owner = self._owner.get(key)
+            if owner is not None and owner is not req and owner.status is RequestStatus.RUNNING \
+                    and self.coord.num_computed_tokens(owner.request_id) < length:
+                return True
+        return False
+
+    def _claim(self, req: Request, num_computed: int) -> None:
+        """``req`` computes the shared prefixes it reaches beyond ``num_computed`` that nobody else is on."""
+        claims = None
+        for length, key in self._request_stops(req):
+            if length <= num_computed:
+                continue
+            owner = self._owner.get(key)
+            if owner is None or owner.status is not RequestStatus.RUNNING \
+                    or self.coord.num_computed_tokens(owner.request_id) >= length:
+                self._owner[key] = req
+                if claims is None:
+                    claims = self._claims.setdefault(req, [])
+                claims.append(key)
+
+    def _release_claims(self, req: Request) -> None:
+        for key in self._claims.pop(req, ()):
+            if self._owner.get(key) is req:
+                del self._owner[key]
 
     def mark_running(self, req: Request) -> None:
         """Move a request the coordinator already holds (allocated) into ``running`` at its arrival
@@ -153,6 +238,7 @@ class Scheduler:
         self.row_final[row] = max(min(req.num_prompt_tokens + p.max_tokens, self.config.max_model_len),
                                   req.num_prompt_tokens + 1)
         self.row_pending[row] = -1
+        self.coord.set_final_length(req.request_id, int(self.row_final[row]))
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         self._running_rows = None
 
@@ -179,6 +265,7 @@ class Scheduler:
         self._running_rows = None
         request.kv_row = -1
         self.coord.free(request.request_id)
+        self._release_claims(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -200,6 +287,11 @@ class Scheduler:
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
             return list(running), rem, rows, computed, True        # all decodes, all fit (the steady state)
         prefill = rem > 1
+        if self.config.align_prefill_chunks and prefill.any():    # prefill chunks end at their stops
+            for i in np.flatnonzero(prefill).tolist():
+                stop = self._next_stop(running[i], int(computed[i]))
+                if stop - computed[i] < rem[i]:
+                    rem[i] = stop - computed[i]
         if prefill.any() and not prefill.all():            # running is in arrival order: decodes first
             order = np.argsort(prefill, kind="stable")
             rem, rows, computed = rem[order], rows[order], computed[order]
@@ -234,41 +326,40 @@ class Scheduler:
         num_running = len(chosen)
         new_counts: list[int] = []
         new_computed: list[int] = []
-        # First blocks of prompts admitted this step: a waiting request that starts the same way waits a
-        # step, so it reuses that prefix from the cache instead of computing it again in parallel.
-        bs = self.coord.block_size
         sharing = self.coord.enable_prefix_caching
-        prefilling: set[tuple[int, ...]] = set()
 
-        # 2. waiting requests (a just-preempted request waits for a later step).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        # 2. waiting requests (a just-preempted request waits for a later step). One whose shared prefix
+        # another request is computing is passed over: it joins once that prefix is cached.
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
             if req in preempted:
                 break
             rid = req.request_id
-            first_block = tuple(req.token_ids[:bs]) if sharing and req.num_tokens > bs else None
-            if first_block in prefilling:
-                break
+            lookup = sharing and req.params.prompt_logprobs is None
+            if lookup and self._waits_for_prefix(req):
+                i += 1
+                continue
             if not self.coord.can_admit(req.num_tokens, num_cached_tokens=req.num_tokens - 1):
                 break           # would not fit even if all but its last token were cached: skip the lookup
-            hit = self.coord.find_prefix_hit(rid, req.token_ids) if req.params.prompt_logprobs is None else 0
+            hit = self.coord.find_prefix_hit(rid, req.token_ids) if lookup else 0
             # Admit on the current need (what the prompt holds after its prefill); growth while
             # decoding is met by preempting the latest arrival, as in vLLM: it keeps batches full.
             if not self.coord.can_admit(req.num_tokens, num_cached_tokens=hit, request_id=rid):
                 self.coord.free(rid)
                 break
-            n = self._chunk(hit, req.num_tokens - hit, budget)
+            n = self._chunk(hit, req.num_tokens - hit, budget, self._next_stop(req, hit))
             if not self.coord.allocate(rid, num_computed_tokens=hit, num_new_tokens=n, token_ids=req.token_ids):
                 self.coord.free(rid)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.mark_running(req)
+            if sharing:
+                self._claim(req, hit)
             chosen.append(req)
             new_counts.append(n)
             new_computed.append(hit)
             budget -= n
-            if first_block is not None:
-                prefilling.add(first_block)
 
         if new_counts:
             admitted = chosen[num_running:]

@@ -14,12 +14,13 @@ found in group A says nothing about group B. A block belongs to at most one grou
 
 State-slot pool. Slot 0 is null. Slots ``1 .. num_working`` are working slots (one per running request);
 the last ``num_checkpoint_slots`` slots hold prefix-cache checkpoints: a request's state at a
-block-aligned length, keyed by the chained block hash at that length, LRU-evicted, pinned while a request
-that hit it waits for its copy.
+block-aligned length, keyed by the chained block hash at that length, evicted by kind then recency (see
+``CheckpointKind``), never while a request that hit it waits for its copy or a waiting request wants it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -85,10 +86,17 @@ class BlockPool:
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:
         return self.lookup(group_id, block_hash) != NULL_BLOCK
 
-    def cached_mask(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int]) -> np.ndarray:
-        """(n,) bool: key j is cached in every one of ``group_ids`` (one dict lookup per key)."""
+    def entries(self, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+        """(n,) int64 index entry of each key, -1 = not cached anywhere (one dict lookup per key)."""
         get = self._key_index.get
-        entries = np.fromiter((get(h, -1) for h in block_hashes), np.int64, len(block_hashes))
+        return np.fromiter((get(h, -1) for h in block_hashes), np.int64, len(block_hashes))
+
+    def cached_mask(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int], *,
+                    entries: np.ndarray | None = None) -> np.ndarray:
+        """(n,) bool: key j is cached in every one of ``group_ids`` (``entries``: ``entries(block_hashes)``
+        when the caller has them, e.g. for several managers)."""
+        if entries is None:
+            entries = self.entries(block_hashes)
         known = entries >= 0
         out = np.zeros(len(block_hashes), np.bool_)
         if known.any():
@@ -213,6 +221,11 @@ class BlockPool:
                 self._block_entry[block_ids] = fresh[None, :]
                 self._entry_count[fresh] = len(group_ids)
                 return
+        held = (block_ids != NULL_BLOCK).any(axis=0)
+        if not held.all():                   # positions every group already freed: nothing to register
+            keep = np.flatnonzero(held)
+            self.cache_blocks(group_ids, [hashes[j] for j in keep.tolist()], block_ids[:, keep])
+            return
         if len(set(hashes)) != k:            # the same key twice in one batch: one at a time
             for j in range(k):
                 self.cache_blocks(group_ids, hashes[j:j + 1], block_ids[:, j:j + 1])
@@ -288,8 +301,26 @@ class BlockPool:
         assert int(keyed.sum()) == int(self._entry_count.sum()), "keyed blocks missing from the index"
 
 
+class CheckpointKind(enum.IntEnum):
+    """Why a Mamba checkpoint was taken. A store first takes the slot of the least recently used *cold*
+    checkpoint (not stored or hit since the storing request arrived: whatever its kind, the traffic has moved
+    on), else of a checkpoint of its own kind or a lower one (the lowest kind first, least recently used
+    first), never a warm one of a higher kind: one long request's chunk-end checkpoints cannot flush a
+    prefix that many requests share, nor a prompt's end, and old prompts cannot starve new answers."""
+
+    BOUNDARY = 0        # a prefill chunk end inside a prompt (a later prompt may share part of a long one)
+    ANSWER = 1          # prompt + output so far of a decoding request (the next chat turn starts there)
+    PROMPT = 2          # the last block boundary of a prompt (repeats, retries, regenerations)
+    SHARED = 3          # the end of a prefix that several unfinished requests have in common
+
+
 class StateSlotPool:
-    """Working slots for running requests plus LRU checkpoint slots for the prefix cache."""
+    """Working slots for running requests plus checkpoint slots for the prefix cache.
+
+    A checkpoint is a request's state at a block-aligned length, keyed by the chained block hash there.
+    Protection, strongest first: *pinned* (a request hit it and waits for its copy), *wanted* (a waiting
+    request's best hit when it arrived), then by ``CheckpointKind`` and recency. A store that finds no slot
+    it may take is refused (the cache degrades, correctness does not)."""
 
     def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
         if num_checkpoint_slots < 0 or num_slots < 2 + num_checkpoint_slots:
@@ -300,10 +331,22 @@ class StateSlotPool:
         self.num_working_slots = num_slots - 1 - num_checkpoint_slots
         self._free = list(range(self.num_working_slots, 0, -1))          # top = end, slot 1 first
         self._in_use = np.zeros(num_slots, np.bool_)
-        self._ckpt: OrderedDict[BlockHash, int] = OrderedDict()          # key -> slot, LRU first
-        self._ckpt_key: dict[int, BlockHash] = {}
+        self._ckpt: dict[BlockHash, int] = {}                            # key -> checkpoint slot
+        self._key: dict[int, BlockHash] = {}                             # checkpoint slot -> key
+        # Per checkpoint slot, read and written one slot at a time: lists (numpy scalar access costs more).
+        self._kind = [0] * num_slots
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in CheckpointKind]  # oldest first
         self._free_ckpt = list(range(num_slots - 1, self.num_working_slots, -1))
-        self._pins = np.zeros(num_slots, np.int32)
+        self._pins = [0] * num_slots
+        self._wants = [0] * num_slots
+        self._uses = [0] * num_slots                   # hits and stores of the same key since it was stored
+        self._growing = [False] * num_slots            # the answer checkpoint of a request still decoding
+        self._num_growing = 0
+        self._last = [0] * num_slots                   # clock of the last store or hit
+        self.clock = 0                                 # ticks at every store and hit
+        self.num_stored = 0             # checkpoints written (new keys)
+        self.num_evicted = 0            # ... that replaced another request's checkpoint
+        self.num_refused = 0            # stores without a slot they were allowed to take
 
     @property
     def num_free_slots(self) -> int:
@@ -335,36 +378,143 @@ class StateSlotPool:
             self._in_use[s] = False
             self._free.append(s)
 
+    # -- checkpoints -----------------------------------------------------------------------------
     def lookup_checkpoint(self, key: BlockHash) -> int:
         return self._ckpt.get(key, NULL_SLOT)
 
+    @property
+    def stored_keys(self) -> dict[BlockHash, int]:
+        """Key -> slot of every stored checkpoint, for membership tests on the lookup path (do not modify)."""
+        return self._ckpt
+
+    def key_of(self, slot: int) -> BlockHash | None:
+        """The key a checkpoint slot holds (None: free)."""
+        return self._key.get(slot)
+
+    def kind_of(self, slot: int) -> CheckpointKind:
+        return CheckpointKind(self._kind[slot])
+
+    def touch(self, slot: int) -> None:
+        """A hit: the checkpoint becomes its kind's most recently used."""
+        self._lru[self._kind[slot]].move_to_end(slot)
+        self.clock += 1
+        self._last[slot] = self.clock
+
     def pin(self, slot: int) -> None:
-        """Keep a checkpoint from eviction until ``unpin`` (its copy has not been queued yet)."""
+        """Keep a checkpoint from eviction until ``unpin`` (a hit whose copy has not been queued yet)."""
         self._pins[slot] += 1
-        self._ckpt.move_to_end(self._ckpt_key[slot])
+        self._uses[slot] += 1
+        self.touch(slot)
 
     def unpin(self, slot: int) -> None:
         self._pins[slot] -= 1
 
-    def store_checkpoint(self, key: BlockHash) -> tuple[int, bool]:
-        """A checkpoint slot for ``key``: (slot, True) when the caller must copy the state into it,
-        (slot, False) when ``key`` is already stored, (0, False) when every checkpoint slot is pinned."""
+    def want(self, slot: int) -> None:
+        """Keep a checkpoint a waiting request means to start from, until ``unwant``."""
+        self._wants[slot] += 1
+
+    def unwant(self, slot: int) -> None:
+        self._wants[slot] -= 1
+
+    def _evictable(self, slot: int) -> bool:
+        return self._pins[slot] == 0 and self._wants[slot] == 0
+
+    def settle(self, slot: int) -> None:
+        """The request whose answer checkpoint ``slot`` is has finished or moved on: from now on another
+        answer checkpoint may evict it."""
+        if self._growing[slot]:
+            self._growing[slot] = False
+            self._num_growing -= 1
+
+    def _drop(self, slot: int) -> None:
+        self.settle(slot)
+        del self._ckpt[self._key.pop(slot)]
+        del self._lru[self._kind[slot]][slot]
+
+    def _put(self, key: BlockHash, slot: int, kind: CheckpointKind, growing: bool = False) -> None:
+        self._ckpt[key] = slot
+        self._key[slot] = key
+        self._kind[slot] = kind
+        self._lru[kind][slot] = None
+        self._uses[slot] = 0
+        self.clock += 1
+        self._last[slot] = self.clock
+        if growing:
+            self._growing[slot] = True
+            self._num_growing += 1
+        self.num_stored += 1
+
+    def _reusable(self, replace: int) -> bool:
+        return replace != NULL_SLOT and replace in self._key and self._evictable(replace) and not self._uses[replace]
+
+    def _victim(self, kind: CheckpointKind, since: int) -> int:
+        """The stored checkpoint a new one of ``kind``, taken for a request that arrived at clock ``since``,
+        would take the slot of (0: none may be taken)."""
+        cold, bound = NULL_SLOT, since + 1          # cold: last used at or before ``since``
+        for lru in self._lru:            # each list is in order of last use: its cold entries come first
+            for s in lru:
+                if self._last[s] >= bound:
+                    break
+                if self._evictable(s) and not self._growing[s]:
+                    cold, bound = s, self._last[s]
+                    break
+        if cold != NULL_SLOT:
+            return cold
+        answer = kind == CheckpointKind.ANSWER
+        for k in range(kind + 1):
+            lru = self._lru[k]
+            if answer and k == kind:
+                if len(lru) == self._num_growing:              # every answer checkpoint is still growing
+                    continue
+                slot = next((s for s in lru if self._evictable(s) and not self._growing[s]), NULL_SLOT)
+            else:
+                slot = next((s for s in lru if self._evictable(s)), NULL_SLOT)
+            if slot != NULL_SLOT:
+                return slot
+        return NULL_SLOT
+
+    def has_room(self, kind: CheckpointKind, *, replace: int = NULL_SLOT, since: int = 0) -> bool:
+        """Whether ``store_checkpoint`` of a new key of ``kind`` would get a slot (no state change; lets a
+        caller skip hashing for a checkpoint it could not keep). Counts a refusal when not."""
+        if self._free_ckpt or self._reusable(replace) or self._victim(kind, since) != NULL_SLOT:
+            return True
+        self.num_refused += 1
+        return False
+
+    def store_checkpoint(self, key: BlockHash, kind: CheckpointKind = CheckpointKind.PROMPT, *,
+                         replace: int = NULL_SLOT, growing: bool = False, since: int = 0) -> tuple[int, bool]:
+        """A checkpoint slot for ``key``: (slot, True) when the caller must copy the state into it, (slot,
+        False) when ``key`` is already stored (it takes the higher of the two kinds and becomes most recent),
+        (0, False) when no slot may be taken. ``replace``: a checkpoint slot the caller owns and no longer
+        needs (a decoding request's previous answer checkpoint); it is reused unless another request started
+        from it, means to, or reached the same state. ``growing``: the new checkpoint is the answer of a
+        request still decoding, which no other answer checkpoint evicts until ``settle`` (neither is any
+        use before its request ends: evicting one for the other would only copy states back and forth).
+        ``since``: the clock when the storing request arrived (checkpoints last used before are cold)."""
         slot = self._ckpt.get(key, NULL_SLOT)
         if slot != NULL_SLOT:
-            self._ckpt.move_to_end(key)
+            self._uses[slot] += 1
+            if kind > self._kind[slot]:
+                del self._lru[self._kind[slot]][slot]
+                self._kind[slot] = kind
+                self._lru[kind][slot] = None
+            else:
+                self.touch(slot)
             return slot, False
+        if self._reusable(replace):
+            self._drop(replace)
+            self._put(key, replace, kind, growing)
+            return replace, True
         if self._free_ckpt:
             slot = self._free_ckpt.pop()
         else:
-            for old_key, old in self._ckpt.items():
-                if self._pins[old] == 0:
-                    del self._ckpt[old_key]
-                    slot = old
-                    break
-            else:
+            slot = self._victim(kind, since)
+            if slot == NULL_SLOT:
+                self.num_refused += 1
                 return NULL_SLOT, False
-        self._ckpt[key] = slot
-        self._ckpt_key[slot] = key
+            self._drop(slot)
+            self.num_evicted += 1
+        self._put(key, slot, kind, growing)
         return slot, True
 
     def check_invariants(self) -> None:
@@ -373,5 +523,13 @@ class StateSlotPool:
         assert not self._in_use[free].any(), "a free slot is in use"
         assert len(free) + int(self._in_use.sum()) == self.num_working_slots, "a working slot leaked"
         assert len(self._ckpt) + len(self._free_ckpt) == self.num_checkpoint_slots, "checkpoint slot leaked"
-        assert all(self._ckpt_key[s] == k for k, s in self._ckpt.items()), "checkpoint map is stale"
-        assert (self._pins >= 0).all(), "negative pin count"
+        assert all(self._key[s] == k for k, s in self._ckpt.items()), "checkpoint map is stale"
+        assert len(self._key) == len(self._ckpt), "slot -> key map is stale"
+        listed = [s for lru in self._lru for s in lru]
+        assert sorted(listed) == sorted(self._key), "recency lists disagree with the stored checkpoints"
+        assert all(self._kind[s] == k for k, lru in enumerate(self._lru) for s in lru), "kind drifted"
+        assert min(self._pins) >= 0 and min(self._wants) >= 0, "negative pin or want count"
+        assert not set(self._free_ckpt) & set(self._key), "a free checkpoint slot holds a key"
+        growing = [s for s, g in enumerate(self._growing) if g]
+        assert len(growing) == self._num_growing, "growing count drifted"
+        assert all(s in self._lru[CheckpointKind.ANSWER] for s in growing), "a growing slot is not an answer"

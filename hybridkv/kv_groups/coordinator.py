@@ -7,7 +7,9 @@ Attention groups share one block size, so they all hold the same number of logic
 
 A step, as the engine drives it::
 
-    L = coord.find_prefix_hit(rid, prompt)          # new request: take cached blocks / pin a checkpoint
+    coord.add_waiting(rid, prompt)                  # arrival: hash the prompt, index what it shares
+    coord.prefix_stops(rid)                         # where its prefill chunks should end (shared prefixes)
+    L = coord.find_prefix_hit(rid, prompt)          # admission: take cached blocks / pin a checkpoint
     ok = coord.allocate(rid, num_computed_tokens=L, num_new_tokens=n, token_ids=prompt)
     ok = coord.allocate_batch(rows, num_computed, num_new)      # running requests, all or nothing
     src, dst = coord.take_state_copies()            # runner: state[dst] = state[src] before the forward
@@ -15,6 +17,7 @@ A step, as the engine drives it::
     ... forward ...
     coord.commit_batch(rows, num_computed + num_new)  # register hashes, checkpoint Mamba, free skipped
     coord.free(rid)                                   # finish, abort or preemption
+    coord.forget(rid)                                 # finish or abort: it no longer shares anything
 
 Mamba state copies are returned already composed (``dst`` distinct; each ``src`` names the content to
 read *before* any copy of the batch is applied), so ``t[dst] = t[src]`` in one gather/scatter is exact
@@ -41,6 +44,7 @@ from hybridkv.kv_groups.managers import (
     make_attention_manager,
 )
 from hybridkv.kv_groups.plan import KVCachePlan
+from hybridkv.kv_groups.sharing import SharedPrefixIndex
 from hybridkv.kv_groups.specs import AttentionSpec, MambaSpec
 from hybridkv.utils import cdiv
 
@@ -64,17 +68,27 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStats:
+    """Mamba prefix-cache checkpoints since construction: how full the slots are and what the traffic did."""
+
+    slots: int                  # checkpoint slots in the plan
+    stored: int                 # checkpoints held now
+    written: int                # states copied into a checkpoint
+    evicted: int                # ... that took the slot of an older one
+    refused: int                # checkpoints skipped: every slot was protected or of a higher kind
+
+
 class KVCacheCoordinator:
     """Allocation, prefix caching and freeing for every group of ``plan``."""
 
     def __init__(self, plan: KVCachePlan, *, enable_prefix_caching: bool = True, max_num_reqs: int = 256,
-                 hash_algorithm: str = "blake2b", hash_salt: bytes = b"", checkpoint_decode: bool = False,
+                 hash_algorithm: str = "blake2b", hash_salt: bytes = b"", decode_checkpoint_interval: int | None = None,
                  device: torch.device | str = "cpu", share_host_memory: bool | None = None) -> None:
         if max_num_reqs <= 0:
             raise ValueError(f"max_num_reqs must be positive, got {max_num_reqs}")
         self.plan = plan
         self.enable_prefix_caching = enable_prefix_caching
-        self.checkpoint_decode = checkpoint_decode
         self.max_num_reqs = max_num_reqs
         self.block_size = bs = plan.block_size
         self.max_model_len = plan.max_model_len
@@ -118,33 +132,41 @@ class KVCacheCoordinator:
             assert isinstance(spec, MambaSpec)
             if any(g.spec.block_size != spec.block_size for g in mamba_groups):
                 raise ValueError("all Mamba groups must share one block_size (checkpoint granularity)")
-            n_ckpt = plan.num_checkpoint_slots if enable_prefix_caching else 0
             self.slots = StateSlotPool(plan.num_state_slots, plan.num_checkpoint_slots)
             self.mamba = MambaManager(spec, group_ids=[g.group_id for g in mamba_groups], slots=self.slots,
-                                      max_num_reqs=max_num_reqs, hash_block_size=bs)
-            self._checkpoints_on = n_ckpt > 0
+                                      max_num_reqs=max_num_reqs, hash_block_size=bs,
+                                      decode_interval=decode_checkpoint_interval, checkpoints=enable_prefix_caching)
+            self._checkpoints_on = self.mamba.checkpoints
         else:
             self._checkpoints_on = False
+        # Prompt chains of unfinished requests (from arrival to finish), for shared-prefix stops; the
+        # checkpoint each waiting request wants kept until it is admitted.
+        self.sharing = SharedPrefixIndex()
+        self._wanted: dict[str, int] = {}
+        self._arrival: dict[str, int] = {}                 # the slot pool's clock at arrival
+        self._stop_step = (self.mamba.block_size // bs) if self.mamba else 1
 
         # Per-row state, (R,) each.
         R = max_num_reqs
         self._num_cols = self.block_tables.num_blocks               # entries held per row (all groups)
         self._num_computed = np.zeros(R, np.int64)
         self._num_cached = np.zeros(R, np.int64)                    # full blocks already registered
-        self._prompt_len = np.zeros(R, np.int64)                    # 0 = not known yet
-        self._ckpt_limit = np.zeros(R, np.int64)                    # last length worth a checkpoint
+        self._prompt_known = np.zeros(R, np.bool_)                  # prompt length given to the managers
         # Full blocks worth registering: with Mamba layers a hit needs a state checkpoint at its length,
-        # so blocks past the last checkpoint could never be part of one (decode blocks, by default).
-        self._cache_cap = np.full(R, 0 if self.mamba else _NEVER, np.int64)
-        self._next_ckpt = np.full(R, _NEVER, np.int64)              # next checkpoint length, or _NEVER
+        # so blocks past a row's furthest checkpoint could never be part of one.
+        self._cache_cap = self.mamba.cache_cap if self.mamba else np.full(R, _NEVER, np.int64)
         self._hashes: list[list[BlockHash]] = [[] for _ in range(R)]
         self._tokens: list[TokenSource | None] = [None] * R            # what hashes are read from
         self._req_ids: list[str | None] = [None] * R
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(R - 1, -1, -1))
-        self._copies: dict[int, int] = {}                           # dst slot -> src slot, composed
         self._slotless: set[int] = set()                            # registered rows without a slot
         self._stats = PrefixCacheStats()
+        # Per group (plan order): lookups and the tokens each group alone would have served.
+        self._group_index = {g.group_id: i for i, g in enumerate(plan.groups)}
+        self._group_hits = np.zeros((len(plan.groups), 2), np.int64)      # (hit tokens, hit requests)
+        owners = [*self.managers, *([self.mamba] if self.mamba else [])]
+        self._kind_group_rows = [np.array([self._group_index[g] for g in m.group_ids]) for m in owners]
 
     # -- accessors -------------------------------------------------------------------------------
     @property
@@ -165,6 +187,24 @@ class KVCacheCoordinator:
 
     def reset_stats(self) -> None:
         self._stats = PrefixCacheStats()
+        self._group_hits[:] = 0
+
+    def group_stats(self) -> dict[int, PrefixCacheStats]:
+        """Per group id: the lookups (the same for every group) and the tokens of the longest prefix that
+        group alone holds (its own kind's rule); the hybrid hit is the longest that all of them accept."""
+        s = self._stats
+        return {g.group_id: PrefixCacheStats(queries=s.queries, query_tokens=s.query_tokens,
+                                             hit_tokens=int(self._group_hits[i, 0]),
+                                             hit_requests=int(self._group_hits[i, 1]))
+                for i, g in enumerate(self.plan.groups)}
+
+    def checkpoint_stats(self) -> CheckpointStats | None:
+        """Mamba checkpoint slots and traffic (None without Mamba layers)."""
+        if self.slots is None:
+            return None
+        p = self.slots
+        return CheckpointStats(slots=p.num_checkpoint_slots, stored=p.num_checkpoints, written=p.num_stored,
+                               evicted=p.num_evicted, refused=p.num_refused)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._rows
@@ -243,7 +283,8 @@ class KVCacheCoordinator:
         are already live) fits next to the per-step transient reserve.
 
         The reserve (``plan.reserved_step_blocks``: prefill-chunk blocks that fall out of a window or a
-        chunk when the step ends) is kept once for the step, not once per request (DESIGN.md §4).
+        chunk when the step ends) is kept once for the step, not once per request (docs/design.md, "Beyond
+        existing runtimes").
         ``request_id``: a request that already holds its row (after ``find_prefix_hit``) needs no new one."""
         needs_row = request_id is None or request_id not in self._rows
         if (needs_row and not self._free_rows) or (self.slots is not None and self.slots.num_free_slots < 1):
@@ -259,7 +300,9 @@ class KVCacheCoordinator:
         self._rows[request_id] = row
         self._req_ids[row] = request_id
         if self.mamba is not None:
+            assert self.slots is not None
             self._slotless.add(row)
+            self.mamba.arrived(row, self._arrival.get(request_id, self.slots.clock))
         return row
 
     def _release_row(self, row: int) -> None:
@@ -270,10 +313,9 @@ class KVCacheCoordinator:
         self._num_cols[row] = 0
         self._num_computed[row] = 0
         self._num_cached[row] = 0
-        self._prompt_len[row] = 0
-        self._ckpt_limit[row] = 0
-        self._cache_cap[row] = 0 if self.mamba else _NEVER
-        self._next_ckpt[row] = _NEVER
+        self._prompt_known[row] = False
+        if self.mamba:
+            self.mamba.reset_rows(np.array([row]))
         self._hashes[row] = []
         self._tokens[row] = None
         self._slotless.discard(row)
@@ -283,6 +325,63 @@ class KVCacheCoordinator:
         m = self.mamba
         return bool(self._num_cols[row] > 0 or (m and (m.slot[row] or m.pending[row])))
 
+    # -- shared prefixes of unfinished requests ----------------------------------------------------
+    def add_waiting(self, request_id: str, token_ids: TokenSeq) -> None:
+        """A request arrived: hash its prompt once (``find_prefix_hit`` reuses the chain), index what it
+        shares with the other unfinished requests, and keep the Mamba checkpoint it would start from now
+        (a later checkpoint store cannot evict it before the request is admitted)."""
+        if not self.enable_prefix_caching or request_id in self.sharing:
+            return
+        chain = self.hasher.chain(token_ids, (len(token_ids) - 1) // self.block_size) if len(token_ids) > 1 else []
+        self.sharing.add(request_id, chain)
+        if self.slots is not None:
+            self._arrival[request_id] = self.slots.clock
+        if self._checkpoints_on and chain:
+            assert self.mamba is not None
+            slot = self.mamba.want(chain)
+            if slot != NULL_SLOT:
+                self._wanted[request_id] = slot
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: it shares nothing any more (``free`` releases its cache)."""
+        self._unwant(request_id)
+        self.sharing.remove(request_id)
+        self._arrival.pop(request_id, None)
+
+    def _unwant(self, request_id: str) -> None:
+        slot = self._wanted.pop(request_id, NULL_SLOT)
+        if slot != NULL_SLOT:
+            assert self.slots is not None
+            self.slots.unwant(slot)
+
+    def prefix_stops(self, request_id: str) -> list[tuple[int, BlockHash, int]]:
+        """(length, key, sharers) of the ends of the prefixes the request shares with other unfinished
+        requests, ascending, at the checkpoint granularity: a prefill chunk ending there leaves a state (a
+        Mamba checkpoint) every sharer can start from. Empty for requests not indexed (``add_waiting``)."""
+        chain = self.sharing.chain(request_id)
+        if not chain:
+            return []
+        bs = self.block_size
+        return [(j * bs, chain[j - 1], n) for j, n in self.sharing.stops(chain, self._stop_step)]
+
+    def stops_generation(self, request_id: str) -> int:
+        """Changes to the requests that could share a prefix with this one: ``prefix_stops`` is unchanged
+        while this is (for caching it)."""
+        chain = self.sharing.chain(request_id)
+        return self.sharing.generation(chain) if chain else 0
+
+    def _prompt_chain_of(self, row: int) -> Sequence[BlockHash] | None:
+        rid = self._req_ids[row]
+        return None if rid is None else self.sharing.chain(rid)
+
+    def set_final_length(self, request_id: str, num_tokens: int) -> None:
+        """The request ends at ``num_tokens`` tokens unless it stops earlier (max_tokens): its answer's last
+        block boundary is checkpointed exactly, for the next chat turn."""
+        if self.mamba is not None:
+            row = self._rows[request_id]
+            self.mamba.set_final(row, num_tokens, int(self._num_computed[row]))
+
+    # -- prefix hits --------------------------------------------------------------------------------
     def find_prefix_hit(self, request_id: str, token_ids: TokenSeq) -> int:
         """Longest cached prefix L (a multiple of block_size, < len(token_ids)) every group accepts;
         takes its blocks (and pins the Mamba checkpoint at L) for the request, which it registers.
@@ -303,10 +402,15 @@ class KVCacheCoordinator:
         s = self._stats
         self._stats = PrefixCacheStats(queries=s.queries + 1, query_tokens=s.query_tokens + n,
                                        hit_tokens=s.hit_tokens, hit_requests=s.hit_requests)
+        self._unwant(request_id)                 # the pin of the hit taken below replaces it
         if not self.enable_prefix_caching or n <= 1:
             return 0
-        hashes = self._hashes[row] = self.hasher.chain(token_ids, (n - 1) // self.block_size)
-        length = self.longest_common_hit(hashes, len(hashes) * self.block_size)
+        nb = (n - 1) // self.block_size
+        indexed = self.sharing.chain(request_id)
+        hashes = list(indexed[:nb]) if indexed else []
+        self.hasher.extend(hashes, token_ids, nb)
+        self._hashes[row] = hashes
+        length = self.longest_common_hit(hashes, nb * self.block_size, record=True)
         if length == 0:
             return 0
         for m in self.managers:
@@ -323,18 +427,28 @@ class KVCacheCoordinator:
                                        hit_tokens=s.hit_tokens + length, hit_requests=s.hit_requests + 1)
         return length
 
-    def longest_common_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
+    def longest_common_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
+                           record: bool = False) -> int:
         """Fixed point of L <- each group's longest hit <= L, full attention first: the largest L that
-        every group accepts (each step only shrinks L and never below that largest L)."""
-        length = max_length
-        masks = [m.cached_mask(block_hashes[:max_length // self.block_size]) for m in self.managers]
+        every group accepts (each step only shrinks L and never below that largest L). It starts from the
+        smallest of the groups' own longest hits (``record``: counted in ``group_stats``)."""
+        keys = block_hashes[:max_length // self.block_size]
+        entries = self.pool.entries(keys) if self.pool is not None else None
+        masks = [m.cached_mask(keys, entries=entries) for m in self.managers]
+        own = [m.find_longest_cache_hit(block_hashes, max_length, cached=mask)
+               for m, mask in zip(self.managers, masks, strict=True)]
+        if self.mamba:
+            own.append(self.mamba.find_longest_cache_hit(block_hashes, max_length))
+        if record:
+            for length, groups in zip(own, self._kind_group_rows, strict=True):
+                self._group_hits[groups] += (length, length > 0)
+        length = min(own, default=max_length)
         while True:
             before = length
             for m, mask in zip(self.managers, masks, strict=True):
                 length = m.find_longest_cache_hit(block_hashes, length, cached=mask)
             if self.mamba:
-                length = self.mamba.find_longest_cache_hit(block_hashes, length) \
-                    if self._checkpoints_on else 0
+                length = self.mamba.find_longest_cache_hit(block_hashes, length)
             if length == before:
                 return length
 
@@ -366,7 +480,7 @@ class KVCacheCoordinator:
             self._release_row(row)
         elif ok and token_ids is not None:
             self._tokens[row] = self.hasher.source(token_ids)
-            if self._prompt_len[row] == 0:
+            if not self._prompt_known[row]:
                 self._set_prompt(row, len(token_ids))
         return ok
 
@@ -428,25 +542,9 @@ class KVCacheCoordinator:
         return True
 
     def _assign_slots(self, rows: np.ndarray) -> None:
-        m = self.mamba
-        assert m is not None and self.slots is not None
-        slots = self.slots.allocate(rows.size)
-        m.slot[rows] = slots
-        for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
-            self._slotless.discard(row)
-            ckpt = int(m.pending[row])
-            if ckpt != NULL_SLOT:
-                self._queue_copy(ckpt, slot)
-                self.slots.unpin(ckpt)
-                m.pending[row] = NULL_SLOT
-
-    def _queue_copy(self, src: int, dst: int) -> None:
-        """Compose ``dst <- src`` with the copies already queued (sequential semantics)."""
-        src = self._copies.get(src, src)
-        if src == dst:
-            self._copies.pop(dst, None)
-        else:
-            self._copies[dst] = src
+        assert self.mamba is not None
+        self.mamba.assign_slots(rows)
+        self._slotless.difference_update(rows.tolist())
 
     def take_state_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied.
@@ -454,16 +552,13 @@ class KVCacheCoordinator:
         Apply them as one gather + scatter, ``state[dst] = state[src]`` (all reads before any write):
         each ``src`` names a slot's content *before* the batch, so pair-by-pair copying can be wrong
         when a slot is both a source and a destination."""
-        if not self._copies:
+        if self.mamba is None:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        dst = np.fromiter(self._copies.keys(), np.int64, len(self._copies))
-        src = np.fromiter(self._copies.values(), np.int64, len(self._copies))
-        self._copies = {}
-        return src, dst
+        return self.mamba.take_state_copies()
 
     def commit(self, request_id: str, *, num_computed_tokens: int, token_ids: TokenSeq | None = None) -> None:
-        """After a step computed the request up to ``num_computed_tokens``: register newly full blocks,
-        checkpoint the Mamba state at block-aligned lengths, free blocks that became skipped.
+        """After a step computed the request up to ``num_computed_tokens``: checkpoint the Mamba state where
+        one is due (``MambaManager``), register newly full blocks, free blocks that became skipped.
 
         ``token_ids`` (all tokens known so far) replaces the sequence the coordinator hashes from; a list
         the engine appends to in place can be given once, at the first allocate."""
@@ -485,10 +580,11 @@ class KVCacheCoordinator:
                 self._tokens[row] = self.hasher.source(toks)
         self._num_computed[rows] = nc
         if self.enable_prefix_caching:
+            if self._checkpoints_on:        # first: a new checkpoint makes the blocks before it worth registering
+                assert self.mamba is not None
+                self.mamba.checkpoint(rows, nc, self._ensure_hashes, self._prompt_chain_of, self.sharing)
             if self._num_attn_groups:
                 self._cache_full_blocks(rows, nc)
-            if self._checkpoints_on:
-                self._checkpoint(rows, nc)
         for m, m_rows, m_nc in self._due_frees(rows, nc):
             m.remove_skipped_blocks(m_rows, m_nc, assume_due=True)
 
@@ -534,6 +630,9 @@ class KVCacheCoordinator:
                 hashes += self._ensure_hashes(row, b)[a:b]
         if len(hashes) == g_rows.size:
             rows_rep, cols = g_rows, g_done
+        elif g_rows.size == 1:                  # one row's run of blocks (a Mamba checkpoint moved on)
+            cols = np.arange(int(g_done[0]), int(g_full[0]))
+            rows_rep = np.repeat(g_rows, cols.size)
         else:
             owner, cols = token_ranges(g_done, g_full - g_done)
             rows_rep = g_rows[owner]
@@ -542,45 +641,9 @@ class KVCacheCoordinator:
         self._num_cached[g_rows] = g_full
 
     def _set_prompt(self, row: int, num_prompt_tokens: int) -> None:
-        """Checkpoints cover the prompt (shared prefixes live there), or every length with
-        ``checkpoint_decode``: one state copy per block of decode would cost a full state's bandwidth."""
-        self._prompt_len[row] = num_prompt_tokens
-        self._ckpt_limit[row] = limit = _NEVER if self.checkpoint_decode else num_prompt_tokens
-        if self.mamba is not None:           # blocks up to the last checkpoint a later hit could start from
-            if not self._checkpoints_on:
-                self._cache_cap[row] = 0
-            elif limit == _NEVER:
-                self._cache_cap[row] = _NEVER
-            else:
-                self._cache_cap[row] = limit // self.mamba.block_size * self.mamba.block_size // self.block_size
-        self._next_ckpt[row] = self._next_ckpt_after(self._num_computed[row:row + 1],
-                                                     self._ckpt_limit[row:row + 1])[0]
-
-    def _next_ckpt_after(self, length: np.ndarray, limit: np.ndarray) -> np.ndarray:
-        if not self._checkpoints_on:
-            return np.full_like(length, _NEVER)
-        mbs = self.mamba.block_size  # type: ignore[union-attr]
-        nxt = (length // mbs + 1) * mbs
-        return np.where(nxt <= limit, nxt, _NEVER)
-
-    def _checkpoint(self, rows: np.ndarray, nc: np.ndarray) -> None:
-        """Queue a copy of the working state into a checkpoint slot for rows whose step ended exactly at
-        a checkpoint length (the state exists only at step ends; the scheduler may align prefill
-        chunks to ``mamba.block_size`` to get more)."""
-        m = self.mamba
-        assert m is not None and self.slots is not None
-        due = nc >= self._next_ckpt[rows]
-        if not np.count_nonzero(due):
-            return
-        rows, nc = rows[due], nc[due]
-        limit = self._ckpt_limit[rows]
-        at = (nc % m.block_size == 0) & (nc <= limit)
-        for row, n in zip(rows[at].tolist(), nc[at].tolist(), strict=True):
-            key = self._ensure_hashes(row, n // self.block_size)[n // self.block_size - 1]
-            slot, is_new = self.slots.store_checkpoint(key)
-            if is_new:
-                self._queue_copy(int(m.slot[row]), slot)
-        self._next_ckpt[rows] = self._next_ckpt_after(nc, limit)
+        self._prompt_known[row] = True
+        if self.mamba is not None:
+            self.mamba.set_prompt(row, num_prompt_tokens, int(self._num_computed[row]))
 
     def free(self, request_id: str) -> bool:
         """Release everything the request holds (finish, abort, preemption). Cached blocks stay
@@ -602,11 +665,10 @@ class KVCacheCoordinator:
         if a == b:
             return
         self.block_tables.swap_rows(a, b)
-        arrays = [self._num_computed, self._num_cached, self._prompt_len, self._ckpt_limit, self._cache_cap,
-                  self._next_ckpt]
+        arrays = [self._num_computed, self._num_cached, self._prompt_known]
         arrays += [m.num_skipped for m in self.managers] + [m.next_free for m in self.managers]
         if self.mamba:
-            arrays += [self.mamba.slot, self.mamba.pending]
+            self.mamba.swap_rows(a, b)
         for arr in arrays:
             arr[[a, b]] = arr[[b, a]]
         for lst in (self._hashes, self._tokens, self._req_ids):
@@ -652,4 +714,8 @@ class KVCacheCoordinator:
             held = self.mamba.slot[self.mamba.slot != NULL_SLOT]
             assert np.unique(held).size == held.size, "a working slot is held twice"
             assert held.size == self.slots.num_working_slots - self.slots.num_free_slots, "slot leak"
+            wanted = np.bincount(np.fromiter(self._wanted.values(), np.int64, len(self._wanted)),
+                                 minlength=self.slots.num_slots)
+            assert wanted.tolist() == self.slots._wants, "wanted checkpoints disagree with the waiting requests"
+            assert all(self.slots.key_of(s) is not None for s in self._wanted.values()), "a wanted slot is free"
         assert len(self._rows) + len(self._free_rows) == self.max_num_reqs, "row leak"

@@ -89,9 +89,25 @@ class BlockHasher:
         bs = self.block_size
         if num_blocks * bs > len(tokens):
             raise ValueError(f"cannot hash {num_blocks} blocks of {bs} tokens from {len(tokens)} tokens")
-        source = self.source(tokens) if isinstance(tokens, np.ndarray) else tokens
+        first = len(hashes)
+        if first >= num_blocks:
+            return
         parent = hashes[-1] if hashes else self.root
-        for i in range(len(hashes), num_blocks):
+        if self.algorithm == "blake2b" and num_blocks - first > 1:
+            # Several blocks: their little-endian int64 bytes in one conversion, then one digest per block
+            # (the bytes hash_at streams, without a pack and a call per block).
+            data = memoryview(np.asarray(tokens[first * bs:num_blocks * bs], dtype=_I64)).cast("B")
+            width = 8 * bs
+            new, append = _new_state, hashes.append
+            for off in range(0, len(data), width):
+                state = new()
+                state.update(parent)  # type: ignore[arg-type]
+                state.update(data[off:off + width])
+                parent = state.digest()
+                append(parent)
+            return
+        source = self.source(tokens) if isinstance(tokens, np.ndarray) else tokens
+        for i in range(first, num_blocks):
             parent = self.hash_at(parent, source, i)
             hashes.append(parent)
 

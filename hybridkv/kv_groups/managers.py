@@ -3,7 +3,7 @@
 One manager per distinct spec. The plan may split one spec's layers into several pool groups (each
 group fills whole pool pages); those groups share every decision (same block size, same skip rule, same
 token counts), so a manager drives all of them at once over a (G_spec, rows, cols) slice of the block
-tables. Kind semantics (DESIGN.md §3), for ``n`` computed tokens and block size ``bs``:
+tables. Kind semantics (docs/design.md, "Semantics"), for ``n`` computed tokens and block size ``bs``:
 
 ================  ============================  =================================================
 kind              leading blocks freed          a prefix hit at length L (multiple of bs) needs
@@ -25,16 +25,18 @@ coordinator uses to check memory for all groups before changing anything.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from hybridkv.kv_groups.block_pool import NULL_BLOCK, NULL_SLOT, BlockPool, StateSlotPool
+from hybridkv.kv_groups.block_pool import NULL_BLOCK, NULL_SLOT, BlockPool, CheckpointKind, StateSlotPool
 from hybridkv.kv_groups.block_table import token_ranges
 from hybridkv.kv_groups.hashing import BlockHash
+from hybridkv.kv_groups.sharing import SharedPrefixIndex
 from hybridkv.kv_groups.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -43,6 +45,9 @@ from hybridkv.kv_groups.specs import (
     SlidingWindowSpec,
 )
 from hybridkv.utils import cdiv
+
+logger = logging.getLogger("hybridkv.kv_groups")
+_NEVER = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,9 +152,9 @@ class AttentionManager(ABC):
             self._free(rows, target, rows_rep, cols, self.tables[:, rows_rep, cols])
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def cached_mask(self, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+    def cached_mask(self, block_hashes: Sequence[BlockHash], *, entries: np.ndarray | None = None) -> np.ndarray:
         """(n,) bool: block j of the chain is cached in every group of this spec."""
-        return self.pool.cached_mask(block_hashes, self.group_ids)
+        return self.pool.cached_mask(block_hashes, self.group_ids, entries=entries)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
                                cached: np.ndarray | None = None) -> int:
@@ -276,33 +281,188 @@ class ChunkedLocalManager(AttentionManager):
 
 
 class MambaManager:
-    """Working state slots and prefix-cache checkpoints for every Mamba group (one slot holds the
-    states of all Mamba layers). ``block_size`` is the checkpoint granularity."""
+    """Working state slots and prefix-cache checkpoints for every Mamba group (one slot holds the states
+    of all Mamba layers). ``block_size`` is the checkpoint granularity; a hit needs a checkpoint exactly at
+    its length, and a state exists only where a step ends, so where checkpoints land is decided here and
+    by the scheduler (which ends prefill chunks at the first three kinds):
+
+    ==========  =====================================================================================
+    SHARED      the end of a prefix that several unfinished requests share (``SharedPrefixIndex``)
+    PROMPT      the prompt's last block boundary (below its length: the last token is always recomputed)
+    BOUNDARY    any other block-aligned prefill chunk end (long prompts)
+    ANSWER      while decoding: every ``decode_interval`` tokens and the last block boundary before the
+                request's known final length (``set_final``); one per request, replaced as it advances,
+                so a finished request leaves its prompt + output (the next chat turn starts there)
+    ==========  =====================================================================================
+
+    A copy costs one state's bytes (read + write); the decode checkpoints add ``1 / decode_interval`` of
+    the state traffic the decode steps already have, and none are taken without prefix caching. The copies
+    are queued here, composed (``queue_copy``), and applied by the runner before the next forward. Per-row
+    arrays are (R,) and vectorised: a commit costs a comparison unless a row reaches a checkpoint length.
+    """
 
     kind: ClassVar[str] = "mamba"
 
-    def __init__(self, spec: MambaSpec, *, group_ids: Sequence[int], slots: StateSlotPool,
-                 max_num_reqs: int, hash_block_size: int) -> None:
+    def __init__(self, spec: MambaSpec, *, group_ids: Sequence[int], slots: StateSlotPool, max_num_reqs: int,
+                 hash_block_size: int, decode_interval: int | None = None, checkpoints: bool = True) -> None:
         if spec.block_size % hash_block_size:
             raise ValueError(f"MambaSpec.block_size={spec.block_size} must be a multiple of the attention "
                              f"block_size={hash_block_size} so hybrid prefix hits line up")
+        interval = 4 * spec.block_size if decode_interval is None else decode_interval
+        if interval <= 0 or interval % spec.block_size:
+            raise ValueError(f"decode_checkpoint_interval must be a positive multiple of the Mamba block size "
+                             f"{spec.block_size}, got {decode_interval}")
         self.spec = spec
         self.block_size = spec.block_size
         self.hash_block_size = hash_block_size
+        self.decode_interval = interval
         self.group_ids = tuple(group_ids)
         self.slots = slots
-        self.slot = np.zeros(max_num_reqs, np.int32)            # (R,) working slot per row, 0 = none
-        self.pending = np.zeros(max_num_reqs, np.int32)         # (R,) pinned checkpoint awaiting its copy
+        self.checkpoints = checkpoints and slots.num_checkpoint_slots > 0
+        R = max_num_reqs
+        self.slot = np.zeros(R, np.int32)               # working slot per row, 0 = none
+        self.pending = np.zeros(R, np.int32)            # pinned checkpoint awaiting its copy
+        self.next_ckpt = np.full(R, _NEVER, np.int64)   # the next length whose commit may checkpoint
+        self.prompt_ckpt = np.zeros(R, np.int64)        # the prompt's last block boundary
+        self.final_ckpt = np.zeros(R, np.int64)         # last boundary before the known final length (0: none)
+        self.cache_cap = np.zeros(R, np.int64)          # hash blocks up to the furthest checkpoint stored
+        self.tail = np.zeros(R, np.int32)               # the row's ANSWER checkpoint slot, 0 = none
+        self.since = np.zeros(R, np.int64)              # the slot pool's clock when the row's request arrived
+        self._tail_key: list[BlockHash | None] = [None] * R
+        self._copies: dict[int, int] = {}               # dst slot -> src slot, composed
+        self._warned = False
 
+    def row_arrays(self) -> list[np.ndarray]:
+        """The per-row arrays (swapped with the coordinator's rows)."""
+        return [self.slot, self.pending, self.next_ckpt, self.prompt_ckpt, self.final_ckpt, self.cache_cap,
+                self.tail, self.since]
+
+    def swap_rows(self, a: int, b: int) -> None:
+        for arr in self.row_arrays():
+            arr[[a, b]] = arr[[b, a]]
+        self._tail_key[a], self._tail_key[b] = self._tail_key[b], self._tail_key[a]
+
+    def _settle_tail(self, row: int) -> None:
+        tail = int(self.tail[row])
+        if tail and self.slots.key_of(tail) == self._tail_key[row]:
+            self.slots.settle(tail)
+
+    def reset_rows(self, rows: np.ndarray) -> None:
+        self.next_ckpt[rows] = _NEVER
+        self.prompt_ckpt[rows] = 0
+        self.final_ckpt[rows] = 0
+        self.cache_cap[rows] = 0
+        for row in rows.tolist():
+            self._settle_tail(row)
+            self._tail_key[row] = None
+        self.tail[rows] = NULL_SLOT
+
+    # -- where checkpoints land ----------------------------------------------------------------------
+    def arrived(self, row: int, clock: int) -> None:
+        """The row's request arrived when the slot pool's clock read ``clock``: checkpoints nobody stored or
+        hit since then are cold for it (any of them may make room for its checkpoints)."""
+        self.since[row] = clock
+
+    def set_prompt(self, row: int, num_prompt_tokens: int, num_computed: int) -> None:
+        self.prompt_ckpt[row] = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        self._update_next(row, num_computed)
+
+    def set_final(self, row: int, final_length: int, num_computed: int) -> None:
+        """The request ends at ``final_length`` tokens unless it stops earlier: its last computed token is
+        ``final_length - 1``, so the last checkpoint its answer can leave is the boundary below that."""
+        self.final_ckpt[row] = (final_length - 1) // self.block_size * self.block_size
+        self._update_next(row, num_computed)
+
+    def _update_next(self, row: int, nc: int) -> None:
+        """The next length after ``nc`` a commit may checkpoint the row at: every aligned length up to the
+        prompt's last boundary (prefill chunks end aligned there), then every ``decode_interval`` and the
+        final boundary. Scalar: it runs for the few rows that reached a checkpoint length in a step."""
+        if not self.checkpoints:
+            self.next_ckpt[row] = _NEVER
+            return
+        mbs, every, final = self.block_size, self.decode_interval, int(self.final_ckpt[row])
+        prefill = (nc // mbs + 1) * mbs
+        if prefill <= self.prompt_ckpt[row]:
+            self.next_ckpt[row] = prefill
+            return
+        decode = (nc // every + 1) * every
+        self.next_ckpt[row] = final if nc < final < decode else decode
+
+    def checkpoint(self, rows: np.ndarray, nc: np.ndarray, chain: Callable[[int, int], list[BlockHash]],
+                   prompt_chain: Callable[[int], Sequence[BlockHash] | None], sharing: SharedPrefixIndex) -> None:
+        """After a step computed ``rows`` up to ``nc``: checkpoint the rows whose step ended at a checkpoint
+        length (queue the copy of the working state), then move their next checkpoint length on.
+        ``chain(row, n)``: the row's first n block keys; ``prompt_chain(row)``: its prompt's keys as the
+        shared-prefix index holds them (None: not indexed)."""
+        due = nc >= self.next_ckpt[rows]
+        if not np.count_nonzero(due):
+            return
+        mbs, hbs, step = self.block_size, self.hash_block_size, self.block_size // self.hash_block_size
+        for row, n in zip(rows[due].tolist(), nc[due].tolist(), strict=True):     # (a few rows per step)
+            self._update_next(row, n)
+            if n % mbs:
+                continue
+            blocks = n // hbs
+            replace = NULL_SLOT
+            if n > self.prompt_ckpt[row]:
+                kind = CheckpointKind.ANSWER
+                tail = int(self.tail[row])
+                if tail and self.slots.key_of(tail) == self._tail_key[row]:
+                    replace = tail
+            else:
+                pc = prompt_chain(row)
+                if pc is not None and sharing.is_stop(pc, blocks, step):
+                    kind = CheckpointKind.SHARED
+                else:
+                    kind = CheckpointKind.PROMPT if n == self.prompt_ckpt[row] else CheckpointKind.BOUNDARY
+            evicted = self.slots.num_evicted
+            since = int(self.since[row])
+            if self.slots.has_room(kind, replace=replace, since=since):   # (else skip hashing: it cannot stay)
+                key = chain(row, blocks)[blocks - 1]
+                slot, is_new = self.slots.store_checkpoint(key, kind, replace=replace, since=since,
+                                                           growing=kind is CheckpointKind.ANSWER)
+            else:
+                slot, is_new = NULL_SLOT, False
+            if is_new:
+                self.queue_copy(int(self.slot[row]), slot)
+            if slot != NULL_SLOT:
+                self.cache_cap[row] = max(int(self.cache_cap[row]), blocks)
+                if kind is CheckpointKind.ANSWER and is_new:       # (one found stored is someone else's)
+                    if slot != replace:
+                        self._settle_tail(row)
+                    self.tail[row] = slot
+                    self._tail_key[row] = key
+            if not self._warned and (slot == NULL_SLOT or self.slots.num_evicted > evicted):
+                self._warned = True
+                logger.warning(
+                    "prefix cache: all %d Mamba checkpoint slots are in use; from now on a checkpoint replaces "
+                    "an older one of its kind or lower (least recently used first) or is skipped, so prefix "
+                    "hits on Mamba layers may degrade (outputs do not); a larger kv_cache_memory holds more",
+                    self.slots.num_checkpoint_slots)
+
+    # -- prefix hits --------------------------------------------------------------------------------
     def key_at(self, block_hashes: Sequence[BlockHash], length: int) -> BlockHash:
         return block_hashes[length // self.hash_block_size - 1]
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
         """Largest L <= ``max_length`` with a checkpoint stored exactly at L (0 = start from zero)."""
-        length = (max_length // self.block_size) * self.block_size
-        while length > 0 and self.slots.lookup_checkpoint(self.key_at(block_hashes, length)) == NULL_SLOT:
-            length -= self.block_size
-        return length
+        if not self.checkpoints:
+            return 0
+        stored, step = self.slots.stored_keys, self.block_size // self.hash_block_size
+        for j in range(max_length // self.block_size * step, 0, -step):     # in hash blocks, longest first
+            if block_hashes[j - 1] in stored:
+                return j * self.hash_block_size
+        return 0
+
+    def want(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Protect the longest checkpoint along ``block_hashes`` for a request that waits to start from it;
+        returns its slot (0: none) for ``unwant``."""
+        length = self.find_longest_cache_hit(block_hashes, len(block_hashes) * self.hash_block_size)
+        if length == 0:
+            return NULL_SLOT
+        slot = self.slots.lookup_checkpoint(self.key_at(block_hashes, length))
+        self.slots.want(slot)
+        return slot
 
     def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> int:
         """Pin the checkpoint at ``length`` for ``row``; its copy is queued once the row has a slot."""
@@ -310,7 +470,37 @@ class MambaManager:
         assert ckpt != NULL_SLOT
         self.slots.pin(ckpt)
         self.pending[row] = ckpt
+        self.cache_cap[row] = length // self.hash_block_size
         return ckpt
+
+    # -- working slots and copies -------------------------------------------------------------------
+    def assign_slots(self, rows: np.ndarray) -> None:
+        """Give ``rows`` working slots (the caller checked there are enough); a pinned hit is copied in."""
+        slots = self.slots.allocate(rows.size)
+        self.slot[rows] = slots
+        for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
+            ckpt = int(self.pending[row])
+            if ckpt != NULL_SLOT:
+                self.queue_copy(ckpt, slot)
+                self.slots.unpin(ckpt)
+                self.pending[row] = NULL_SLOT
+
+    def queue_copy(self, src: int, dst: int) -> None:
+        """Compose ``dst <- src`` with the copies already queued (sequential semantics)."""
+        src = self._copies.get(src, src)
+        if src == dst:
+            self._copies.pop(dst, None)
+        else:
+            self._copies[dst] = src
+
+    def take_state_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied."""
+        if not self._copies:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        dst = np.fromiter(self._copies.keys(), np.int64, len(self._copies))
+        src = np.fromiter(self._copies.values(), np.int64, len(self._copies))
+        self._copies = {}
+        return src, dst
 
     def free_rows(self, rows: np.ndarray) -> None:
         self.slots.free(self.slot[rows])

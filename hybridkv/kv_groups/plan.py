@@ -8,9 +8,10 @@ owned by a group addresses that page in each of the group's layers, so a group m
 Llama-4-Scout (12 global + 36 chunked) -> 4 groups of 12, Gemma-3-27B (10 + 52) -> 31 groups of 2.
 
 Mamba layers never enter the block pool: their fixed-size states live in a slot pool sized by the
-number of concurrent requests (+ prefix-cache checkpoint slots), so attention keeps its small native
-block size and nothing is padded to a state's size (DESIGN.md §4, item 1). Slot 0 and block 0 are
-null entries, never handed out, so padded rows of a batch always point somewhere harmless.
+number of concurrent requests (+ prefix-cache checkpoint slots, ``checkpoint_slots``), so attention keeps
+its small native block size and nothing is padded to a state's size (docs/design.md, "Beyond existing
+runtimes"). Slot 0 and block 0 are null entries, never handed out, so padded rows of a batch always point
+somewhere harmless.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ from hybridkv.kv_groups.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from hybridkv.utils import format_bytes
 
 DEFAULT_STEP_TOKENS = 2048
+CHECKPOINTS_PER_SEQUENCE = 2            # a prompt's end and its answer's end
+CHECKPOINT_BUDGET_FRACTION = 3          # checkpoints take at most 1/3 of the KV budget
+
+
+def checkpoint_slots(layer_specs: Mapping[str, KVCacheSpec], *, kv_memory: int, max_num_seqs: int) -> int:
+    """Mamba prefix-cache checkpoint slots for a budget: two per sequence the engine may run at once (where
+    its prompt ends, for repeats, and where its answer ends, for the next chat turn; a prefix shared by
+    several sequences needs one for all of them), within a third of ``kv_memory``. 0 without Mamba layers.
+    Fewer checkpoints than the traffic needs only lose hits (``StateSlotPool`` keeps the most useful)."""
+    state_bytes = sum(spec.bytes_per_block for spec in layer_specs.values() if not spec.is_attention)
+    if not state_bytes:
+        return 0
+    return max(1, min(CHECKPOINTS_PER_SEQUENCE * max_num_seqs,
+                      kv_memory // (CHECKPOINT_BUDGET_FRACTION * state_bytes)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +153,11 @@ class KVCachePlan:
         return sum(g.spec.bytes_per_block * len(g.layer_names) for g in self.mamba_groups)
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the prefix-cache checkpoint slots (part of ``allocated_bytes``)."""
+        return self.num_checkpoint_slots * self.state_bytes_per_slot
+
+    @property
     def allocated_bytes(self) -> int:
         return self.num_blocks * self.page_bytes + self.num_state_slots * self.state_bytes_per_slot
 
@@ -157,6 +177,7 @@ class KVCachePlan:
             "num_blocks": self.num_blocks,
             "num_state_slots": self.num_state_slots,
             "num_checkpoint_slots": self.num_checkpoint_slots,
+            "checkpoint_bytes": self.checkpoint_bytes,
             "reserved_step_blocks": self.reserved_step_blocks,
             "groups": [gp.to_dict(self) for gp in self.group_plans],
             "bytes_per_request_max": self.bytes_per_request_max,
@@ -169,8 +190,14 @@ class KVCachePlan:
 
     def summary(self) -> str:
         """A few plain lines; the CLI renders the full table."""
+        slots = ""
+        if self.num_state_slots:
+            slots = f" + {self.num_state_slots} state slots x {format_bytes(self.state_bytes_per_slot)}"
+            if self.num_checkpoint_slots:
+                slots += (f" ({self.num_checkpoint_slots} for prefix-cache checkpoints, "
+                          f"{format_bytes(self.checkpoint_bytes)})")
         return (f"{len(self.groups)} groups, {self.num_blocks} blocks x {format_bytes(self.page_bytes)}"
-                f" + {self.num_state_slots} state slots; {format_bytes(self.bytes_per_request_max)} per "
+                f"{slots}; {format_bytes(self.bytes_per_request_max)} per "
                 f"{self.max_model_len}-token request; {self.max_concurrent_requests} concurrent "
                 f"({self.concurrency_vs_all_full:.2f}x all-full-attention)")
 
@@ -187,7 +214,10 @@ def plan_kv_cache(
     """Split ``kv_memory`` bytes into pools and report how many ``max_model_len`` requests fit.
 
     ``step_tokens`` is the scheduler's per-step token budget (max_num_batched_tokens): the transient
-    blocks of prefill chunks in flight are reserved once for the step, not once per request."""
+    blocks of prefill chunks in flight are reserved once for the step, not once per request.
+    ``num_checkpoint_slots`` is the most Mamba checkpoint slots to hold (``checkpoint_slots``): they come
+    from what the working slots and one max-length request leave, so they never cost a working slot nor
+    make a budget too small (the plan's ``num_checkpoint_slots`` says how many it holds)."""
     for name, value in (("max_model_len", max_model_len), ("kv_memory", kv_memory)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
@@ -221,7 +251,7 @@ def plan_kv_cache(
                                   if gp.group.spec.is_attention) if page_bytes else 0
     slot_bytes = sum(gp.bytes_per_request for gp in group_plans if not gp.group.spec.is_attention)
     reserved = sum(g.spec.transient_blocks_per_step(step) for g in attention)
-    fixed_bytes = (1 + reserved) * page_bytes + (1 + num_checkpoint_slots) * slot_bytes
+    fixed_bytes = (1 + reserved) * page_bytes + slot_bytes            # null block, step reserve, null slot
     per_request = blocks_per_request * page_bytes + slot_bytes
     per_request_full = full_blocks_per_request * page_bytes + slot_bytes
 
@@ -230,21 +260,27 @@ def plan_kv_cache(
         raise ValueError(
             f"kv_memory={format_bytes(kv_memory)} is too small for one request of max_model_len="
             f"{max_model_len}: it needs {format_bytes(per_request + fixed_bytes)} ({format_bytes(per_request)}"
-            f" per request + {format_bytes(fixed_bytes)} for null entries, checkpoints and the step reserve)")
-    # The all-full yardstick keeps no step reserve: full attention has no transient blocks.
-    fixed_full = page_bytes + (1 + num_checkpoint_slots) * slot_bytes
-    fits_full = max(0, (kv_memory - fixed_full) // per_request_full)
+            f" per request + {format_bytes(fixed_bytes)} for null entries and the step reserve)")
     concurrent = min(fits, max_num_seqs) if max_num_seqs else fits
 
     # Working state slots: enough for every max-length request that fits, and more (up to max_num_seqs,
-    # within half the budget) so that shorter requests are not capped by slots while blocks sit idle.
+    # within half the budget and leaving one max-length request's blocks) so that shorter requests are not
+    # capped by slots while blocks sit idle. Checkpoints take none of them (they must not cost concurrency).
     working = concurrent
     if slot_bytes and max_num_seqs and max_num_seqs > concurrent:
-        working = max(concurrent, min(max_num_seqs, (kv_memory // 2) // slot_bytes - 1 - num_checkpoint_slots))
-    num_state_slots = (1 + num_checkpoint_slots + working) if slot_bytes else 0
+        working = max(concurrent, min(max_num_seqs, (kv_memory // 2) // slot_bytes - 1,
+                                      (kv_memory - fixed_bytes - blocks_per_request * page_bytes) // slot_bytes))
+    checkpoints = 0
+    if slot_bytes and num_checkpoint_slots:
+        spare = kv_memory - fixed_bytes - working * slot_bytes - blocks_per_request * page_bytes
+        checkpoints = max(0, min(num_checkpoint_slots, spare // slot_bytes))
+    num_state_slots = (1 + checkpoints + working) if slot_bytes else 0
     num_blocks = (kv_memory - num_state_slots * slot_bytes) // page_bytes if page_bytes else 0
-    if blocks_per_request:      # extra working slots took memory from the pool: recount max-length requests
+    if blocks_per_request:      # extra slots took memory from the pool: recount max-length requests
         concurrent = min(concurrent, (num_blocks - 1 - reserved) // blocks_per_request)
+    # The all-full yardstick keeps no step reserve: full attention has no transient blocks.
+    fixed_full = page_bytes + (1 + checkpoints) * slot_bytes
+    fits_full = max(0, (kv_memory - fixed_full) // per_request_full)
     # Padding: pages sized for the widest attention spec but used by a narrower one.
     widest = page_bytes // per_group if per_group else 0
     padding = concurrent * sum(gp.blocks_per_request * per_group * (widest - gp.group.spec.bytes_per_block)
@@ -252,7 +288,7 @@ def plan_kv_cache(
     return KVCachePlan(
         groups=groups, group_plans=tuple(group_plans), max_model_len=max_model_len, step_tokens=step,
         budget_bytes=kv_memory, block_size=block_size, layers_per_block=per_group, page_bytes=page_bytes,
-        num_blocks=num_blocks, num_state_slots=num_state_slots, num_checkpoint_slots=num_checkpoint_slots,
+        num_blocks=num_blocks, num_state_slots=num_state_slots, num_checkpoint_slots=checkpoints,
         reserved_step_blocks=reserved, padding_bytes=padding, max_concurrent_requests=concurrent,
         max_concurrent_requests_if_all_full=min(fits_full, max_num_seqs) if max_num_seqs else fits_full,
     )

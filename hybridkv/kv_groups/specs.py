@@ -3,7 +3,7 @@
 A spec is a frozen, hashable value. Layers with equal specs share a group (and a block table), so
 everything that decides memory layout lives here and nothing else.
 
-Token accounting (DESIGN.md §3), for a request with ``n`` computed tokens:
+Token accounting (docs/design.md, "Semantics"), for a request with ``n`` computed tokens:
 
 =================  ==========================  ==========================================
 kind               skipped tokens              per-request upper bound (blocks)
@@ -76,7 +76,7 @@ class KVCacheSpec(ABC):
 
         The chunk's early tokens fall out of the window/chunk once the step is done, so this extra is
         transient and bounded by the step's token budget: admission reserves it once per step, not once
-        per request (DESIGN.md §4, item 2)."""
+        per request (docs/design.md, "Beyond existing runtimes")."""
         big = 1 << 40
         return (self.max_blocks_per_request(num_tokens=big, step_tokens=step_tokens)
                 - self.max_blocks_per_request(num_tokens=big, step_tokens=1))

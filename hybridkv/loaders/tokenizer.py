@@ -1,5 +1,9 @@
 """The tokenizer a checkpoint ships, behind one small interface (``encode``, ``decode``,
-``eos_token_ids``, ``apply_chat_template``).
+``eos_token_ids``, ``bos_token``, ``apply_chat_template``).
+
+BOS exactly once: ``encode`` adds the BOS token as the checkpoint's tokenizer does, unless the text already
+starts with the BOS token's text (a rendered chat template usually does): then that text is the BOS.
+``encode_prompt`` applies the same rule to any tokenizer object (e.g. one from transformers).
 
 Sources, in the order HF itself prefers them: ``tokenizer.json`` (HF tokenizers); Mistral's
 ``tekken.json`` / ``tokenizer.model.v*`` (through ``mistral-common``); ``tokenizer.model`` as a
@@ -32,6 +36,71 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as a prompt, with the BOS token exactly once: ours follow the rule themselves; for another
+    tokenizer (transformers') a text that starts with its ``bos_token`` is encoded without special tokens."""
+    if isinstance(tokenizer, _Base):
+        return tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token", None)
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def _text_content(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message whose content is a list of parts becomes one with string content (text parts joined by
+    newlines, as vLLM does for templates that take strings); other parts are refused."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise ValueError(f"only text content is supported, got a part {part!r}")
+    return {**message, "content": "\n".join(texts)}
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+    """A conversation as text through a chat template: ``chat_template`` (a Jinja source) or the tokenizer's
+    own; our tokenizers or any with transformers' ``apply_chat_template``. ``continue_final_message`` ends
+    the text with the last message's content (no end-of-turn), so the model continues that message."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or \
+            not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError("a conversation is a list of messages, dicts with a 'role' and a 'content'")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+    messages = [_text_content(m) for m in messages]
+    if isinstance(tokenizer, _Base):
+        template = tokenizer.chat_template if chat_template is None else ChatTemplate(
+            source=chat_template, special_tokens=tokenizer.chat_template.special_tokens
+            if tokenizer.chat_template is not None else tokenizer.special_tokens())
+        if template is None:
+            raise ValueError(f"{tokenizer.source}: this tokenizer has no chat template (no chat_template in "
+                             f"{TOKENIZER_CONFIG} and no {CHAT_TEMPLATE_FILE}); pass chat_template=")
+        text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+    elif hasattr(tokenizer, "apply_chat_template"):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, tools=tools, **kwargs)
+    elif chat_template is not None:
+        text = ChatTemplate(source=chat_template).render(messages, add_generation_prompt=add_generation_prompt,
+                                                         tools=tools, **kwargs)
+    else:
+        raise ValueError("this tokenizer has no chat template: pass chat_template=")
+    if continue_final_message:
+        final = messages[-1].get("content")
+        if not isinstance(final, str) or final.strip() not in text:
+            raise ValueError("continue_final_message: the final message's content is not in the rendered text")
+        final = final.strip()
+        text = text[:text.rindex(final) + len(final)]
+    return text
+
+
 # -- chat templates --------------------------------------------------------------------------------------
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or as AddedToken dicts ({"content": ...})."""
@@ -48,7 +117,7 @@ class ChatTemplate:
     special_tokens: Mapping[str, str] = field(default_factory=dict)   # bos_token, eos_token, ...
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
         try:
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -62,9 +131,10 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        extra = {"tools": list(tools)} if tools is not None else {}
         return env.from_string(self.source).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **kwargs})
+            **{**self.special_tokens, **extra, **kwargs})
 
 
 def _read_tokenizer_config(directory: Path) -> dict[str, Any]:
@@ -113,21 +183,39 @@ def _merge_ids(*groups: Sequence[int | None]) -> tuple[int, ...]:
 
 # -- implementations -------------------------------------------------------------------------------------
 class _Base:
-    """Shared ``apply_chat_template``: render the template, then encode without special tokens (the
-    template writes them itself)."""
+    """Shared ``encode`` (the BOS rule) and ``apply_chat_template``: render the template, then encode without
+    special tokens (the template writes them itself). ``bos_token``: the text of the BOS token ``encode``
+    adds (None when it adds none)."""
 
     eos_token_ids: tuple[int, ...] = ()
     chat_template: ChatTemplate | None = None
     source: str = ""
+    bos_token: str | None = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens (BOS) as the tokenizer adds them, BOS exactly once."""
+        if not add_special_tokens:
+            return self._encode_plain(text)
+        if self.bos_token and text.startswith(self.bos_token):
+            return self._encode_from_bos(text)
+        return self._encode_special(text)
+
+    def _encode_special(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _encode_from_bos(self, text: str) -> list[int]:
+        """``text`` that starts with the BOS token's text: that text is the BOS token."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
     def _encode_plain(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def special_tokens(self) -> dict[str, str]:
+        """Template variables for the special tokens (a chat template given without the checkpoint's)."""
+        return {"bos_token": self.bos_token} if self.bos_token else {}
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:
@@ -157,15 +245,20 @@ class HFTokenizer(_Base):
         eos = self._tok.token_to_id(eos_text) if eos_text else None
         self.eos_token_ids = _merge_ids([eos], extra_eos)
         self.chat_template = chat_template
+        added = self._tok.encode("").ids[:1]         # what the post-processor puts first in every text: the BOS
+        self.bos_token = self._tok.id_to_token(added[0]) if added and self._tok.encode("x").ids[:1] == added else None
 
-    def encode(self, text: str) -> list[int]:
+    def _encode_special(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def _encode_from_bos(self, text: str) -> list[int]:
+        return self._encode_plain(text)          # the BOS text is an added token: it encodes to the BOS id
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class SentencePieceTokenizer(_Base):
@@ -185,16 +278,33 @@ class SentencePieceTokenizer(_Base):
         self._add_eos = bool(config.get("add_eos_token", False)) and self._eos is not None
         self.eos_token_ids = _merge_ids([self._eos], extra_eos)
         self.chat_template = chat_template
+        self.bos_token = self._sp.id_to_piece(self._bos) if self._bos is not None else None
 
-    def encode(self, text: str) -> list[int]:
+    def _encode_special(self, text: str) -> list[int]:
         ids = self._encode_plain(text)
         return ([self._bos] if self._bos is not None else []) + ids + ([self._eos] if self._add_eos else [])
+
+    def _encode_from_bos(self, text: str) -> list[int]:
+        # sentencepiece reads control-token text as plain text: the BOS text is dropped, the BOS id added
+        assert self.bos_token is not None
+        return self._encode_special(text[len(self.bos_token):])
 
     def _encode_plain(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode(list(ids))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self._sp.decode(ids)
+        # sentencepiece always drops control tokens: decode the runs between them, keep their pieces
+        parts, run = [], []
+        for i in ids:
+            if self._sp.is_control(i):
+                parts += [self._sp.decode(run), self._sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, self._sp.decode(run)])
 
 
 class MistralTokenizer(_Base):
@@ -210,15 +320,24 @@ class MistralTokenizer(_Base):
         self._tok = _Mistral.from_file(str(file)).instruct_tokenizer.tokenizer
         self.eos_token_ids = _merge_ids([self._tok.eos_id], extra_eos)
         self.chat_template = chat_template
+        self.bos_token = self._tok.id_to_piece(self._tok.bos_id)
 
-    def encode(self, text: str) -> list[int]:
+    def _encode_special(self, text: str) -> list[int]:
         return list(self._tok.encode(text, bos=True, eos=False))
+
+    def _encode_from_bos(self, text: str) -> list[int]:
+        # mistral-common reads control-token text as plain text: the BOS text is dropped, the BOS id added
+        assert self.bos_token is not None
+        return self._encode_special(text[len(self.bos_token):])
 
     def _encode_plain(self, text: str) -> list[int]:
         return list(self._tok.encode(text, bos=False, eos=False))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        policy = SpecialTokenPolicy.IGNORE if skip_special_tokens else SpecialTokenPolicy.KEEP
+        return self._tok.decode(list(ids), special_token_policy=policy)
 
 
 class Llama4TiktokenTokenizer(_Base):
@@ -235,15 +354,21 @@ class Llama4TiktokenTokenizer(_Base):
         self._tok = _Llama4(file)
         self.eos_token_ids = _merge_ids(self._tok.stop_tokens, extra_eos)
         self.chat_template = chat_template
+        self._special = frozenset(self._tok.special_tokens.values())
+        self.bos_token = next(t for t, i in self._tok.special_tokens.items() if i == self._tok.bos_id)
 
-    def encode(self, text: str) -> list[int]:
+    def _encode_special(self, text: str) -> list[int]:
         return list(self._tok.encode(text, bos=True, eos=False))
+
+    def _encode_from_bos(self, text: str) -> list[int]:
+        return self._encode_plain(text)          # special-token text is read as the token here
 
     def _encode_plain(self, text: str) -> list[int]:
         return list(self._tok.encode(text, bos=False, eos=False, allowed_special="all"))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        return self._tok.decode([i for i in ids if i not in self._special] if skip_special_tokens else ids)
 
 
 def is_tiktoken_file(file: Path) -> bool:

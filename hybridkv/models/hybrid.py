@@ -271,19 +271,20 @@ class HybridModel(nn.Module):
         return cap * torch.tanh(logits / cap) if cap is not None else logits
 
     def compute_logits_and_greedy(self, hidden: torch.Tensor, *, out: torch.Tensor | None = None,
-                                  write_logits: torch.Tensor | None = None
+                                  write_logits: torch.Tensor | None = None, report: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``compute_logits`` and each row's greedy token ((num_tokens,) int64: the logits' argmax, written into
         ``out`` when given). With nothing between the head and the logits (no multiplier, no softcap, one
         rank) the backend takes the argmax inside the head's kernel (``linear_argmax``), which may skip writing
-        the logits where the device scalar ``write_logits`` is zero. None where ``compute_logits`` is None."""
+        the logits where the device scalar ``write_logits`` is zero; ``report`` as the backend's ``argmax``. None
+        where ``compute_logits`` is None."""
         ops = current_ops()
         head = self.lm_head
         if self.tp.size == 1 and self.config.logits_multiplier == 1.0 and self.config.final_softcap is None:
             return ops.linear_argmax(hidden.to(head.weight.dtype), head.weight, head.bias, out=out,
-                                     write_logits=write_logits)
+                                     write_logits=write_logits, report=report)
         logits = self.compute_logits(hidden)
-        return None if logits is None else (logits, ops.argmax(logits, out=out))
+        return None if logits is None else (logits, ops.argmax(logits, out=out, report=report))
 
 
 # Initialisers module constructors call; patched to no-ops while building (as HF's no_init_weights).

@@ -88,21 +88,34 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+NONFINITE = -2
+"""What a greedy op's ``report`` holds for a row whose chosen (maximum) logit is not finite: NaN, or +-inf."""
+
+
+def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None, report: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Greedy tokens: logits (rows, vocab) -> (rows,) int64, each row's first maximum (NaN above every number,
-    as ``torch.argmax``), written into ``out`` when given (a captured graph's persistent buffer)."""
+    as ``torch.argmax``), written into ``out`` when given (a captured graph's persistent buffer). ``report``
+    (rows,) int64, when given, receives the tokens with ``NONFINITE`` where the chosen logit is not finite (a
+    NaN anywhere in the row is chosen, so that is any NaN, or an infinite maximum)."""
     tokens = logits.argmax(-1)
-    return tokens if out is None else out.copy_(tokens)
+    if out is not None:
+        tokens = out.copy_(tokens)
+    if report is not None:
+        chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+        report.copy_(torch.where(torch.isfinite(chosen), tokens, NONFINITE))
+    return tokens
 
 
 def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
+                      report: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits head of a greedy step: fp32 logits ``linear_ref(x, weight, bias, out_dtype=fp32)`` and
-    ``argmax_ref`` of them. ``write_logits``: a device scalar; where it is zero an implementation may leave
-    the logits unwritten (their contents are then unspecified; this one always writes them)."""
+    ``argmax_ref`` of them (``out``, ``report`` as there). ``write_logits``: a device scalar; where it is zero an
+    implementation may leave the logits unwritten (their contents are then unspecified; this one always writes
+    them)."""
     logits = linear_ref(x, weight, bias, out_dtype=torch.float32)
-    return logits, argmax_ref(logits, out=out)
+    return logits, argmax_ref(logits, out=out, report=report)
 
 
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,

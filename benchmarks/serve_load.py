@@ -1,0 +1,547 @@
+"""HTTP serving under load: Poisson arrivals over the OpenAI API, against the offline API and ``transformers serve``.
+
+    python benchmarks/serve_load.py [--families gemma3,nemotronh] [--no-peer] [--save] [--tiny]
+
+Per model (the ~1B random-init Gemma-3-like and NemotronH-like mixes of ``gpu_decode.py``, built by
+transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer with a chat template, bf16):
+
+1. **Offline**: ``LLM.chat`` on all ``--num-prompts`` conversations at once (prompts of ``--input-len``
+   tokens, ``--output-len`` new tokens, greedy, ``ignore_eos``): output tok/s and requests/s (the capacity
+   C); and the batch-32 decode step (32 short prompts decoding together: mean time between tokens).
+2. **HTTP**, the same engine behind ``hybridkv serve``'s app (``AsyncLLM`` + FastAPI + uvicorn, in a thread of
+   this process whose main thread only waits; the load generator is a separate process, so it shares no
+   GIL with the server): the same conversations all at once, streamed and not (throughput vs offline), then
+   Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C): TTFT, TPOT (per request:
+   time after the first token / tokens after it), ITL (time between streamed chunks, as a client sees it)
+   p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests,
+   at most ``--max-requests-per-rate``), then waits for them to finish (bounded).
+3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
+   (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
+   best rate (up while it keeps p99 TTFT <= 2 s, else down once).
+
+Targets (GPU): HTTP throughput >= 90% of offline on the same requests; the highest rate with p99 TTFT <= 2 s
+>= 10x the peer's; p99 ITL at half that rate <= 2x the batch-32 decode step. The summary table prints
+exactly these. ``--tiny``: tiny models on the CPU, a smoke test of the script (and of the peer when
+transformers serve can run here); the numbers mean nothing (there the offline run and the server's engine
+thread each get an OpenMP pool, and the two spin against each other on a small machine).
+
+The load generator is this file run with ``--client SPEC``; its imports stay light (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TTFT_SLO = 2.0
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+# -- the load generator (its own process) ----------------------------------------------------------------
+async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion; streamed: TTFT (first chunk with text), the gaps between later chunks, tokens."""
+    start = time.perf_counter()
+    if not body["stream"]:
+        try:
+            r = await http.post(f"{url}/v1/chat/completions", json=body)
+        except httpx.HTTPError as err:
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        e2e = time.perf_counter() - start
+        return {"ok": True, "ttft": e2e, "gaps": [], "tokens": r.json()["usage"]["completion_tokens"], "e2e": e2e,
+                "error": None}
+    ttft, last, gaps, chunks, usage = None, None, [], 0, None
+    try:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.startswith("data: [DONE]"):
+                    continue
+                # (parsing every chunk would make this process the bottleneck at high rates: after the first
+                # token only the usage chunk is parsed, every other chunk counts as one more delta)
+                if ttft is None or '"usage":{' in line:
+                    event = json.loads(line[5:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    choices = event.get("choices") or ()
+                    if not choices or not (choices[0].get("delta") or {}).get("content"):
+                        continue
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    gaps.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"ok": ttft is not None, "ttft": ttft, "gaps": gaps, "tokens": tokens, "e2e": end - start,
+            "error": None if ttft is not None else "no tokens"}
+
+
+async def _load(spec: dict[str, Any]) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` (inf: all at once) of ``num_requests`` conversations; bounded in time."""
+    rng = random.Random(spec["seed"])
+    rate, n = spec["rate"], spec["num_requests"]
+    body = {"model": spec["model"], "max_tokens": spec["output_len"], "temperature": 0.0, "stream": spec["stream"],
+            **spec.get("extra", {})}
+    results: list[dict[str, Any] | None] = [None] * n
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(spec["timeout"]), limits=limits) as http:
+        async def run(i: int) -> None:
+            results[i] = await _one(http, spec["url"], {**body, "messages": spec["conversations"][i % len(
+                spec["conversations"])]})
+
+        start = time.perf_counter()
+        tasks, at = [], 0.0
+        for i in range(n):
+            if math.isfinite(rate):
+                at += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(run(i)))
+        _, pending = await asyncio.wait(tasks, timeout=spec["drain_timeout"])
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - start
+    done = [r for r in results if r is not None and r["ok"]]
+    errors = [r["error"] for r in results if r is not None and not r["ok"]][:3]
+    ttft = [r["ttft"] for r in done] + [math.inf] * (n - len(done))
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
+    itl = [g for r in done for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in done)
+
+    def pct(values: list[float], q: float) -> float | None:
+        value = float(np.percentile(values, q)) if values else math.nan
+        return value if math.isfinite(value) else None          # (failed requests count as infinitely late)
+
+    return {"rate": rate, "requests": n, "failed": n - len(done), "errors": errors, "wall_s": wall,
+            "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+
+
+def client_main(spec_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    spec["rate"] = float(spec["rate"])
+    print(json.dumps(asyncio.run(_load(spec))), flush=True)
+
+
+def run_load(url: str, model: str, conversations: list, *, rate: float, num_requests: int, output_len: int,
+             extra: dict[str, Any] | None = None, stream: bool = True, drain_timeout: float = 120.0) -> dict[str, Any]:
+    """One load point, generated by a separate process (``--client``)."""
+    spec = {"url": url, "model": model, "conversations": conversations, "rate": rate, "num_requests": num_requests,
+            "output_len": output_len, "extra": extra or {}, "stream": stream, "seed": 0, "timeout": drain_timeout + 60,
+            "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        out = subprocess.run([sys.executable, __file__, "--client", f.name], capture_output=True, text=True,
+                             timeout=spec["drain_timeout"] + 120, check=False)
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise RuntimeError(f"the load generator failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- checkpoint, conversations -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(n)]
+
+
+def build_checkpoint(family: str, tiny: bool, directory: Path, device: Any, dtype: Any) -> None:
+    """The HF model of ``gpu_decode.hf_config`` (random init) and a byte-level BPE tokenizer with a chat
+    template (vocabulary within the model's)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sys.path.insert(0, str(HERE))
+    from gpu_decode import hf_config
+
+    config, cls = hf_config(family, tiny)
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = cls(config).to(dtype)
+    hf.save_pretrained(directory)
+    del hf
+    rng = random.Random(1)
+    vocab = _words(rng, 2000)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((" ".join(rng.choices(vocab, k=30)) for _ in range(2000)), trainers.BpeTrainer(
+        vocab_size=min(config.vocab_size, 2000), special_tokens=["<pad>", "</s>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "chat_template": CHAT_TEMPLATE}))
+
+
+def conversations(directory: Path, n: int, input_len: int) -> list[list[dict[str, str]]]:
+    """``n`` one-message conversations of about ``input_len`` tokens of random words."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    rng = random.Random(2)
+    vocab = _words(random.Random(1), 2000)
+    out = []
+    for _ in range(n):
+        words = rng.choices(vocab, k=input_len)
+        ids = tok.encode(" ".join(words)).ids[:max(input_len - 6, 1)]      # (the template adds ~6 tokens)
+        out.append([{"role": "user", "content": tok.decode(ids)}])
+    return out
+
+
+# -- servers ----------------------------------------------------------------------------------------------
+class InProcessServer:
+    """``hybridkv serve``'s app over ``llm`` (AsyncLLM + FastAPI + uvicorn) in a thread of this process."""
+
+    def __init__(self, llm: Any, name: str) -> None:
+        import uvicorn
+
+        from hybridkv.engine.async_llm import AsyncLLM
+        from hybridkv.server.app import ServerSettings, build_app
+
+        self.engine = AsyncLLM(llm)
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        app = build_app(self.engine, ServerSettings(served_model_names=(name,), model_root=name, stats_interval=0))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.engine.shutdown(timeout=30)
+
+
+class PeerServer:
+    """``transformers serve`` on ``checkpoint`` (a subprocess; flags as its version has them: the model as
+    ``--force-model`` or as the argument), with its continuous batching or without."""
+
+    LAUNCH = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
+
+    def __init__(self, checkpoint: Path, *, device: str, dtype: str, log: Path, continuous_batching: bool) -> None:
+        base = [sys.executable, "-c", self.LAUNCH, "serve"]
+        help_text = subprocess.run([*base, "--help"], capture_output=True, text=True, timeout=120,
+                                   env={**os.environ, "COLUMNS": "250"}).stdout        # (no option name cut)
+        if "--port" not in help_text:
+            raise RuntimeError(f"transformers serve cannot run here:\n{help_text[-2000:]}")
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        flags = ["--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype", dtype, "--log-level",
+                 "warning"]
+        if continuous_batching:
+            flags.append("--continuous-batching")
+        if "--model-timeout" in help_text:
+            flags += ["--model-timeout", "1000000"]
+        model = ["--force-model", str(checkpoint)] if "--force-model" in help_text else [str(checkpoint)]
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([*base, *flags, *model], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"transformers serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# -- one model ---------------------------------------------------------------------------------------------
+def _passes(point: dict[str, Any]) -> bool:
+    return point["failed"] == 0 and point["ttft_p99"] is not None and point["ttft_p99"] <= TTFT_SLO
+
+
+def _points_per_rate(rate: float, args: argparse.Namespace) -> int:
+    return int(min(args.max_requests_per_rate, max(16, rate * args.seconds_per_rate)))
+
+
+def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
+    import torch
+
+    from hybridkv import LLM, EngineConfig, SamplingParams
+
+    result: dict[str, Any] = {"family": family}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp)
+        t0 = time.perf_counter()
+        build_checkpoint(family, args.tiny, ckpt, device, dtype)
+        convs = conversations(ckpt, args.num_prompts, args.input_len)
+        name = str(ckpt)
+        # Every run sends the same conversations again: with prefix caching the later runs would be served from
+        # the cache, so the offline and HTTP runs would not do the same work.
+        config = EngineConfig(device=str(device), dtype=dtype, backend=args.backend, kv_cache_memory=args.kv_memory,
+                              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+        llm = LLM(ckpt, config=config)
+        result["startup_s"] = time.perf_counter() - t0
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        for _ in range(2):                                  # the second run is timed (first-call costs excluded)
+            t = time.perf_counter()
+            outs = llm.chat(convs, params, use_tqdm=False)
+            seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        result["prompt_tokens_mean"] = float(np.mean([len(o.prompt_token_ids) for o in outs]))
+        result["offline"] = {"seconds": seconds, "output_tok_s": tokens / seconds, "requests_s": len(outs) / seconds}
+        rng = np.random.default_rng(0)
+        vocab = llm.model.config.vocab_size
+        short = [rng.integers(3, vocab, 16).tolist() for _ in range(32)]
+        for _ in range(2):
+            decoded = llm.generate(short, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                                   use_tqdm=False)
+        result["decode_step_b32_s"] = float(np.median([
+            (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in decoded]))
+        print(f"{family}: offline {result['offline']['output_tok_s']:.0f} tok/s, "
+              f"{result['offline']['requests_s']:.2f} req/s; batch-32 step {1e3 * result['decode_step_b32_s']:.2f} ms",
+              flush=True)
+
+        server = InProcessServer(llm, name)
+        try:
+            extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+            run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
+                     extra=extra)
+            throughput = _throughput(server.url, name, convs, args)
+            result["http"] = throughput
+            capacity = result["offline"]["requests_s"]
+            rates = ([float(r) for r in args.rates.split(",")] if args.rates != "auto"
+                     else [round(capacity * f, 3) for f in args.rate_fractions])
+            points = []
+            for rate in rates:
+                point = run_load(server.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args),
+                                 output_len=args.output_len, extra=extra)
+                points.append(point)
+                _print_point("hybridkv", family, point)
+                if not _passes(point):
+                    break
+            ok = [p["rate"] for p in points if _passes(p)]
+            best = max(ok) if ok else None
+            half = None
+            if best is not None:
+                half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
+                if half is None:
+                    half = run_load(server.url, name, convs, rate=best / 2,
+                                    num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
+                                    extra=extra)
+                    _print_point("hybridkv", family, half)
+                    points.append(half)
+            result.update(rates=points, best_rate=best, best_rate_is_lower_bound=bool(points) and _passes(points[-1]),
+                          itl_p99_at_half=half["itl_p99"] if half else None)
+        finally:
+            server.stop()
+            del llm, server
+            import gc
+
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                print(f"  (GPU memory still allocated before the peer: {torch.cuda.memory_allocated() / 2**30:.2f} "
+                      "GiB)", flush=True)
+
+        if not args.no_peer:
+            result["peer"] = _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"))
+    return result
+
+
+def _throughput(url: str, name: str, convs: list, args: argparse.Namespace) -> dict[str, Any]:
+    """Every conversation at once over HTTP, streamed (as the rate points) and not: output tok/s."""
+    out = {}
+    for stream in (True, False):
+        extra = {"ignore_eos": True, **({"stream_options": {"include_usage": True}} if stream else {})}
+        point = run_load(url, name, convs, rate=math.inf, num_requests=len(convs), output_len=args.output_len,
+                         extra=extra, stream=stream)
+        out["stream" if stream else "no_stream"] = {"seconds": point["wall_s"], "output_tok_s": point["output_tok_s"],
+                                                    "requests_s": point["requests_s"], "failed": point["failed"]}
+    return out
+
+
+def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: Any, dtype: Any,
+          best: float | None) -> dict[str, Any]:
+    """transformers serve at rates from a tenth of hybridkv's best: up while it keeps the TTFT target, else
+    down once (its best rate found within the time the points take)."""
+    log = Path(tempfile.gettempdir()) / f"serve_load_peer_{os.getpid()}.log"
+    errors = []
+    for continuous_batching in (True, False):      # (its continuous batching refuses some layer kinds: Mamba)
+        try:
+            peer = PeerServer(ckpt, device=device.type, dtype=str(dtype).removeprefix("torch."), log=log,
+                              continuous_batching=continuous_batching)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+            errors.append(str(err)[-500:])
+            continue
+        first = run_load(peer.url, name, convs[:2], rate=math.inf, num_requests=2, output_len=args.output_len)
+        if not first["failed"]:
+            break
+        errors.append(f"continuous_batching={continuous_batching}: {first['errors']} ({log.read_text()[-300:]})")
+        peer.stop()
+    else:
+        print(f"peer skipped: {errors}", flush=True)
+        return {"skipped": errors}
+    print(f"  transformers serve, continuous batching {'on' if continuous_batching else 'off'}", flush=True)
+    try:
+        start = (best or 1.0) / 10
+        points: list[dict[str, Any]] = []
+        rate = start
+        for _ in range(args.peer_points):
+            point = run_load(peer.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args) // 2,
+                             output_len=args.output_len)
+            points.append(point)
+            _print_point("transformers serve", "", point)
+            if _passes(point):
+                rate *= 2
+            elif len(points) == 1:
+                rate /= 4
+            else:
+                break
+        ok = [p["rate"] for p in points if _passes(p)]
+        return {"rates": points, "best_rate": max(ok) if ok else None, "first_rate": start,
+                "continuous_batching": continuous_batching, "refused": errors}
+    finally:
+        peer.stop()
+
+
+def _print_point(who: str, family: str, p: dict[str, Any]) -> None:
+    fmt = lambda v, scale=1e3: "-" if v is None or not math.isfinite(v) else f"{scale * v:.1f}"  # noqa: E731
+    print(f"  {who} {family} rate {p['rate']:.3g}/s x{p['requests']}: TTFT p50/p99 {fmt(p['ttft_p50'])}/"
+          f"{fmt(p['ttft_p99'])} ms, TPOT {fmt(p['tpot_p50'])}/{fmt(p['tpot_p99'])} ms, ITL {fmt(p['itl_p50'])}/"
+          f"{fmt(p['itl_p99'])} ms, {p['output_tok_s']:.0f} tok/s, failed {p['failed']}"
+          + (f" ({p['errors'][0]})" if p["errors"] else ""), flush=True)
+
+
+def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        http, offline = r["http"]["stream"]["output_tok_s"], r["offline"]["output_tok_s"]
+        plain = r["http"]["no_stream"]["output_tok_s"]
+        best = r.get("best_rate")
+        peer = r.get("peer", {})
+        peer_best = peer.get("best_rate")
+        if best is None:
+            rate_ratio = "-"
+        elif peer_best:
+            rate_ratio = f"{best / peer_best:.1f}x"
+        elif "rates" in peer:      # the peer missed the target even at a tenth of hybridkv's best (and below)
+            rate_ratio = f">{best / min(p['rate'] for p in peer['rates']):.0f}x"
+        else:
+            rate_ratio = "-"
+        itl = r.get("itl_p99_at_half")
+        step = r["decode_step_b32_s"]
+        rows.append([r["family"], f"{offline:.0f}", f"{http:.0f} / {plain:.0f}",
+                     f"{100 * http / offline:.0f}% / {100 * plain / offline:.0f}%",
+                     "-" if best is None else f"{'>=' if r.get('best_rate_is_lower_bound') else ''}{best:.2f}",
+                     "-" if peer_best is None else f"{peer_best:.3f}", rate_ratio,
+                     "-" if itl is None else f"{1e3 * itl:.2f}", f"{1e3 * step:.2f}",
+                     "-" if itl is None else f"{itl / step:.2f}x"])
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--client":
+        client_main(sys.argv[2])
+        return
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from _results import add_output_args, commit, write_json
+    from gpu_attention import print_table
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default="gemma3,nemotronh")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rates", default="auto", help="requests/s, comma-separated (auto: 0.5, 0.8, 1.0, 1.25 x the "
+                    "offline capacity)")
+    ap.add_argument("--seconds-per-rate", type=float, default=6.0, help="seconds of arrivals per rate point")
+    ap.add_argument("--max-requests-per-rate", type=int, default=512,
+                    help="at most this many requests per rate point (the conversations are reused in turn)")
+    ap.add_argument("--peer-points", type=int, default=3, help="rate points for transformers serve (default 3)")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers serve")
+    ap.add_argument("--kv-memory", default="24GiB")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
+    add_output_args(ap, "serve_load")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    args.rate_fractions = (0.5, 0.8, 1.0, 1.25)
+    if args.tiny:
+        args.num_prompts, args.input_len, args.output_len = min(args.num_prompts, 24), min(args.input_len, 24), \
+            min(args.output_len, 8)
+        args.kv_memory, args.max_num_seqs, args.seconds_per_rate = "64MiB", 32, min(args.seconds_per_rate, 2.0)
+        args.max_requests_per_rate = min(args.max_requests_per_rate, 24)
+        args.rate_fractions, args.peer_points = (0.5, 1.0), min(args.peer_points, 2)
+    started = time.perf_counter()
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
+            "command": " ".join(sys.argv), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "ttft_slo_s": TTFT_SLO}
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    results = [bench_family(f, args, device, dtype) for f in args.families.split(",")]
+    meta["seconds"] = time.perf_counter() - started
+    write_json(args, "serve_load", {"meta": meta, "results": results})
+    print_table(f"serve_load on {meta['device']} ({meta['commit']}; {args.num_prompts} prompts of ~{args.input_len} "
+                f"tokens, {args.output_len} new; {meta['seconds']:.0f} s)",
+                ["model", "offline tok/s", "HTTP tok/s streamed / not", "HTTP/offline (>=90%)",
+                 "best rate, p99 TTFT<=2s", "peer best rate", "ratio (>=10x)", "p99 ITL at half, ms", "b32 step, ms",
+                 "ITL/step (<=2x)"],
+                summary_rows(results))
+
+
+if __name__ == "__main__":
+    main()

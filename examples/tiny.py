@@ -1,0 +1,45 @@
+"""A tiny random-weight checkpoint for running the examples anywhere (``--tiny``): a hybrid of Mamba2,
+sliding-window, chunked-local and full attention layers, with a byte-level tokenizer (every text encodes,
+one token per byte) and a chat template. Its outputs are random bytes: it shows how things run, not what a
+real model says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridkv import HybridConfig
+from hybridkv.models import MLP, Attention, Layer, Mamba2
+from hybridkv.models.hybrid import build_model, save_model
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_config() -> HybridConfig:
+    attn = dict(num_heads=2, num_kv_heads=1, head_dim=16)
+    mlp = MLP(intermediate_size=64)
+    return HybridConfig(vocab_size=260, hidden_size=32, max_position_embeddings=4096, dtype="float32",
+                        bos_token_id=256, eos_token_ids=(257,), layers=(
+                            Layer(mixer=Mamba2(num_heads=2, head_dim=16, state_size=8, chunk_size=32), ffn=mlp),
+                            Layer(mixer=Attention(sliding_window=32, **attn), ffn=mlp),
+                            Layer(mixer=Attention(attention_chunk_size=64, **attn), ffn=mlp),
+                            Layer(mixer=Attention(**attn), ffn=mlp)))
+
+
+def tiny_checkpoint(directory: str | Path) -> Path:
+    """Write the tiny model, its tokenizer and chat template into ``directory``; returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    directory = Path(directory)
+    save_model(build_model(tiny_config(), seed=0), directory)
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(byte_chars))}, merges=[]))
+    tok.add_special_tokens(["<|bos|>", "<|eos|>"])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 256)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}))
+    return directory

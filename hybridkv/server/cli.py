@@ -1,0 +1,138 @@
+"""``hybridkv serve MODEL``: the OpenAI-compatible server, registered into the ``hybridkv`` command on import.
+
+Loads the model (``LLM`` with an ``EngineConfig`` from the options), starts the engine thread (``AsyncLLM``)
+and serves the app (``server/app.py``) with uvicorn on ``--host`` (127.0.0.1 unless told otherwise) and
+``--port``. Logging goes to stderr at ``--log-level`` (info: the KV plan, the backend, CUDA graphs, one
+stats line every ``--stats-interval`` seconds while requests run). SIGTERM or Ctrl-C: no new connections,
+running requests finish (at most ``--shutdown-timeout`` seconds, then they are aborted), the engine thread
+and any tensor-parallel ranks stop, exit code 0. Importing this module imports none of the server's
+dependencies (``pip install 'hybridkv[server]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import threading
+from typing import Any
+
+from hybridkv.commands import LOG_LEVELS, Command, UsageError, configure_logging, device_arg, positive_int, register
+
+logger = logging.getLogger("hybridkv.server")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number in 1..65535, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="checkpoint directory (HF or hybridkv)")
+    http = parser.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)")
+    http.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but "
+                      "/health, /metrics, /version)")
+    http.add_argument("--served-model-name", nargs="+", default=None,
+                      help="the model name(s) requests may use (default: MODEL as given)")
+    http.add_argument("--max-waiting", type=positive_int, default=None,
+                      help="requests that may wait to be scheduled; beyond it a request gets 429 with Retry-After "
+                      "(default: no bound)")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    http.add_argument("--stats-interval", type=_seconds, default=10.0,
+                      help="seconds between stats log lines while requests run (0: none; default 10)")
+    http.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                      help="on SIGTERM, seconds running requests get to finish before they are aborted (default 30)")
+    http.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    model = parser.add_argument_group("engine")
+    model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    model.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on CUDA, float32 on the CPU), "
+                       "bfloat16, float16, float32")
+    model.add_argument("--device", type=device_arg, default="auto",
+                       help="cpu, cuda, cuda:N, or auto (CUDA when available; default)")
+    model.add_argument("--backend", default="auto", help="kernel backend: auto, torch, triton, ... (default auto)")
+    model.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    model.add_argument("--max-model-len", type=positive_int, default=None,
+                       help="tokens per request, prompt and output (default: the model's max positions)")
+    model.add_argument("--kv-memory", default=None,
+                       help="KV-cache budget, e.g. 4GiB (default: 80%% of free GPU memory, or a share of RAM)")
+    model.add_argument("--max-num-seqs", type=positive_int, default=256, help="concurrent requests (default 256)")
+    model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step")
+    model.add_argument("--no-prefix-caching", action="store_true")
+    model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    model.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from hybridkv.engine.config import EngineConfig
+
+    return EngineConfig(dtype=args.dtype, device=args.device, backend=args.backend, tokenizer=args.tokenizer,
+                        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+                        kv_cache_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        cuda_graphs=False if args.enforce_eager else None, seed=args.seed)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        import uvicorn
+
+        from hybridkv.server.app import ServerSettings, build_app
+    except ImportError as err:
+        raise UsageError(f"hybridkv serve: needs {err.name} (pip install 'hybridkv[server]')") from None
+    from hybridkv import LLM, __version__
+    from hybridkv.engine.async_llm import AsyncLLM
+
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = logging.getLogger("hybridkv").handlers
+        logging.getLogger(name).propagate = False
+    config = engine_config(args)
+    logger.info("hybridkv %s: serving %s (%s)", __version__, args.model, config)
+    llm = LLM(args.model, config=config)
+    engine = AsyncLLM(llm, max_waiting=args.max_waiting)
+    settings = ServerSettings(served_model_names=tuple(args.served_model_name or [args.model]),
+                              model_root=str(args.model), api_key=args.api_key, stats_interval=args.stats_interval)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(engine, settings), host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+        access_log=not args.disable_access_log, timeout_graceful_shutdown=math.ceil(args.shutdown_timeout),
+        lifespan="on"))
+
+    def on_terminate(signum: int, frame: object) -> None:
+        # uvicorn handles SIGTERM while it runs and raises it again once it has shut down; this handler then
+        # makes that a normal exit (and covers a signal between here and uvicorn taking over).
+        server.should_exit = True
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_terminate) if main_thread else None
+    try:
+        server.run()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        engine.shutdown(timeout=args.shutdown_timeout)
+        llm.shutdown()
+        logger.info("stopped")
+    return 0 if server.started else 1
+
+
+register(Command(name="serve", help="serve a checkpoint over HTTP with the OpenAI API (completions, chat, "
+                 "streaming, metrics)", add_arguments=_serve_arguments, run=run_serve))
