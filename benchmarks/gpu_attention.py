@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """Triton paged attention on the GPU: correctness vs fp32, then speed vs the torch reference and SDPA.
 
-    python benchmarks/gpu_attention.py [--quick] [--save]   # writes gpu_attention.json (``_results.py``)
+    python benchmarks/gpu_attention.py [--quick] [--sections correctness,decode,prefill,sinks] [--save]
+    # writes gpu_attention.json (``_results.py``)
 
 1. Copy bandwidth (bytes read + written of a large device copy): the decode roofline.
 2. Correctness, bf16 inputs, random mixed batches (decode / prefill / chunked prefill, shuffled block ids,
@@ -14,6 +15,9 @@
    copy bandwidth. SDPA: flash on the dense (B, kv_heads, S, d) cache with the GQA group as the query axis.
    The torch reference (a Python loop over requests) is timed eagerly.
 4. Prefill: causal, whole prompt per request; TFLOP/s vs SDPA (is_causal, enable_gqa) on dense tensors.
+5. Sinks (gpt-oss): the same decode batches (gpt-oss's 64 q / 8 kv heads of 64; a full layer, and a sliding
+   128 layer on its trimmed table) with and without attention sinks, as CUDA-graph replays: the sink-aware
+   kernel's time over the sink-free one's (target <= 1.05), at the split the eager heuristic picks.
 """
 
 from __future__ import annotations
@@ -118,9 +122,10 @@ class PagedBatch:
         return 2 * sum(self.s_lens) * self.kv_heads * self.d * self.pool.element_size()
 
 
-def eager_bf16_dense(b: PagedBatch, i: int, window, softcap) -> torch.Tensor:
+def eager_bf16_dense(b: PagedBatch, i: int, window, softcap, sinks=None) -> torch.Tensor:
     """The same attention in plain eager torch with bf16 tensors (matmuls accumulate in fp32 inside cuBLAS,
-    every intermediate is stored in bf16): the low-precision torch baseline."""
+    every intermediate is stored in bf16): the low-precision torch baseline. ``sinks``: HF gpt-oss's extra
+    softmax column."""
     outs, t = [], 0
     group = b.heads // b.kv_heads
     for r, (ql, s) in enumerate(zip(b.q_lens, b.s_lens, strict=True)):
@@ -135,7 +140,12 @@ def eager_bf16_dense(b: PagedBatch, i: int, window, softcap) -> torch.Tensor:
         mask = pk <= pq
         if window is not None:
             mask &= pq - pk < window
-        p = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+        logits = logits.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            column = sinks.to(logits.dtype)[:, None, None].expand(-1, ql, 1)
+            p = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(logits, -1)
         outs.append((p @ v).transpose(0, 1))
         t += ql
     return torch.cat(outs)
@@ -174,25 +184,34 @@ def correctness(quick: bool) -> list[dict]:
         ("block size 5, d 64", [1, 13, 100], [1000, 50, 100], 5, 16, 2, 64, 77, 20.0),
         ("decode B=32 ctx~4k (split)", [1] * 32, list(range(3000, 3000 + 32 * 37, 37)), 16, 32, 8, 128, None, None),
         ("prefill 4096", [4096], [4096], 16, 32, 8, 128, None, None),
+        ("gpt-oss-like sinks, full", [1, 1, 300, 1], [2000, 700, 900, 5000], 16, 64, 8, 64, None, "sinks"),
+        ("gpt-oss-like sinks, w128", [1, 1, 300, 1], [2000, 700, 900, 5000], 16, 64, 8, 64, 128, "sinks"),
+        ("decode B=32 sinks (split)", [1] * 32, list(range(3000, 3000 + 32 * 37, 37)), 16, 64, 8, 64, None, "sinks"),
     ]
     if quick:
-        cases = cases[:3]
+        cases = cases[:3] + cases[-2:]
     rows = []
     for n, (name, ql, sl, bs, h, kv, d, w, sc) in enumerate(cases):
         b = PagedBatch(ql, sl, bs=bs, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=n)
+        sinks = None
+        if sc == "sinks":           # gpt-oss sink logits: magnitudes 1-3, both signs, in the model dtype
+            g = torch.Generator(device="cuda").manual_seed(n)
+            sinks = ((1 + 2 * torch.rand(h, generator=g, device="cuda"))
+                     * (torch.randint(0, 2, (h,), generator=g, device="cuda") * 2 - 1)).to(torch.bfloat16)
+            sc = None
         cam = b.cams[0]
         from hybridkv.transforms import trim_sliding_window
 
         cam_k = trim_sliding_window(cam, w) if w is not None else cam
         ref = paged_attention_ref(b.q[0].float(), b.k_cache.float(), b.v_cache.float(), cam_k, scale=b.scale,
-                                  sliding_window=w, softcap=sc).float()
+                                  sliding_window=w, softcap=sc, sinks=sinks).float()
         out = torch.full_like(b.q[0], float("nan"))
         paged_attention_triton(b.q[0], b.k_cache, b.v_cache, cam_k, scale=b.scale, sliding_window=w, softcap=sc,
-                               out=out)
+                               sinks=sinks, out=out)
         torch.cuda.synchronize()
         e_ours = rel_err(out, ref)
-        e_eager = rel_err(eager_bf16_dense(b, 0, w, sc), ref)
-        e_sdpa = rel_err(sdpa_dense(b, 0, w), ref) if sc is None else float("nan")
+        e_eager = rel_err(eager_bf16_dense(b, 0, w, sc, sinks), ref)
+        e_sdpa = rel_err(sdpa_dense(b, 0, w), ref) if sc is None and sinks is None else float("nan")
         ok = math.isfinite(e_ours) and e_ours <= 2 * e_eager
         rows.append({"case": name, "err_ours": e_ours, "err_bf16_eager": e_eager, "err_sdpa_bf16": e_sdpa,
                      "pass": ok, "tokens": sum(ql), "keys": sum(sl), "block_size": bs})
@@ -297,11 +316,12 @@ def decode_bench(copy_bw: float, quick: bool) -> list[dict]:
     return rows
 
 
-def _eager_segments(b: PagedBatch, cfg: dict) -> int:
-    """What ``paged_attention_triton`` picks outside a graph (re-derived to fix it for the capture)."""
+def _eager_segments(b: PagedBatch, cfg: dict, cam: CommonAttentionMetadata | None = None) -> int:
+    """What ``paged_attention_triton`` picks outside a graph (re-derived to fix it for the capture); ``cam``:
+    the metadata the call reads (default: the batch's first)."""
     from hybridkv.backends import triton_attention as ta
 
-    cam = b.cams[0]
+    cam = cam if cam is not None else b.cams[0]
     n_qblocks = cam.num_actual_tokens // cfg["BLOCK_Q"] + cam.num_reqs
     progs = n_qblocks * b.kv_heads
     target = 2 * ta._num_sms(0)
@@ -310,6 +330,41 @@ def _eager_segments(b: PagedBatch, cfg: dict) -> int:
     segs = min(ta._MAX_SEGMENTS, ta._next_pow2(-(-target // progs)))
     tiles = -(-cam.max_seq_len // cfg["TILE"])
     return max(1, min(segs, ta._next_pow2(-(-tiles // 2))))
+
+
+def sinks_bench(quick: bool) -> list[dict]:
+    """Decode with and without sinks on the same batches (gpt-oss's heads), each as CUDA-graph replays over
+    rotated input sets at the eager heuristic's split; a sliding layer reads its window through the trimmed
+    table, as the engine's builder gives it."""
+    from hybridkv.transforms import trim_sliding_window
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    h, kv, d = 64, 8, 64
+    rows = []
+    for window in (None, 128):
+        for B in ([1, 32] if quick else [1, 8, 32, 128]):
+            for ctx in ([4096] if quick else [1024, 8192]):
+                set_bytes = 2 * B * (min(ctx, window) if window else ctx) * kv * d * 2
+                n_sets = int(min(64, max(1, math.ceil(4 * l2 / set_bytes))))
+                b = PagedBatch([1] * B, [ctx] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16,
+                               seed=B * 5 + ctx, n_sets=n_sets, poison=False)
+                cams = [trim_sliding_window(c, window) if window else c for c in b.cams]
+                sinks = (torch.randn(h, device="cuda") * 2).to(torch.bfloat16)
+                outs = [torch.empty_like(q) for q in b.q]
+                segs = _eager_segments(b, launch_config(head_dim=d, group=h // kv, max_query_len=1), cams[0])
+
+                def call(i, with_sinks):
+                    return lambda: paged_attention_triton(b.q[i], b.k_cache, b.v_cache, cams[i], scale=b.scale,
+                                                          sliding_window=window, out=outs[i], num_segments=segs,
+                                                          sinks=sinks if with_sinks else None)
+
+                t_none = graph_time_us([call(i, False) for i in range(n_sets)])
+                t_sinks = graph_time_us([call(i, True) for i in range(n_sets)])
+                rows.append({"layer": f"sliding {window}" if window else "full", "batch": B, "ctx": ctx,
+                             "segments": segs, "us_no_sinks": t_none, "us_sinks": t_sinks,
+                             "ratio": t_sinks / t_none})
+                torch.cuda.empty_cache()
+    return rows
 
 
 def prefill_bench(quick: bool) -> list[dict]:
@@ -342,18 +397,23 @@ def fmt(x, p=1):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="correctness,decode,prefill,sinks",
+                    help="comma list of correctness, decode, prefill, sinks")
     add_output_args(ap, "gpu_attention")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
+    sections = set(args.sections.split(","))
 
     meta = device_meta()
     copy_bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
     meta["command"] = " ".join(sys.argv)
-    corr = correctness(args.quick)
-    dec = decode_bench(copy_bw, args.quick)
-    pre = prefill_bench(args.quick)
-    write_json(args, "gpu_attention", {"meta": meta, "correctness": corr, "decode": dec, "prefill": pre})
+    corr = correctness(args.quick) if "correctness" in sections else []
+    dec = decode_bench(copy_bw, args.quick) if "decode" in sections else []
+    pre = prefill_bench(args.quick) if "prefill" in sections else []
+    sink = sinks_bench(args.quick) if "sinks" in sections else []
+    write_json(args, "gpu_attention", {"meta": meta, "correctness": corr, "decode": dec, "prefill": pre,
+                                       "sinks": sink})
 
     print_table(f"prefill (causal) on {meta['device']}", ["shape", "B", "S", "ours µs", "ours TFLOP/s", "SDPA µs",
                                                       "SDPA TFLOP/s"],
@@ -365,6 +425,10 @@ def main() -> None:
                 [[r["shape"], r["batch"], r["ctx"], r["segments"], fmt(r["us_graph"]), fmt(r["us_eager"]),
                   fmt(r["us_sdpa_graph"]), fmt(r["us_ref_eager"], 0), fmt(r["GB/s"], 0), fmt(r["pct_copy_bw"]),
                   fmt(r["sdpa_pct_copy_bw"])] for r in dec])
+    print_table("decode with vs without attention sinks (gpt-oss heads 64/8/64; graph replays; target ratio <= 1.05)",
+                ["layer", "B", "ctx", "seg", "no sinks µs", "sinks µs", "ratio"],
+                [[r["layer"], r["batch"], r["ctx"], r["segments"], fmt(r["us_no_sinks"], 2), fmt(r["us_sinks"], 2),
+                  fmt(r["ratio"], 3)] for r in sink])
     print_table("correctness (bf16 inputs; rel. error vs fp32 reference)",
                 ["case", "ours", "bf16 eager torch", "SDPA bf16", "pass (<= 2x eager, no NaN)"],
                 [[r["case"], f"{r['err_ours']:.2e}", f"{r['err_bf16_eager']:.2e}", f"{r['err_sdpa_bf16']:.2e}",

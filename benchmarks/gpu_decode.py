@@ -1,18 +1,20 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
-    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh] [--batches 1,8,32]
+    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss] [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
 
 Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer,
 shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head),
-Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers) and NemotronH-like (Mamba2 +
-attention + relu² MLPs). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager``
-never; ``triton:sync`` turns asynchronous scheduling off (host work of a step no longer under the device's
-work of the step before). The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built
-from its config, saved with ``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME
-weights, dtype (bf16) and batch.
+Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers), NemotronH-like (Mamba2 +
+attention + relu² MLPs) and gpt-oss-like (gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding
+128 / full with sinks, q/k/v/o biases, YaRN, 32 q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with
+the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all). ``triton`` runs decode steps as CUDA
+graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
+of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
+``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
+HF loader, so both run the SAME weights, dtype (bf16) and batch.
 
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
 the decode steps (prefill excluded: hybridkv steps are timed one by one, from one step's return to the next, HF
@@ -97,6 +99,16 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.NemotronHConfig(**kw)
         cfg.architectures = ["NemotronHForCausalLM"]
         return cfg, transformers.NemotronHForCausalLM
+    if family == "gpt_oss":     # active per token: 16 x (10.5M attention + 4 x 12.6M experts) + 67M head = 1.04B
+        kw = dict(hidden_size=2048, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=64, vocab_size=32768, num_local_experts=32, num_experts_per_tok=4,
+                  sliding_window=128, tie_word_embeddings=False)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=256, num_local_experts=4, sliding_window=8)
+        cfg = transformers.GptOssConfig(**kw)
+        cfg.architectures = ["GptOssForCausalLM"]
+        return cfg, transformers.GptOssForCausalLM
     raise ValueError(family)
 
 
@@ -132,17 +144,19 @@ def state_bytes_per_step(config, family: str, batch: int) -> int:
 
 def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
     """Weight bytes a decode step must read: everything except the embedding table (one row per token) and
-    the routed experts nobody picked (top-1 of E: at most min(B, E) experts per MoE layer)."""
+    the routed experts nobody picked (top-k of E: at most min(B * k, E) experts per MoE layer; exact at B = 1,
+    an upper bound above, e.g. 32 where uniform routing of 32 x top-4 over 32 experts hits 31.6 on average)."""
     total = 0
+    top_k = getattr(config, "num_experts_per_tok", 1)
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             if getattr(config, "tie_word_embeddings", False):
                 total += nbytes  # read as the lm_head
             continue
-        if ".experts." in name and p.dim() == 3:
-            e = p.shape[0]
-            total += nbytes * min(batch, e) // e
+        if ".experts." in name and p.dim() >= 2 and p.shape[0] == getattr(config, "num_local_experts", -1):
+            e = p.shape[0]                        # stacked experts (and gpt-oss's stacked expert biases)
+            total += nbytes * min(batch * top_k, e) // e
             continue
         total += nbytes
     return total

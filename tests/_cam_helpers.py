@@ -105,9 +105,12 @@ def dense_attention(
     window: int | None = None,
     chunk: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(num_tokens, num_heads, head_dim) float32: float64 attention on the contiguous K/V with an explicit
-    mask over absolute positions: causal, plus ``p - W < k`` and/or ``k // C == p // C``."""
+    mask over absolute positions: causal, plus ``p - W < k`` and/or ``k // C == p // C``. ``sinks``
+    (num_heads,): gpt-oss's sink logits, written as HF writes them: one more column of logits per head,
+    softmaxed with the keys and dropped before the values."""
     cam, q = batch.cam, batch.q.double()
     out = torch.zeros_like(q)
     qsl, seq = cam.query_start_loc_cpu, cam.seq_lens_cpu
@@ -128,7 +131,12 @@ def dense_attention(
         logits = torch.einsum("nhd,khd->hnk", q[t0:t1], k) * batch.scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+        logits = logits.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            column = sinks.double()[:, None, None].expand(-1, t1 - t0, 1)
+            probs = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, -1)
         out[t0:t1] = torch.einsum("hnk,khd->nhd", probs, v)
     return out.float()
 

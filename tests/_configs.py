@@ -276,8 +276,58 @@ BAMBA_9B = {
     "vocab_size": 128256,
 }
 
+# openai/gpt-oss-120b config.json, https://huggingface.co/openai/gpt-oss-120b/raw/main/config.json: 36 layers
+# alternating sliding (window 128) and full attention, 128 experts top-4, YaRN (factor 32 over 4096 positions,
+# theta 150000), MXFP4 experts (the quantization_config); no dtype field (its unquantized tensors are bf16).
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+# openai/gpt-oss-20b config.json, https://huggingface.co/openai/gpt-oss-20b/raw/main/config.json: the 120b's
+# fields but 24 layers (12 x [sliding, full]) and 32 experts.
+GPT_OSS_20B = {**GPT_OSS_120B, "layer_types": ["sliding_attention", "full_attention"] * 12, "num_hidden_layers": 24,
+               "num_local_experts": 32}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
+    "gpt-oss-20b": GPT_OSS_20B,
+    "gpt-oss-120b": GPT_OSS_120B,
     "llama4-scout": LLAMA4_SCOUT,
     "gemma3-27b": GEMMA3_27B,
     "mistral-7b-v0.1": MISTRAL_7B,

@@ -22,6 +22,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     Llama4Config,
     Llama4ForCausalLM,
     Llama4ForConditionalGeneration,
@@ -156,9 +158,36 @@ def mamba2(seed: int = 0) -> PreTrainedModel:
     return _finish(Mamba2ForCausalLM(config), seed)
 
 
+def gpt_oss_config(**overrides) -> GptOssConfig:
+    """4 layers: sliding (window 4), full, sliding, full; 4 experts, top-2; YaRN RoPE with a short original
+    context (32 positions, factor 4, betas 4 / 0.25) so the ramp between extrapolated and interpolated
+    frequencies spans dims 0-3 of head_dim 16's 8 and the attention factor is 1.14; the SwiGLU limit at 1.0 (the
+    released 7.0 never bites at these scales) so both clamps act."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+              swiglu_limit=1.0, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 4.0,
+                               "beta_slow": 0.25, "truncate": False, "original_max_position_embeddings": 32})
+    kw.update(overrides)
+    return _eager(GptOssConfig(**kw))
+
+
+@torch.no_grad()
+def gpt_oss(seed: int = 0) -> PreTrainedModel:
+    """The sinks drawn at magnitudes 1-3 with random signs (HF's init, std 0.02, would leave them inert)."""
+    model = _finish(GptOssForCausalLM(gpt_oss_config()), seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for layer in model.model.layers:
+        sinks = layer.self_attn.sinks
+        sign = torch.randint(0, 2, sinks.shape, generator=gen) * 2 - 1
+        sinks.copy_(sign * (1 + 2 * torch.rand(sinks.shape, generator=gen)))
+    return model
+
+
 FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
-    "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2,
+    "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
 }
 
 

@@ -70,6 +70,9 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         mamba_d_state=8, num_local_experts=4, shared_intermediate_size=64, attention_multiplier=0.25,
         logits_scaling=4.0, embedding_multiplier=12.0, residual_multiplier=0.22,
         position_embedding_type="nope")),
+    "gpt_oss": ("GptOssConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
 }
 MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 
@@ -149,6 +152,8 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
         {"linear_attention": None, "full_attention": None, "mlp": "mlp", "moe": "moe"}),
     "falcon_h1": lambda model, cfg: [("full", "mlp") for _ in _layers(model)],
     "granitemoehybrid": _hf_granite,
+    "gpt_oss": lambda model, cfg: [("sliding_window" if layer.self_attn.sliding_window else "full", "moe")
+                                   for layer in _layers(model)],
 }
 
 
@@ -323,6 +328,56 @@ def test_granite_multipliers_and_nope() -> None:
     assert dense.layers[0].ffn == MLP(intermediate_size=64)
 
 
+def test_gpt_oss_attention_moe_and_yarn_follow_hf() -> None:
+    """Sinks and biases on every layer, HF's default YaRN (factor 32 over 4096 positions, theta 150000) when the
+    config names none, with HF's own inverse frequencies and attention factor; the experts' constants."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hybridkv.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    cfg = hf_config("gpt_oss")
+    ours = hf_config_to_hybrid(cfg.to_dict())
+    for layer, hf_layer in zip(ours.layers, _layers(hf_model(cfg)), strict=True):
+        attn, moe = layer.mixer, layer.ffn
+        assert attn.sinks and attn.qkv_bias and attn.o_bias and hf_layer.self_attn.q_proj.bias is not None
+        assert attn.sliding_window == hf_layer.self_attn.sliding_window
+        assert (moe.router, moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == (
+            "topk_softmax", "swiglu_oai", cfg.swiglu_alpha, cfg.swiglu_limit)
+    rope = ours.layers[0].mixer.rope
+    assert (rope.scaling, rope.factor, rope.theta, rope.truncate) == ("yarn", 32.0, 150000.0, False)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    assert torch.equal(rope_inv_freq(rope, 16), inv_freq) and rope_attention_factor(rope) == factor
+    assert ours.dtype == "bfloat16"                    # no dtype named: the released checkpoints' bf16
+    assert hf_config_to_hybrid(raw_config("gpt_oss") | {"dtype": "float32"}).dtype == "float32"
+    custom = hf_config_to_hybrid(raw_config("gpt_oss") | {"layer_types": ["full_attention"] * 5})
+    assert all(layer.mixer.sliding_window is None for layer in custom.layers)
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        hf_config_to_hybrid(raw_config("gpt_oss") | {"quantization_config": {"quant_method": "awq"}})
+    assert hf_config_to_hybrid(raw_config("gpt_oss") | {"quantization_config": {"quant_method": "mxfp4"}}) == ours
+
+
+def test_yarn_variants_follow_hf() -> None:
+    """truncate, mscale / mscale_all_dim, an explicit attention factor, other betas, against HF's own YaRN on the
+    same parameters; a factor left out is the position ratio (HF 5.24's validation requires one)."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hybridkv.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    for extra in ({"truncate": True}, {"mscale": 0.707, "mscale_all_dim": 1.0}, {"attention_factor": 1.5},
+                  {"factor": 16.0, "beta_fast": 16.0}):
+        params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                  **extra}
+        kwargs = dict(head_dim=16, num_attention_heads=4, hidden_size=64, max_position_embeddings=1024)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig(rope_parameters=params, **kwargs), "cpu")
+        rope = hf_config_to_hybrid(raw_config("gpt_oss") | kwargs | {"rope_parameters": params}).layers[0].mixer.rope
+        assert torch.equal(rope_inv_freq(rope, 16), inv_freq), extra
+        assert rope_attention_factor(rope) == pytest.approx(factor, rel=1e-12), extra
+    no_factor = {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+    config = raw_config("gpt_oss") | {"max_position_embeddings": 1024, "rope_parameters": no_factor}
+    assert hf_config_to_hybrid(config).layers[0].mixer.rope.factor == 16.0
+
+
 def test_dtype_defaults_to_checkpoint_dtype() -> None:
     assert hf_config_to_hybrid(raw_config("mistral") | {"torch_dtype": "bfloat16"}).dtype == "bfloat16"
     assert hf_config_to_hybrid(raw_config("mistral") | {"dtype": "float16"}).dtype == "float16"
@@ -354,8 +409,8 @@ def test_unknown_layer_type_names_the_layer(family: str, change: dict[str, Any],
 
 
 def test_unsupported_rope_and_activation_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="RoPE type 'yarn' is not supported"):
-        hf_config_to_hybrid(raw_config("mistral") | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="RoPE type 'longrope' is not supported"):
+        hf_config_to_hybrid(raw_config("mistral") | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="unsupported activation 'tanh'"):
         hf_config_to_hybrid(raw_config("mistral") | {"hidden_act": "tanh"})
 

@@ -2,7 +2,8 @@
 per-expert reference loop.
 
 Every router (softmax with and without renormalisation, Llama-4's input-scaling sigmoid, NemotronH's grouped
-sigmoid with a correction bias and a latent space), gated and not, top-1 to top-3, fp32 and bf16, batches from
+sigmoid with a correction bias and a latent space, gpt-oss's softmax over the top-k logits of a biased router
+with biased experts and the clamped SwiGLU), gated and not, top-1 to top-3, fp32 and bf16, batches from
 one token to many, experts that get no token and one expert that gets every token. ``torch._grouped_mm`` runs
 on the CPU through torch's fallback and the Triton kernels under the interpreter, so every fast path is checked
 here; on the GPU the grouped path is torch's CUTLASS kernel (benchmarks/tp_decode.py checks it there, with no
@@ -37,6 +38,9 @@ CONFIGS = {
     "nemotron": MoE(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_bias", num_groups=4,
                     topk_groups=2, latent_size=16, shared_intermediate_size=24, routed_scaling_factor=2.0,
                     activation="relu2", gated=False),
+    # a limit of 1.5 (gpt-oss: 7) so the clamps bite at these scales
+    "gpt_oss": MoE(num_experts=6, top_k=3, intermediate_size=16, router="topk_softmax", router_bias=True,
+                   bias=True, activation="swiglu_oai", swiglu_limit=1.5),
 }
 FAST = ("grouped", "padded", "gemv", "tiled")     # gemv, tiled: Triton kernels (the interpreter on the CPU)
 TRITON = ("gemv", "tiled")

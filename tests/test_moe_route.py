@@ -37,7 +37,7 @@ def _check(logits: torch.Tensor, **kw) -> None:
 
 # (router, experts, top_k, renormalize, scaling): Llama-4 (top-1 sigmoid of the logit), Mixtral / Jamba
 # (softmax, renormalised or not), NemotronH without expert groups (sigmoid + bias, renormalised, scaled),
-# a non-power-of-two expert count, and 128 experts with top-8.
+# a non-power-of-two expert count, 128 experts with top-8, gpt-oss (softmax over the top-k logits).
 CASES = [
     ("sigmoid_input", 4, 1, False, 1.0),
     ("sigmoid_input", 16, 2, True, 1.0),
@@ -46,6 +46,8 @@ CASES = [
     ("softmax", 6, 3, True, 2.5),
     ("sigmoid_bias", 12, 3, True, 2.5),
     ("sigmoid_bias", 128, 8, False, 1.0),
+    ("topk_softmax", 32, 4, False, 1.0),      # gpt-oss-20b's router shape
+    ("topk_softmax", 12, 3, True, 2.0),
 ]
 
 
@@ -59,7 +61,7 @@ def test_route_matches_reference(router: str, experts: int, top_k: int, renormal
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.integers(0, 9), experts=st.integers(1, 70), data=st.data())
 def test_route_random_batches(tokens: int, experts: int, data: st.DataObject) -> None:
-    router = data.draw(st.sampled_from(["softmax", "sigmoid_input", "sigmoid_bias"]))
+    router = data.draw(st.sampled_from(["softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax"]))
     top_k = data.draw(st.integers(1, min(experts, 8)))
     bias = torch.linspace(-0.001, 0.001, experts).to(DEVICE) if router == "sigmoid_bias" else None
     _check(_logits(tokens, experts, seed=data.draw(st.integers(0, 999))), router=router, top_k=top_k,
@@ -79,6 +81,14 @@ def test_bias_steers_choice_not_weights() -> None:
 def test_ties_go_to_the_lowest_expert() -> None:
     ids, _ = tm.moe_route(torch.tensor([[0.5, 1.0, 1.0, 1.0]], device=DEVICE), router="sigmoid_input", top_k=2)
     assert ids.tolist() == [[1, 2]]
+
+
+def test_topk_softmax_is_softmax_over_the_chosen_logits() -> None:
+    """gpt-oss: the k largest logits, then their softmax (HF ``GptOssTopKRouter``), weights summing to one."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]], device=DEVICE)
+    ids, w = tm.moe_route(logits, router="topk_softmax", top_k=3)
+    assert ids.tolist() == [[3, 0, 2]]
+    torch.testing.assert_close(w.cpu(), torch.tensor([[3.0, 2.0, 0.5]]).softmax(-1))
 
 
 def test_expert_groups_run_the_reference() -> None:
@@ -102,7 +112,8 @@ def test_bad_input(kw: dict, match: str) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (bf16 logits, compiled kernel)")
 def test_bf16_logits_on_gpu() -> None:
-    for router, experts, top_k in (("sigmoid_input", 4, 1), ("softmax", 64, 6), ("sigmoid_bias", 128, 8)):
+    for router, experts, top_k in (("sigmoid_input", 4, 1), ("softmax", 64, 6), ("sigmoid_bias", 128, 8),
+                                   ("topk_softmax", 128, 4)):
         bias = torch.linspace(-0.01, 0.01, experts, device=DEVICE) if router == "sigmoid_bias" else None
         _check(_logits(33, experts, seed=experts, dtype=torch.bfloat16), router=router, top_k=top_k,
                renormalize=True, scaling=1.5, correction_bias=bias)

@@ -17,6 +17,8 @@ import pytest
 from _configs import (
     BAMBA_9B,
     GEMMA3_27B,
+    GPT_OSS_20B,
+    GPT_OSS_120B,
     LLAMA4_SCOUT,
     MAMBA_CODESTRAL_7B,
     MISTRAL_7B,
@@ -99,6 +101,43 @@ def test_gemma3_27b_rope_bases() -> None:
     assert (local.rope.theta, local.rope.scaling) == (10_000.0, None)
     assert (glob.rope.theta, glob.rope.scaling, glob.rope.factor) == (1_000_000.0, "linear", 8.0)
     assert local.scale == 168 ** -0.5 and config.eos_token_ids == (1, 106) and config.vocab_size == 262208
+
+
+def test_gpt_oss_120b_at_128k() -> None:
+    """36 layers alternating sliding (window 128) and full, from layer 0: 18 + 18 -> one group of each; the
+    config names no dtype, so the KV plan is bf16 (the checkpoint's unquantized tensors)."""
+    config = hf_config_to_hybrid(GPT_OSS_120B)
+    assert (config.dtype, config.max_position_embeddings, config.vocab_size) == ("bfloat16", 131072, 201088)
+    result = plan(GPT_OSS_120B, max_model_len=131072, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert [layer_ids(g) for g in kinds["sliding_window(128)"]] == [list(range(0, 36, 2))]
+    assert [layer_ids(g) for g in kinds["full"]] == [list(range(1, 36, 2))]
+    page = 18 * 16 * (2 * 8 * 64 * 2)                                    # 589824 B
+    assert result.page_bytes == page
+    sliding = (128 // 16 + 1) * page                                      # window + 1 block
+    full = 131072 // 16 * page
+    assert result.bytes_per_request_max == sliding + full == 4_837_146_624
+    assert result.bytes_per_request_if_all_full_attention == 2 * full
+    assert result.padding_bytes == 0
+    assert (result.max_concurrent_requests, result.concurrency_vs_all_full) == (142, 2.0)
+
+
+def test_gpt_oss_layers() -> None:
+    """Sinks, biases and YaRN on every layer; the MoE as the released configs say (20b: 32 experts)."""
+    for released, experts, layers in ((GPT_OSS_120B, 128, 36), (GPT_OSS_20B, 32, 24)):
+        config = hf_config_to_hybrid(released)
+        assert len(config.layers) == layers
+        for i, layer in enumerate(config.layers):
+            attention, moe = layer.mixer, layer.ffn
+            assert attention.sliding_window == (128 if i % 2 == 0 else None)
+            assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (64, 8, 64)
+            assert attention.sinks and attention.qkv_bias and attention.o_bias
+            assert (attention.rope.scaling, attention.rope.factor, attention.rope.theta, attention.rope.truncate,
+                    attention.rope.original_max_position_embeddings) == ("yarn", 32.0, 150000.0, False, 4096)
+            assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.router, moe.activation,
+                    moe.swiglu_limit, moe.bias, moe.router_bias) == (experts, 4, 2880, "topk_softmax", "swiglu_oai",
+                                                                      7.0, True, True)
+        assert config.eos_token_ids == (200002,) and not config.tie_word_embeddings
 
 
 def test_mistral_7b_at_32k() -> None:

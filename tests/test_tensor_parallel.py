@@ -58,7 +58,7 @@ def test_tp2_matches_tp1(mix: str) -> None:
 
 # Every supported family as a tiny HF checkpoint (seeds as in the parity tests: non-degenerate greedy output).
 _ATTENTION_SEEDS = {"llama4": 2, "llama4_multimodal": 0, "mistral": 0, "gemma2": 1, "gemma3": 0,
-                    "gemma3_multimodal": 0, "mamba2": 0}
+                    "gemma3_multimodal": 0, "mamba2": 0, "gpt_oss": 0}
 HF_FAMILIES = [*_ATTENTION_SEEDS, *hf_mamba.BUILDERS]
 
 
@@ -73,10 +73,12 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "gpt_oss" else f  # ~11 s
+                                    for f in HF_FAMILIES])
 def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
     """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks
-    and adapters, Falcon-H1's parallel mixer and µP sections, Jamba's Mamba-1, tied embeddings, ...)."""
+    and adapters, Falcon-H1's parallel mixer and µP sections, Jamba's Mamba-1, tied embeddings, gpt-oss's
+    sinks (split by heads) and expert biases (the down bias added once, by rank 0), ...)."""
     batch = prompts(hf_attention.VOCAB, n=2, seed=3)
     one = run(hf_checkpoints[family], 1, batch, max_model_len=128)
     two = run(hf_checkpoints[family], 2, batch, max_model_len=128)

@@ -136,6 +136,80 @@ def test_decode_at_head_dim_256(window, segs):
     _assert_close(out, dense_attention(b, window=window))
 
 
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    """gpt-oss-like sink logits: magnitudes 1-3, both signs."""
+    g = torch.Generator().manual_seed(seed)
+    return (1 + 2 * torch.rand(heads, generator=g)) * (torch.randint(0, 2, (heads,), generator=g) * 2 - 1)
+
+
+# (seed, block_size, heads, kv_heads, d, mask, softcap, num_segments): sinks alone, with a trimmed window, with
+# local-attention virtual batches, with softcap; unsplit (the epilogue adds the sink) and split (the reduction
+# does, once: 8 segments over rows of a few tiles leave most segments empty)
+SINK_CASES = [
+    (40, 4, 4, 2, 16, None, None, 1),
+    (41, 4, 4, 2, 16, None, None, 2),
+    (42, 2, 6, 2, 16, ("window", 5), None, 1),
+    (43, 2, 6, 2, 16, ("window", 5), None, 8),
+    (44, 4, 4, 1, 32, ("chunk", 8), None, 1),
+    (45, 4, 4, 1, 32, ("chunk", 8), 20.0, 4),
+    (46, 3, 8, 8, 16, None, 0.5, 2),
+]
+
+
+@pytest.mark.parametrize("graph_split", [False, True])
+@pytest.mark.parametrize(("seed", "bs", "heads", "kv_heads", "d", "mask", "softcap", "segs"), SINK_CASES)
+def test_sinks_match_reference_and_oracle(seed, bs, heads, kv_heads, d, mask, softcap, segs, graph_split,
+                                          monkeypatch):
+    """Attention sinks (HAS_SINKS) against the dense oracle's extra softmax column and the reference, on caches
+    whose blocks no (transformed) row references are NaN; ``graph_split``: the split count compiled in."""
+    monkeypatch.setattr(ta, "capturing", lambda t: graph_split)
+    rng = np.random.default_rng(seed)
+    q_lens, s_lens = _random_spec(rng, max_reqs=4, max_len=40)
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, extra_cols=1)
+    sinks = _sinks(heads, seed)
+    window = mask[1] if mask and mask[0] == "window" else None
+    chunk = mask[1] if mask and mask[0] == "chunk" else None
+    cam = trim_sliding_window(b.cam, window) if window else (
+        make_local_attention_virtual_batches(b.cam, chunk) if chunk else b.cam)
+    kc, vc = poison_unreferenced(b, cam)
+    want = dense_attention(b, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
+    ref = paged_attention_ref(b.q, kc, vc, cam, scale=b.scale, sliding_window=window, softcap=softcap, sinks=sinks)
+    _assert_close(ref, want)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale, sliding_window=window, softcap=softcap, sinks=_to(sinks),
+               num_segments=segs)
+    _assert_close(out, want)
+    assert (want - dense_attention(b, window=window, chunk=chunk, softcap=softcap)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("segs", [1, 4, 128])
+def test_sinks_decode_with_empty_segments_and_padding(segs, monkeypatch):
+    """A decode batch (one masked loop per request) with a padding request and rows much shorter than the split:
+    empty segments carry no sink (the reduction adds it once); the workspace starts NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    b = make_batch([1, 1, 1], [2, 40, 17], 16, 6, num_heads=4, num_kv_heads=1, head_dim=16)
+    bt = np.insert(b.cam.block_table_cpu, 1, 0, axis=0)
+    cam = CommonAttentionMetadata.build(query_lens=[1, 0, 1, 1], seq_lens=[2, 0, 40, 17], block_table=bt,
+                                        block_size=16)
+    kc, vc = poison_unreferenced(b, b.cam)
+    k, v = _strided_pool(kc, vc)
+    sinks = _sinks(4, segs)
+    _assert_close(_run(_to(b.q), k, v, cam, scale=b.scale, sinks=_to(sinks), num_segments=segs),
+                  dense_attention(b, sinks=sinks))
+
+
+def test_sinks_bad_shape():
+    b = make_batch([3, 1], [5, 9], 2, seed=2, head_dim=16)
+    with pytest.raises(ValueError, match="sinks"):
+        ta.paged_attention_triton(b.q, b.k_cache, b.v_cache, b.cam, scale=1.0, sinks=torch.zeros(3))
+
+
 @pytest.mark.parametrize(("d", "segs"), [(16, 8), (256, 8), (16, 128)])
 def test_empty_segments_read_no_workspace(monkeypatch, d, segs):
     """Rows much shorter than the split (as in a graph captured for a long max_model_len) leave segments
@@ -222,7 +296,7 @@ ROPE_PREPS = {  # name -> (QKPrep kwargs, rope); rot_dim for head_dim 16
 
 
 def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, segs: int | None, seed: int,
-                         heads: int = 4, kv_heads: int = 2, d: int = 16, long: int = 40):
+                         heads: int = 4, kv_heads: int = 2, d: int = 16, long: int = 40, sinks: bool = False):
     """A decode batch with a padding request, raw q/k/v, and a cache whose new-token slots are NaN: the fused
     op must prepare q and k, write k and v, and attend; returns (got, want, got cache, want cache)."""
     prep_kw, rope = ROPE_PREPS[name]
@@ -247,7 +321,7 @@ def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, se
     prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
     kw = dict(prep=prep, inv_freq=rope_inv_freq(rope, prep.rot_dim) if rope is not None else None,
               q_norm_weight=torch.randn(d, generator=g) * 0.3 + 1, k_norm_weight=torch.randn(d, generator=g) * 0.3 + 1,
-              scale=b.scale, sliding_window=window)
+              scale=b.scale, sliding_window=window, sinks=_sinks(heads, seed) if sinks else None)
     want_k, want_v = kc.clone(), vc.clone()
     want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=slots, cam=cam, **kw)
     k_dev, v_dev = _strided_pool(kc, vc)
@@ -276,6 +350,16 @@ def test_rope_attention_decode_window_and_local_chunks(window, chunk):
     batches (whose positions restart per chunk while RoPE reads the absolute ones)."""
     got, want, (k_got, _), (k_want, _) = _rope_attention_case("llama4_rope", window=window, chunk=chunk, segs=2,
                                                               seed=9)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "chunk", "segs"), [(None, None, 1), (6, None, 2), (None, 8, 8)])
+def test_rope_attention_decode_with_sinks(window, chunk, segs):
+    """gpt-oss decode: the fused kernel (q/k prep, KV write, attention) with sinks, unsplit and split, alone,
+    under a trimmed window and over local-attention virtual batches."""
+    got, want, (k_got, _), (k_want, _) = _rope_attention_case("neox", window=window, chunk=chunk, segs=segs, seed=11,
+                                                              long=150, sinks=True)
     _assert_close(got, want)
     torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
 
@@ -346,8 +430,9 @@ def test_backend_registry_entry():
 
 # ------------------------------------------------------------------------------------------ GPU only
 
-def _eager_bf16(b, window, softcap) -> torch.Tensor:
-    """Dense attention in eager torch with bf16 tensors: the low-precision torch baseline."""
+def _eager_bf16(b, window, softcap, sinks=None) -> torch.Tensor:
+    """Dense attention in eager torch with bf16 tensors: the low-precision torch baseline (``sinks``: HF
+    gpt-oss's extra softmax column)."""
     outs = []
     qsl, seq = b.cam.query_start_loc_cpu, b.cam.seq_lens_cpu
     for r in range(b.cam.num_reqs):
@@ -364,7 +449,13 @@ def _eager_bf16(b, window, softcap) -> torch.Tensor:
         mask = kk <= p
         if window is not None:
             mask &= p - kk < window
-        outs.append((torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1))
+        logits = logits.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            column = sinks.to(DEVICE, torch.bfloat16)[:, None, None].expand(-1, t1 - t0, 1)
+            probs = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, -1)
+        outs.append((probs @ v).transpose(0, 1))
     return torch.cat(outs).float()
 
 
@@ -372,12 +463,14 @@ def _eager_bf16(b, window, softcap) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(6))
 def test_gpu_bf16_error_within_2x_of_bf16_torch(seed):
-    """bf16 inputs: our error vs an fp32 reference is at most ~2x that of the same math in bf16 torch."""
+    """bf16 inputs: our error vs an fp32 reference is at most ~2x that of the same math in bf16 torch (with
+    gpt-oss sinks on even seeds)."""
     rng = np.random.default_rng(100 + seed)
     q_lens, s_lens = _random_spec(rng, max_reqs=8, max_len=700)
     bs = int(rng.choice([1, 5, 16, 32]))
     window = None if seed % 2 else int(rng.integers(16, 300))
     softcap = 50.0 if seed % 3 == 0 else None
+    sinks = _sinks(8, seed).bfloat16().float() if seed % 2 == 0 else None
     b = make_batch(q_lens, s_lens, bs, seed, num_heads=8, num_kv_heads=2, head_dim=128)
     # round the inputs to bf16 once: the fp32 reference and the baseline then see the same numbers
     b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
@@ -386,11 +479,12 @@ def test_gpu_bf16_error_within_2x_of_bf16_torch(seed):
     cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
     kc, vc = poison_unreferenced(b, cam)
     k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
-    ref32 = dense_attention(b, window=window, softcap=softcap).to(DEVICE)
-    ours = _run(_to(b.q, torch.bfloat16), k16, v16, cam, scale=b.scale, sliding_window=window, softcap=softcap)
+    ref32 = dense_attention(b, window=window, softcap=softcap, sinks=sinks).to(DEVICE)
+    ours = _run(_to(b.q, torch.bfloat16), k16, v16, cam, scale=b.scale, sliding_window=window, softcap=softcap,
+                sinks=_to(sinks, torch.bfloat16) if sinks is not None else None)
     assert not torch.isnan(ours).any()
     err = (ours.float() - ref32).norm() / ref32.norm()
-    err_base = (_eager_bf16(b, window, softcap) - ref32).norm() / ref32.norm()
+    err_base = (_eager_bf16(b, window, softcap, sinks) - ref32).norm() / ref32.norm()
     assert err <= 2 * err_base, (float(err), float(err_base))
 
 

@@ -502,6 +502,23 @@ def test_flash_attn_constraints(cpu_vendor_ops):
         op(q[:2], k, v, cam, scale=scale)
 
 
+def test_flash_attn_refuses_sinks_and_auto_falls_back(cpu_vendor_ops, monkeypatch):
+    """flash-attn 2 has no attention sinks: the explicit backend refuses a gpt-oss layer's call naming why,
+    before anything runs; under ``auto`` (were it to take the op) the call runs on the op it replaced."""
+    from hybridkv.backends.registry import _with_fallback
+
+    op = cpu_vendor_ops["paged_attention"]
+    cam, q, k, v, scale = _make_attention_batch([1, 3], [300, 3], 256, 0, heads=2, kv_heads=1, d=16,
+                                                dtype=torch.bfloat16)
+    sinks = torch.tensor([1.5, -2.0])
+    with pytest.raises(UnsupportedConfig, match="flash_attn.*attention sinks"):
+        op(q, k, v, cam, scale=scale, sinks=sinks)
+    monkeypatch.setattr(registry, "_FALLBACKS_LOGGED", set())
+    fallback = _with_fallback(op, paged_attention_ref, fallback="torch")
+    torch.testing.assert_close(fallback(q, k, v, cam, scale=scale, sinks=sinks),
+                               paged_attention_ref(q, k, v, cam, scale=scale, sinks=sinks))
+
+
 def test_flash_attn_needs_cuda_tensors(monkeypatch):
     install_fakes(monkeypatch, mamba=False)
     op = vfa.flash_attn_ops()["paged_attention"]

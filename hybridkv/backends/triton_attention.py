@@ -20,6 +20,10 @@ Kernel design (``_paged_attention_kernel``):
   freed and reused) is never read. Positions are relative to ``key_start``: trimmed sliding-window tables
   and local-attention virtual batches need nothing special.
 - fp32 scores and accumulator, online softmax in base 2; softcap ``c * tanh(s / c)`` on the scaled logits.
+- attention sinks (``HAS_SINKS``, gpt-oss): the head's sink logit joins the softmax once per query row, after
+  the key loop: in the epilogue when the row is not split, in the reduction (as one more "segment" with a max
+  and a sum but no accumulator) when it is; no key tile ever sees it. Without sinks the constexpr removes
+  every trace of it from both kernels.
 - split-KV ("flash decoding"): when (q-blocks x kv heads) cannot fill the GPU (small-batch decode), the
   visible key tiles are split over ``num_segments`` programs that write unnormalised partials (acc, max,
   sum); ``_reduce_segments_kernel`` combines them. With one segment the kernel writes the output directly.
@@ -167,7 +171,7 @@ def _write_new_kv(k_row, v_row, slot_ptr, k_dst, v_dst, stride_kb, stride_ks, st
 
 def _paged_attention(
     out_ptr, part_acc_ptr, part_ml_ptr,
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr,
     num_reqs, num_seg, scale, softcap, window,
     stride_ot, stride_oh,
     stride_qt, stride_qh,
@@ -179,7 +183,7 @@ def _paged_attention(
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr, SEGS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
     PREP: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
     POST_NORM: tl.constexpr, GEMMA: tl.constexpr, TEMPERATURE: tl.constexpr,
@@ -303,6 +307,12 @@ def _paged_attention(
                                       PRECISION, True)
 
     if not SPLIT:
+        if HAS_SINKS:       # the sink's logit joins the max and the sum, once per row; it has no value
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)                                    # no visible key: m_i = -inf -> 0
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -315,13 +325,14 @@ def _paged_attention(
 
 
 def _reduce_segments(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, num_seg, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, num_heads, num_seg, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SEGS: tl.constexpr, SEG_BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine the (max, sum, accumulator) partials of the segments. ``SEGS`` > 0 (a captured graph): that many,
     in one shot. ``SEGS`` = 0 (eager steps): ``num_seg`` of them, ``SEG_BLOCK`` at a time with an online
-    rescale, so one compiled kernel serves every split."""
+    rescale, so one compiled kernel serves every split. ``HAS_SINKS``: head h's sink logit joins the max and the
+    sum here, once (the segments never see it), as a segment with a sum of one and no accumulator."""
     pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -331,9 +342,14 @@ def _reduce_segments(
         m = tl.load(part_ml_ptr + row * 2)
         lsum = tl.load(part_ml_ptr + row * 2 + 1)
         m_max = tl.max(m, 0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp2(m - m_safe)                             # empty segment: m = -inf -> weight 0
         denom = tl.sum(lsum * w, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m_safe)
         # a segment without keys wrote no accumulator: not read (and no bytes moved for it)
         has_keys = (m > float("-inf"))[:, None] & (offs_d < HEAD_DIM_P)[None, :]
         acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
@@ -343,6 +359,9 @@ def _reduce_segments(
         offs_s = tl.arange(0, SEG_BLOCK)
         m_run = tl.max(tl.full([SEG_BLOCK], float("-inf"), tl.float32), 0)
         denom = tl.sum(tl.zeros([SEG_BLOCK], tl.float32), 0)
+        if HAS_SINKS:       # the running (max, sum) starts at the sink's: (sink, 1)
+            m_run = tl.maximum(m_run, tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634)
+            denom += 1.0
         acc = tl.zeros([HEAD_DIM_P], tl.float32)
         for s0 in range(0, num_seg, SEG_BLOCK):
             ok = s0 + offs_s < num_seg
@@ -455,7 +474,7 @@ MAX_HEAD_DIM = 256      # the largest head dim tuned and verified on the GPU (Ge
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata,
-           sliding_window: int | None, *, op: str = "paged_attention") -> None:
+           sliding_window: int | None, *, sinks: torch.Tensor | None = None, op: str = "paged_attention") -> None:
     num_tokens, num_heads, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
         raise UnsupportedConfig("triton", op, f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 "
@@ -475,6 +494,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: C
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head_dim axis must be contiguous (stride 1), got {t.stride()}")
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or sinks.stride(0) != 1 or sinks.device != q.device):
+        raise ValueError(f"sinks: shape {tuple(sinks.shape)} / strides {sinks.stride()} on {sinks.device}; expected "
+                         f"({num_heads},) contiguous on {q.device} (one logit per query head)")
 
 
 def paged_attention_triton(
@@ -486,15 +508,16 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_ref``. ``out``: optional (num_tokens, num_heads, head_dim)
     destination; ``num_segments``: split-KV factor (default: chosen from the grid size and
     ``cam.max_seq_len``, which must bound every seq_len)."""
-    _check(q, k_cache, v_cache, cam, sliding_window)
-    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out,
-                   num_segments=num_segments, fresh=None)
+    _check(q, k_cache, v_cache, cam, sliding_window, sinks=sinks)
+    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                   sinks=sinks, out=out, num_segments=num_segments, fresh=None)
 
 
 def rope_attention_triton(
@@ -514,6 +537,7 @@ def rope_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``rope_attention_ref``. A decode batch (``cam.max_query_len <= 1``) is one launch:
@@ -527,20 +551,20 @@ def rope_attention_triton(
                                     k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache,
                                     slot_mapping=slot_mapping)
         return paged_attention_triton(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window,
-                                      softcap=softcap, num_segments=num_segments)
-    _check(q, k_cache, v_cache, cam, sliding_window, op="rope_attention")
+                                      softcap=softcap, sinks=sinks, num_segments=num_segments)
+    _check(q, k_cache, v_cache, cam, sliding_window, sinks=sinks, op="rope_attention")
     slots = slot_mapping if slot_mapping.device == q.device else slot_mapping.to(q.device)
     fresh = qk_prep_arguments(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
                               k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     fresh.update(k_new_ptr=k, v_new_ptr=v, stride_nkt=k.stride(0), stride_nkh=k.stride(1), stride_nvt=v.stride(0),
                  stride_nvh=v.stride(1))
-    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, out=None,
-                   num_segments=num_segments, fresh=fresh)
+    return _attend(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                   out=None, num_segments=num_segments, fresh=fresh)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata, *,
-            scale: float, sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
-            num_segments: int | None, fresh: dict | None) -> torch.Tensor:
+            scale: float, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+            out: torch.Tensor | None, num_segments: int | None, fresh: dict | None) -> torch.Tensor:
     """The launch behind both ops; ``fresh``: ``qk_prep_arguments`` plus the new k / v rows (decode only)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -596,6 +620,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
     _paged_attention_kernel.pick(q)[(n_qblocks, num_kv_heads, num_segments)](
         out_ptr=out, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, bt_ptr=bt, qsl_ptr=qsl, seq_lens_ptr=seq,
+        sinks_ptr=sinks if sinks is not None else q,
         num_reqs=cam.num_reqs, num_seg=num_segments, scale=float(scale), softcap=float(softcap or 1.0),
         window=int(sliding_window or 0),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_qt=q.stride(0), stride_qh=q.stride(1),
@@ -605,15 +630,16 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
         HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, GROUP=group,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], BLOCK_SIZE=cam.block_size,
         IS_CAUSAL=bool(cam.causal), USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         SPLIT=num_segments > 1, SEGS=segs, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         DECODE=decode,
         PREP=prep, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fresh, **pdl_kwargs(out.device),
     )
     if num_segments > 1:
         _reduce_segments_kernel.pick(q)[(num_tokens, num_heads)](
-            out, part_acc, part_ml, num_heads, num_segments, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, SEGS=segs, SEG_BLOCK=reduce_seg_block(hd_p),
-            num_warps=reduce_warps(hd_p),
+            out, part_acc, part_ml, sinks if sinks is not None else out, num_heads, num_segments, out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, SEGS=segs, SEG_BLOCK=reduce_seg_block(hd_p),
+            HAS_SINKS=sinks is not None, num_warps=reduce_warps(hd_p),
             **pdl_kwargs(out.device),
         )
     return out

@@ -22,6 +22,9 @@ assignment return after reading the ids.
   the shared expert's output when given (``addend``); with more the slots are summed in fp32 after.
 - ``_gate_up_tiled_kernel`` / ``_down_tiled_kernel``: the same two steps, grid (experts, output blocks),
   rounded at the same places.
+- gpt-oss experts: biases after each projection (``HAS_BIAS``, rounded to the model dtype after the product as
+  the reference does) and the clamped SwiGLU ``swiglu_oai`` (``ACT`` 4, ``_swiglu_oai``), both compiled out for
+  the other families.
 - ``_route_kernel`` (the backend's ``moe_route``): one program per token turns the router's logits into its
   top-k expert ids and weights (scoring, correction bias, renormalisation, scaling), where torch launches a
   cast, a top-k, a sigmoid or softmax and a product per MoE layer (``moe_route_ref``).
@@ -56,6 +59,40 @@ _TILED_MAX_M = 128
 _SMEM_BUDGET = 160 * 1024      # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
 
 
+_MOE_ACT_IDS = {**_ACT_IDS, "swiglu_oai": 4}     # 4: gated only, computed by ``_swiglu_oai``
+
+
+@triton.jit
+def _swiglu_oai(g, u, alpha, limit, ty: tl.constexpr):
+    """``activations.swiglu_oai`` on fp32 values already rounded to ``ty``, rounding where torch rounds in ``ty``:
+    ``(clamp(u, -L, L) + 1) * (g' * sigmoid(g' * alpha))`` with ``g' = min(g, L)``."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    ga = (g * alpha).to(ty).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-ga))).to(ty).to(tl.float32)
+    glu = (g * sig).to(ty).to(tl.float32)
+    return (u + 1.0).to(ty).to(tl.float32) * glu
+
+
+@triton.jit
+def _biased(acc, b_ptrs, mask, ty: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A projection's fp32 accumulator rounded to ``ty``, plus its bias rounded again (``proj(x) + b``)."""
+    y = acc.to(ty).to(tl.float32)
+    if HAS_BIAS:
+        y = (y + tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _gated(g, u, alpha, limit, ty: tl.constexpr, ACT: tl.constexpr):
+    """The gated activation of rounded fp32 gate and up values: ``act(g) * u`` or gpt-oss's ``_swiglu_oai``."""
+    if ACT == 4:  # noqa: SIM108  (constexpr branch)
+        h = _swiglu_oai(g, u, alpha, limit, ty)
+    else:
+        h = _activation(g, ACT).to(ty).to(tl.float32) * u
+    return h
+
+
 @functools.cache
 def _tiled_config(kernel: str, block_m: int, itemsize: int) -> dict:
     """``kernel``'s ("gate_up" or "down") configuration with as many pipeline stages (then as wide a BLOCK_K)
@@ -74,9 +111,9 @@ def _tiled_config(kernel: str, block_m: int, itemsize: int) -> dict:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, dim, inter, k_slots,
-    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
-    ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
+    x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, gb_ptr, ub_ptr, dim, inter, k_slots, alpha, limit,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h, stride_gbe, stride_ube,
+    ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -102,18 +139,20 @@ def _gate_up_kernel(
         if GATED:
             g = tl.load(gate_ptr + e * stride_ge + n[:, None] * stride_gn + kk[None, :], mask=m, other=0.0)
             acc_g += tl.sum(g.to(tl.float32) * x[None, :], 1)
-    up = acc_u.to(ty).to(tl.float32)
-    h = _activation(up, ACT)                           # not gated: act(up)
+    up = _biased(acc_u, ub_ptr + e * stride_ube + n, n_ok, ty, HAS_BIAS)
     if GATED:
-        h = _activation(acc_g.to(ty).to(tl.float32), ACT).to(ty).to(tl.float32) * up
+        h = _gated(_biased(acc_g, gb_ptr + e * stride_gbe + n, n_ok, ty, HAS_BIAS), up, alpha, limit, ty, ACT)
+    else:
+        h = _activation(up, ACT)                       # not gated: act(up)
     tl.store(h_ptr + a * stride_h + n, h.to(ty), mask=n_ok)
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y, stride_add,
-    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -130,7 +169,7 @@ def _down_kernel(
         d = tl.load(down_ptr + e * stride_de + n[:, None] * stride_dn + kk[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(d.to(tl.float32) * h[None, :], 1)
-    y = acc.to(ty).to(tl.float32)                      # the reference's down projection is in the model dtype
+    y = _biased(acc, db_ptr + e * stride_dbe + n, n_ok, ty, HAS_BIAS)   # the reference's projection: model dtype
     if not SCALE_INPUT:
         y = y * tl.load(w_ptr + a)
     y = _plus(y, add_ptr + a * stride_add + n, n_ok, y_ptr.dtype.element_ty, HAS_ADD)
@@ -146,9 +185,9 @@ def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
 
 
 def _gate_up_tiled(
-    x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, rows, dim, inter, k_slots,
-    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h,
-    ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr,
+    x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, gb_ptr, ub_ptr, rows, dim, inter, k_slots, alpha, limit,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h, stride_gbe, stride_ube,
+    ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -179,10 +218,12 @@ def _gate_up_tiled(
             if GATED:
                 g = tl.load(gate_cols + kk[:, None], mask=m, other=0.0)
                 acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-        up = acc_u.to(ty).to(tl.float32)
-        h = _activation(up, ACT)                       # not gated: act(up)
+        up = _biased(acc_u, ub_ptr + e64 * stride_ube + n[None, :], n_ok[None, :], ty, HAS_BIAS)
         if GATED:
-            h = _activation(acc_g.to(ty).to(tl.float32), ACT).to(ty).to(tl.float32) * up
+            g = _biased(acc_g, gb_ptr + e64 * stride_gbe + n[None, :], n_ok[None, :], ty, HAS_BIAS)
+            h = _gated(g, up, alpha, limit, ty, ACT)
+        else:
+            h = _activation(up, ACT)                   # not gated: act(up)
         tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h.to(ty), mask=mine[:, None] & n_ok[None, :])
 
 
@@ -191,9 +232,9 @@ _gate_up_tiled_kernel = two_forms(_gate_up_tiled, per_step=["rows"], per_step_po
 
 
 def _down_tiled(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, rows, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y, stride_add,
-    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, rows, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -213,7 +254,7 @@ def _down_tiled(
             a = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
             d = tl.load(down_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, d, acc, input_precision="ieee")
-        y = acc.to(ty).to(tl.float32)                  # the reference's down projection is in the model dtype
+        y = _biased(acc, db_ptr + e.to(tl.int64) * stride_dbe + n[None, :], n_ok[None, :], ty, HAS_BIAS)
         if not SCALE_INPUT:
             y = y * tl.load(w_ptr + r, mask=mine, other=0.0)[:, None]
         m = mine[:, None] & n_ok[None, :]
@@ -225,13 +266,22 @@ _down_tiled_kernel = two_forms(_down_tiled, per_step=["rows"], per_step_pointers
 
 
 def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
-             up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+             up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None, activation: str,
+             biases: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
     """Checked inputs and the kernels' buffers: flat ids, flat fp32 weights (T*k,); h (T*k, inter) in x's
     dtype; y (T*k, dim): x's dtype with one slot per token (the down kernel writes the layer's output), else
     fp32 (the slots are summed after)."""
-    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate), ("addend", addend)):
+    gate_bias, up_bias, down_bias = biases
+    for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate), ("addend", addend),
+                    ("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"MoE Triton kernels: {name} needs a contiguous last dim")
+    if activation not in _MOE_ACT_IDS:
+        raise ValueError(f"MoE Triton kernels: unknown activation {activation!r}; known: {sorted(_MOE_ACT_IDS)}")
+    if activation == "swiglu_oai" and gate is None:
+        raise ValueError("MoE Triton kernels: swiglu_oai needs gated experts")
+    if gate is not None and (gate_bias is None) != (up_bias is None):
+        raise ValueError("MoE Triton kernels: gate and up biases come together")
     if addend is not None and addend.shape != x.shape:
         raise ValueError(f"MoE Triton kernels: addend {tuple(addend.shape)} vs x {tuple(x.shape)}")
     rows = ids.numel()
@@ -248,40 +298,59 @@ def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | Non
     return out if addend is None else out + addend
 
 
+def _bias_args(gate: torch.Tensor | None, up: torch.Tensor, gate_bias: torch.Tensor | None,
+               up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, fallback: torch.Tensor) -> dict:
+    """The kernels' bias pointers and strides (``fallback`` where a bias is absent: never read)."""
+    gb = gate_bias if gate_bias is not None else (up_bias if up_bias is not None else fallback)
+    ub = up_bias if up_bias is not None else fallback
+    db = down_bias if down_bias is not None else fallback
+    return dict(gb=gb, ub=ub, db=db, has_up=up_bias is not None, has_down=down_bias is not None)
+
+
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
-                     addend: torch.Tensor | None = None) -> torch.Tensor:
+                     addend: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
+                     up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                     alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """x (T, dim); ids (T, k) expert ids; weights (T, k) fp32; gate/up (E, inter, dim), down (E, dim, inter)
     -> (T, dim) in x's dtype: the weighted sum of each token's experts, summed in fp32 and rounded once (the
     values of ``moe_experts_ref``), plus ``addend`` (T, dim) when given, rounded again (``out + addend``: the
-    shared expert's output). With one slot per token the down kernel stores both."""
+    shared expert's output). With one slot per token the down kernel stores both. Biases: gate/up (E, inter),
+    down (E, dim); ``alpha`` / ``limit``: ``swiglu_oai``'s."""
     num_tokens, k = ids.shape
     dim, inter, rows = x.shape[1], up.shape[1], ids.numel()
-    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend)
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend,
+                                      activation=activation, biases=(gate_bias, up_bias, down_bias))
     if rows == 0:
         return y.view(num_tokens, dim).to(x.dtype)
     g = gate if gate is not None else up
+    b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
     fused_add = addend is not None and k == 1
     _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
-        x, flat_ids, flat_w, g, up, h, dim, inter, k, x.stride(0), g.stride(0), g.stride(1), up.stride(0),
-        up.stride(1), h.stride(0), ACT=_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input,
+        x, flat_ids, flat_w, g, up, h, b["gb"], b["ub"], dim, inter, k, float(alpha), float(limit), x.stride(0),
+        g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), b["gb"].stride(0), b["ub"].stride(0),
+        ACT=_MOE_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"],
         **_GATE_UP, **pdl_kwargs(x.device))
     _down_kernel[(rows, triton.cdiv(dim, _DOWN["BLOCK_N"]))](
-        h, flat_ids, flat_w, down, y, addend if fused_add else y, dim, inter, h.stride(0), down.stride(0),
-        down.stride(1), y.stride(0), addend.stride(0) if fused_add else 0, SCALE_INPUT=scale_input,
-        HAS_ADD=fused_add, **_DOWN, **pdl_kwargs(h.device))
+        h, flat_ids, flat_w, down, y, addend if fused_add else y, b["db"], dim, inter, h.stride(0), down.stride(0),
+        down.stride(1), y.stride(0), addend.stride(0) if fused_add else 0, b["db"].stride(0),
+        SCALE_INPUT=scale_input, HAS_ADD=fused_add, HAS_BIAS=b["has_down"], **_DOWN, **pdl_kwargs(h.device))
     return _finish(y, x, k, addend)
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                       up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
-                      addend: torch.Tensor | None = None) -> torch.Tensor:
+                      addend: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
+                      up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                      alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """``moe_experts_gemv``'s contract with one program per (expert, output block) over every assignment.
     An M tile holds at most ``_TILED_MAX_M`` assignments: larger batches run in token chunks of that many."""
     num_tokens, k = ids.shape
     dim, inter, num_experts = x.shape[1], up.shape[1], up.shape[0]
-    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend)
+    flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend,
+                                      activation=activation, biases=(gate_bias, up_bias, down_bias))
     g = gate if gate is not None else up
+    b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
     fused_add = addend is not None and k == 1
     chunk = max(1, _TILED_MAX_M // k)                  # tokens per launch
     for t0 in range(0, num_tokens, chunk):
@@ -290,15 +359,16 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         block_m = max(16, triton.next_power_of_2(r1 - r0))
         cfg = _tiled_config("gate_up", block_m, x.element_size())
         _gate_up_tiled_kernel.pick(x)[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
-            x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], r1 - r0, dim, inter, k, x.stride(0),
-            g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), ACT=_ACT_IDS[activation],
-            GATED=gate is not None, SCALE_INPUT=scale_input, BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
+            x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], b["gb"], b["ub"], r1 - r0, dim, inter, k,
+            float(alpha), float(limit), x.stride(0), g.stride(0), g.stride(1), up.stride(0), up.stride(1),
+            h.stride(0), b["gb"].stride(0), b["ub"].stride(0), ACT=_MOE_ACT_IDS[activation], GATED=gate is not None,
+            SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
         cfg = _tiled_config("down", block_m, x.element_size())
         _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
-            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y,
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y, b["db"],
             r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-            addend.stride(0) if fused_add else 0, SCALE_INPUT=scale_input, HAS_ADD=fused_add, BLOCK_M=block_m,
-            **cfg, **pdl_kwargs(h.device))
+            addend.stride(0) if fused_add else 0, b["db"].stride(0), SCALE_INPUT=scale_input, HAS_ADD=fused_add,
+            HAS_BIAS=b["has_down"], BLOCK_M=block_m, **cfg, **pdl_kwargs(h.device))
     return _finish(y, x, k, addend)
 
 
@@ -322,7 +392,7 @@ def _route_kernel(
         p = tl.where(ok, tl.exp(logit - m), 0.0)
         score = p / tl.sum(p, 0)
         choice = tl.where(ok, score, float("-inf"))
-    elif SCORING == 1:                                 # sigmoid_input: choose by the logits
+    elif SCORING == 1 or SCORING == 3:                 # sigmoid_input, topk_softmax: choose by the logits
         score = logit
         choice = tl.where(ok, logit, float("-inf"))
     else:                                              # sigmoid_bias: choose by score + correction bias
@@ -339,6 +409,10 @@ def _route_kernel(
         sel_ids = tl.where(slots == j, best.to(tl.int64), sel_ids)
         sel_w = tl.where(slots == j, w, sel_w)
         choice = tl.where(offs == best, float("-inf"), choice)
+    if SCORING == 3:                                   # topk_softmax: softmax over the k chosen logits
+        top = tl.max(tl.where(slots < TOP_K, sel_w, float("-inf")), 0)
+        ex = tl.where(slots < TOP_K, tl.exp(sel_w - top), 0.0)
+        sel_w = ex / tl.sum(ex, 0)
     if RENORM:
         total = tl.sum(sel_w, 0)
         if SCORING == 2:
@@ -374,7 +448,7 @@ def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormali
         _route_kernel[(num_tokens,)](
             logits, correction_bias if scoring == 2 else logits, ids, weights, num_experts, logits.stride(0),
             ids.stride(0), weights.stride(0), scaling, SCORING=scoring, TOP_K=top_k,
-            RENORM=renormalize and scoring != 1, HAS_SCALE=scaling != 1.0, BLOCK_E=block_e,
+            RENORM=renormalize and scoring in (0, 2), HAS_SCALE=scaling != 1.0, BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e >= 1024 else 1,
             **pdl_kwargs(logits.device))
     return ids, weights

@@ -25,7 +25,8 @@ How a ``CommonAttentionMetadata`` maps onto the call:
 Where it cannot map (``UnsupportedConfig``; ``auto``, were it to take this op, would fall back to triton):
 block size not a multiple of 256 (FA2 paged KV; our default is 16), dtype other than fp16/bf16 or caches in
 another dtype, head_dim not a multiple of 8 or above 256 (FA2 would pad by copying the whole cache), a device
-below sm80.
+below sm80, attention sinks (gpt-oss: FA2's softmax has no extra per-head logit, and adding one after the fact
+would need its unexposed log-sum-exp per row).
 The KV write stays triton's (``write_kv``): FA2 has no slot-mapping write.
 """
 
@@ -69,8 +70,11 @@ def _device_reason(q: torch.Tensor) -> str | None:
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, cam: CommonAttentionMetadata, *,
-                       softcap: float | None, has_softcap: bool) -> str | None:
+                       softcap: float | None, has_softcap: bool, sinks: torch.Tensor | None = None) -> str | None:
     """The first FA2 constraint this call breaks, or None. Reads shapes and dtypes only (no sync)."""
+    if sinks is not None:
+        return ("attention sinks (flash-attn 2 has no per-head sink logit in its softmax; the triton and torch "
+                "backends have)")
     if cam.block_size % PAGE_MULTIPLE:
         return f"block size {cam.block_size} is not a multiple of {PAGE_MULTIPLE} (flash-attn 2 paged KV)"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -124,6 +128,7 @@ def make_paged_attention(varlen_fn: Callable[..., torch.Tensor], *, has_softcap:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim), q's dtype
         """Same contract as ``paged_attention_ref``."""
         num_tokens, num_heads, head_dim = q.shape
@@ -137,7 +142,7 @@ def make_paged_attention(varlen_fn: Callable[..., torch.Tensor], *, has_softcap:
             raise ValueError(f"q: num_heads {num_heads} is not a multiple of num_kv_heads {k_cache.shape[2]}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
-        reason = unsupported_reason(q, k_cache, cam, softcap=softcap, has_softcap=has_softcap)
+        reason = unsupported_reason(q, k_cache, cam, softcap=softcap, has_softcap=has_softcap, sinks=sinks)
         if reason is not None:
             raise UnsupportedConfig(BACKEND, "paged_attention", reason)
         if num_tokens == 0:                       # FA2 refuses an empty batch

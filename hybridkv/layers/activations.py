@@ -20,6 +20,14 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation, in HF's order and rounding (``GptOssExperts._apply_gate``): the gate clamped
+    above at ``limit``, up on both sides, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; known: {sorted(ACTIVATIONS)}")

@@ -6,6 +6,10 @@ told to. RoPE variants, q/k norms and Llama-4's NoPE temperature tuning happen b
 op (``qk_rope_write_kv``), or, for a decode batch, inside the attention op (``rope_attention``: on the triton
 backend one kernel); q, k and v come from one packed GEMM once the runner fused the projections.
 
+gpt-oss's attention sinks are one learned logit per query head (``sinks``, split by heads under tensor
+parallelism like q), passed to the attention op; YaRN's attention factor m scales q . k by m^2
+(``rotary.rope_attention_factor``), folded into the softmax scale.
+
 Zamba2 runs one set of attention weights at several depths, each with its own KV cache: every use is an
 ``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
 ``AttentionLayer``'s weights without registering them, so the weights keep exactly one owner.
@@ -20,8 +24,8 @@ from hybridkv.forward_context import get_forward_context
 from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedLinears, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.ops.fused_ref import QKPrep
-from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
-from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.rotary import RotaryEmbedding, rope_attention_factor
 from hybridkv.models.config import Attention
 
 
@@ -53,6 +57,16 @@ class AttentionLayer(nn.Module):
         self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
+        # YaRN's m on cos and sin is m^2 on q . k when every channel rotates; with a partial rotation the
+        # pass-through channels would keep scale 1, which no single softmax scale can express.
+        m = rope_attention_factor(cfg.rope) if cfg.rope is not None else 1.0
+        if m != 1.0 and self.rotary.rot_dim != d:
+            raise ValueError(f"{cache_name}: a YaRN attention factor ({m}) with partial rotary "
+                             f"({self.rotary.rot_dim} of {d} channels) is not supported")
+        self.scale = cfg.softmax_scale * m * m
+        heads = (Split(cfg.num_heads, cfg.num_heads, what=f"{cache_name} Attention.num_heads"),)
+        self.sinks = nn.Parameter(torch.zeros(heads[0].local_size(tp.size))) if cfg.sinks else None
+        self.tp_shards = {"sinks": Shard(0, heads)} if cfg.sinks else {}
         self.prep = QKPrep(head_dim=d, rot_dim=self.rotary.rot_dim if self.rotary is not None else 0,
                            interleaved=cfg.rope is not None and cfg.rope.interleaved, qk_norm=cfg.qk_norm,
                            gemma_norm=gemma_norm, eps=norm_eps, temperature_tuning=cfg.temperature_tuning)
@@ -98,7 +112,7 @@ class AttentionLayer(nn.Module):
                     q_norm_weight=self.q_norm.weight if self.q_norm is not None else None,
                     k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
                     k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
-        attend = dict(scale=cfg.softmax_scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap)
+        attend = dict(scale=self.scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap, sinks=self.sinks)
         if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend
             out = ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
         else:                                   # prefill: the backend's own attention (flash-attn's if asked for)

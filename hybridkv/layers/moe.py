@@ -1,6 +1,8 @@
-"""Mixture of experts with the three routers hybridkv's families use.
+"""Mixture of experts with the four routers hybridkv's families use.
 
 - ``softmax``: top-k of softmax(logits), optionally renormalised (Jamba, Granite, Mixtral style).
+- ``topk_softmax``: gpt-oss — softmax over the top-k logits (of a router with a bias); its experts have
+  biases and the clamped SwiGLU ``swiglu_oai`` (``layers/activations.py``).
 - ``sigmoid_input``: Llama-4 — sigmoid of the top-k logits scales each expert's *input*.
 - ``sigmoid_bias``: NemotronH — sigmoid scores; a learned correction bias steers selection only (first
   keeping the ``topk_groups`` best expert groups); weights renormalised and scaled by
@@ -51,7 +53,7 @@ import torch
 from torch import nn
 
 from hybridkv.forward_context import current_ops
-from hybridkv.layers.activations import get_activation
+from hybridkv.layers.activations import get_activation, swiglu_oai
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
@@ -68,7 +70,9 @@ _logged: set[tuple[str, torch.dtype, str]] = set()
 @dataclass(frozen=True, kw_only=True)
 class Experts:
     """One layer's routed experts (this rank's channels): ``up``/``gate`` (E, inter, dim), ``down``
-    (E, dim, inter); ``scale_input``: the routing weight scales the expert input (Llama-4), not its output."""
+    (E, dim, inter); ``scale_input``: the routing weight scales the expert input (Llama-4), not its output.
+    Biases (gpt-oss): ``gate_bias`` / ``up_bias`` (E, inter), ``down_bias`` (E, dim), added after each
+    projection in the model dtype, as HF does. ``alpha`` / ``limit``: ``swiglu_oai``'s constants."""
 
     gate: torch.Tensor | None
     up: torch.Tensor
@@ -76,22 +80,48 @@ class Experts:
     activation: str
     scale_input: bool
     gate_up: torch.Tensor | None = None      # (E, 2 * inter, dim) whose halves ``gate`` and ``up`` are views of
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None  # (E, 2 * inter), packed with ``gate_up``
+    alpha: float = 1.702
+    limit: float = 7.0
 
     @property
     def num_experts(self) -> int:
         return self.up.shape[0]
 
-    def mlp(self, x: torch.Tensor, proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def one(self, e: int) -> Experts:
+        """Expert ``e`` alone (its weights and biases with the expert dim indexed away)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[e] if t is not None else None
+
+        return Experts(gate=pick(self.gate), up=self.up[e], down=self.down[e], activation=self.activation,
+                       scale_input=self.scale_input, gate_bias=pick(self.gate_bias), up_bias=pick(self.up_bias),
+                       down_bias=pick(self.down_bias), alpha=self.alpha, limit=self.limit)
+
+    def mlp(self, x: torch.Tensor, proj: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            bias: Callable[[torch.Tensor], torch.Tensor] = lambda b: b) -> torch.Tensor:
         """down(act(gate(x)) * up(x)) (or down(act(up(x))) when not gated) with ``proj(x, W)`` = x @ W^T
-        for whichever batching the caller uses."""
+        for whichever batching the caller uses, and ``bias(b)``: an (E, out) bias (or (out,) for ``one``) as
+        ``proj``'s output rows need it."""
+        def plus(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return y if b is None else y + bias(b)
+
+        if self.activation == "swiglu_oai":
+            if self.gate_up is not None:
+                gate, up = plus(proj(x, self.gate_up), self.gate_up_bias).chunk(2, dim=-1)
+            else:
+                gate, up = plus(proj(x, self.gate), self.gate_bias), plus(proj(x, self.up), self.up_bias)
+            return plus(proj(swiglu_oai(gate, up, alpha=self.alpha, limit=self.limit), self.down), self.down_bias)
         if self.gate_up is not None:              # one projection for both, then the fused act x up
-            gate_up = proj(x, self.gate_up)       # (rows, 2 * inter), or (E, rows, 2 * inter) for bmm
+            gate_up = plus(proj(x, self.gate_up), self.gate_up_bias)   # (rows, 2 * inter), or (E, rows, 2 * inter)
             h = current_ops().act_mul(gate_up.reshape(-1, gate_up.shape[-1]), activation=self.activation)
-            return proj(h.view(*gate_up.shape[:-1], -1), self.down)
+            return plus(proj(h.view(*gate_up.shape[:-1], -1), self.down), self.down_bias)
         act = get_activation(self.activation)
-        up = proj(x, self.up)
-        h = act(proj(x, self.gate)) * up if self.gate is not None else act(up)
-        return proj(h, self.down)
+        up = plus(proj(x, self.up), self.up_bias)
+        h = act(plus(proj(x, self.gate), self.gate_bias)) * up if self.gate is not None else act(up)
+        return plus(proj(h, self.down), self.down_bias)
 
 
 def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -108,8 +138,7 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
         if token.numel() == 0:
             continue
         w = weights[token, slot, None]
-        one = Experts(gate=experts.gate[e] if experts.gate is not None else None, up=experts.up[e],
-                      down=experts.down[e], activation=experts.activation, scale_input=experts.scale_input)
+        one = experts.one(e)
         if experts.scale_input:
             y = one.mlp(_scaled(x[token], w), lambda a, wt: a @ wt.t()).float()
         else:
@@ -132,7 +161,8 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     w = weights.reshape(-1).index_select(0, order)[:, None]                      # (T*k, 1) fp32
     if experts.scale_input:
         rows = _scaled(rows, w)
-    y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs))
+    y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs),
+                    lambda b: b.index_select(0, sorted_ids))
     if experts.scale_input and k == 1:
         return torch.empty_like(y).index_copy_(0, order, y)                     # (T, dim) in token order
     y = y.float() if experts.scale_input else torch.mul(y, w)    # fp32; weighted here unless the input was scaled
@@ -151,7 +181,7 @@ def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     rows = _scaled(x[:, None], w) if experts.scale_input else x[:, None].expand(num_tokens, k, x.shape[-1])
     batch = x.new_zeros(experts.num_experts, num_tokens, x.shape[-1])                     # (E, T, dim)
     batch[ids, token] = rows
-    y = experts.mlp(batch, lambda a, wt: torch.bmm(a, wt.transpose(-2, -1)))              # (E, T, dim)
+    y = experts.mlp(batch, lambda a, wt: torch.bmm(a, wt.transpose(-2, -1)), lambda b: b[:, None])   # (E, T, dim)
     y = y[ids, token].float()                                                             # (T, k, dim)
     if not experts.scale_input:
         y = y * w
@@ -164,8 +194,7 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     plus ``addend`` (``run_experts``), added in the down kernel with one slot per token."""
     from hybridkv.backends.triton_moe import moe_experts_gemv as gemv
 
-    return gemv(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
-                activation=experts.activation, scale_input=experts.scale_input, addend=addend)
+    return gemv(x, ids, weights, **_kernel_experts(experts), addend=addend)
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
@@ -174,8 +203,14 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (``backends/triton_moe.py``); ``moe_experts_gemv``'s contract."""
     from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
 
-    return tiled(x, ids, weights, gate=experts.gate, up=experts.up, down=experts.down,
-                 activation=experts.activation, scale_input=experts.scale_input, addend=addend)
+    return tiled(x, ids, weights, **_kernel_experts(experts), addend=addend)
+
+
+def _kernel_experts(experts: Experts) -> dict:
+    """The Triton kernels' expert arguments (they read gate and up separately: no packed tensors)."""
+    return dict(gate=experts.gate, up=experts.up, down=experts.down, activation=experts.activation,
+                scale_input=experts.scale_input, gate_bias=experts.gate_bias, up_bias=experts.up_bias,
+                down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit)
 
 
 _IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded,
@@ -243,22 +278,29 @@ class MoEFeedForward(nn.Module):
     imbalance between ranks; routed and shared partial sums are all-reduced once at the end.
 
     ``impl``: how the routed experts run (module docstring; default "auto"). A plain attribute, so a test may
-    change it on a built layer."""
+    change it on a built layer.
+
+    Expert biases (gpt-oss): gate/up biases split with their channels; the down bias is added after the
+    row-parallel down projection's partial sums, so only rank 0 adds it (the all-reduce then sums it once)."""
 
     def __init__(self, hidden_size: int, cfg: MoE, *, tp: TensorParallel = SINGLE, impl: str = "auto") -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.impl = _check_impl(impl)
-        get_activation(cfg.activation)          # fails early on an unknown name
+        if cfg.activation != "swiglu_oai":
+            get_activation(cfg.activation)      # fails early on an unknown name
         e = cfg.num_experts
         channels = (Split(cfg.intermediate_size, cfg.intermediate_size, what="MoE.intermediate_size"),)
         inter = channels[0].local_size(tp.size)
         dim = cfg.latent_size or hidden_size           # routed experts run in the latent space if any
-        self.router = nn.Linear(hidden_size, e, bias=False)
+        self.router = nn.Linear(hidden_size, e, bias=cfg.router_bias)
         self.gate_proj = nn.Parameter(torch.empty(e, inter, dim)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(e, inter, dim))
         self.down_proj = nn.Parameter(torch.empty(e, dim, inter))
+        self.gate_bias = nn.Parameter(torch.zeros(e, inter)) if cfg.bias and cfg.gated else None
+        self.up_bias = nn.Parameter(torch.zeros(e, inter)) if cfg.bias else None
+        self.down_bias = nn.Parameter(torch.zeros(e, dim)) if cfg.bias else None
         self.fc1_latent_proj = nn.Linear(hidden_size, dim, bias=False) if cfg.latent_size else None
         self.fc2_latent_proj = nn.Linear(dim, hidden_size, bias=False) if cfg.latent_size else None
         self.correction_bias = (nn.Parameter(torch.zeros(e), requires_grad=False)
@@ -266,11 +308,13 @@ class MoEFeedForward(nn.Module):
         self.shared = (DenseMLP(hidden_size, cfg.shared_intermediate_size, activation=cfg.activation,
                                 gated=cfg.gated, tp=tp, reduce=False) if cfg.shared_intermediate_size else None)
         self.tp_shards = {"gate_proj": Shard(1, channels), "up_proj": Shard(1, channels),
-                          "down_proj": Shard(2, channels)}
+                          "down_proj": Shard(2, channels), "gate_bias": Shard(1, channels),
+                          "up_bias": Shard(1, channels)}
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
         self._gate_up: tuple[torch.Tensor, tuple[int, int]] | None = None    # (packed, its views' pointers)
+        self._gate_up_bias: tuple[torch.Tensor, tuple[int, int]] | None = None
 
     def fuse_projections(self) -> None:
         """Pack the routed experts' gate and up into one (E, 2 * inter, dim) tensor whose halves become the
@@ -286,27 +330,48 @@ class MoEFeedForward(nn.Module):
             self.gate_proj = nn.Parameter(packed[:, :inter], requires_grad=self.gate_proj.requires_grad)
             self.up_proj = nn.Parameter(packed[:, inter:], requires_grad=self.up_proj.requires_grad)
         self._gate_up = (packed, (self.gate_proj.data_ptr(), self.up_proj.data_ptr()))
+        if self.gate_bias is not None:
+            with torch.no_grad():
+                packed = torch.cat([self.gate_bias, self.up_bias], dim=1)
+                self.gate_bias = nn.Parameter(packed[:, :inter], requires_grad=self.gate_bias.requires_grad)
+                self.up_bias = nn.Parameter(packed[:, inter:], requires_grad=self.up_bias.requires_grad)
+            self._gate_up_bias = (packed, (self.gate_bias.data_ptr(), self.up_bias.data_ptr()))
 
     def _packed_gate_up(self) -> torch.Tensor | None:
         """The packed gate|up while both parameters are still its views (a move or a replaced parameter
-        breaks them: then the experts run unpacked)."""
+        breaks them: then the experts run unpacked), and its biases likewise (the two pack together)."""
         if self._gate_up is None or self.gate_proj is None:
             return None
         packed, ptrs = self._gate_up
-        return packed if (self.gate_proj.data_ptr(), self.up_proj.data_ptr()) == ptrs else None
+        if (self.gate_proj.data_ptr(), self.up_proj.data_ptr()) != ptrs:
+            return None
+        if self.gate_bias is not None and self._packed_gate_up_bias() is None:
+            return None
+        return packed
+
+    def _packed_gate_up_bias(self) -> torch.Tensor | None:
+        if self._gate_up_bias is None or self.gate_bias is None:
+            return None
+        packed, ptrs = self._gate_up_bias
+        return packed if (self.gate_bias.data_ptr(), self.up_bias.data_ptr()) == ptrs else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
         ops = current_ops()
         cfg = self.cfg
-        return ops.moe_route(ops.linear(x, self.router.weight), router=cfg.router, top_k=cfg.top_k,
+        return ops.moe_route(ops.linear(x, self.router.weight, self.router.bias), router=cfg.router, top_k=cfg.top_k,
                              renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                              correction_bias=self.correction_bias, num_groups=cfg.num_groups,
                              topk_groups=cfg.topk_groups)
 
     def experts(self) -> Experts:
+        gate_up = self._packed_gate_up()
         return Experts(gate=self.gate_proj, up=self.up_proj, down=self.down_proj, activation=self.cfg.activation,
-                       scale_input=self.cfg.router == "sigmoid_input", gate_up=self._packed_gate_up())
+                       scale_input=self.cfg.router == "sigmoid_input", gate_up=gate_up,
+                       gate_bias=self.gate_bias, up_bias=self.up_bias,
+                       down_bias=self.down_bias if self.tp.rank == 0 else None,
+                       gate_up_bias=self._packed_gate_up_bias() if gate_up is not None else None,
+                       alpha=self.cfg.swiglu_alpha, limit=self.cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)

@@ -1,6 +1,10 @@
 """Rotary position embeddings: rotate-half (NeoX) and interleaved-pair (Llama-4) layouts, partial
-rotary, linear and llama3 frequency scaling. Cos/sin are computed per call from ``positions``
-(cheap next to attention) so there is no max-length table to size or overflow."""
+rotary, linear, llama3 and YaRN frequency scaling. Cos/sin are computed per call from ``positions``
+(cheap next to attention) so there is no max-length table to size or overflow.
+
+YaRN also scales cos and sin by an attention factor m (HF multiplies both tables by it, so q . k grows by
+m^2 on the rotated channels). ``rope_attention_factor`` returns m; the attention layer folds m^2 into its
+softmax scale, which is exact when every channel rotates (gpt-oss) and refused otherwise."""
 
 from __future__ import annotations
 
@@ -29,7 +33,48 @@ def rope_inv_freq(rope: Rope, rot_dim: int) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled)
+    elif rope.scaling == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rot_dim)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
+    """HF's ``_compute_yarn_parameters`` inverse frequencies, op for op (fp32): extrapolated (1 / base^(2i/d))
+    below the ``beta_fast`` rotation count, interpolated (divided by ``factor``) above ``beta_slow``, a linear
+    ramp over the dims between."""
+    base, factor = rope.theta, rope.factor
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                    # HF: prevents a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope: Rope) -> float:
+    """YaRN's factor m on cos and sin (1.0 for the other scalings): ``attention_factor`` when given, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor)``, with
+    ``mscale(s, m) = 0.1 m ln(s) + 1`` (1 for s <= 1), as HF computes it."""
+    if rope.scaling != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+    return mscale(rope.factor)
 
 
 class RotaryEmbedding(nn.Module):

@@ -53,6 +53,7 @@ MODEL_TYPES: dict[str, str] = {
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -223,8 +224,9 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _rope(params: Mapping[str, Any] | None, *, theta: float, interleaved: bool = False,
-          partial_rotary_factor: float | None = None) -> Rope:
-    """A ``Rope`` from one (flat) RoPE parameter dict; ``theta``/``partial_rotary_factor`` fill gaps."""
+          partial_rotary_factor: float | None = None, max_positions: int | None = None) -> Rope:
+    """A ``Rope`` from one (flat) RoPE parameter dict; ``theta``/``partial_rotary_factor`` fill gaps;
+    ``max_positions``: YaRN's factor when the dict has none (max / original positions, as HF)."""
     params = dict(params or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     partial = params.get("partial_rotary_factor", partial_rotary_factor)
@@ -241,7 +243,22 @@ def _rope(params: Mapping[str, Any] | None, *, theta: float, interleaved: bool =
                     original_max_position_embeddings=int(
                         params.get("original_max_position_embeddings", 8192)),
                     **common)
-    raise ValueError(f"RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor")
+        if factor is None:
+            if max_positions is None:
+                raise ValueError("YaRN RoPE without a factor needs max_position_embeddings")
+            factor = max_positions / original
+
+        def optional(key: str) -> float | None:
+            return float(params[key]) if params.get(key) is not None else None
+
+        return Rope(scaling="yarn", factor=float(factor), original_max_position_embeddings=original,
+                    beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                    truncate=bool(params.get("truncate", True)), attention_factor=optional("attention_factor"),
+                    mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"), **common)
+    raise ValueError(f"RoPE type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
 
 
 def _rope_params(cfg: _Fields) -> dict[str, Any]:
@@ -770,3 +787,55 @@ def granite_moe_hybrid(config: Mapping[str, Any]) -> HybridConfig:
                   embedding_multiplier=float(cfg["embedding_multiplier"]),
                   residual_multiplier=float(cfg["residual_multiplier"]),
                   logits_multiplier=1.0 / float(cfg["logits_scaling"]))
+
+
+# -- gpt-oss -----------------------------------------------------------------------------------------------
+_GPT_OSS_DEFAULTS = dict(
+    num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+    head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128, tie_word_embeddings=False,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts_per_tok=4, swiglu_alpha=1.702,
+    swiglu_limit=7.0, layer_types=None, bos_token_id=None, eos_token_id=None, attention_bias=True,
+    quantization_config=None)
+# HF's GptOssConfig when the config names no RoPE parameters.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+_GPT_OSS_TYPES = ("sliding_attention", "full_attention")
+
+
+@register("GptOssForCausalLM")
+def gpt_oss(config: Mapping[str, Any]) -> HybridConfig:
+    """Sliding-window (``sliding_window``, 128) and full attention alternating from a sliding layer 0 unless
+    ``layer_types`` says otherwise; every layer has attention sinks, q/k/v/o biases (``attention_bias``),
+    YaRN RoPE and a MoE of biased experts with the clamped SwiGLU (``swiglu_alpha`` / ``swiglu_limit``),
+    routed by a softmax over the top-k logits of a biased router. ``hidden_act`` is not read (HF does not
+    either). MXFP4 experts (``quantization_config.quant_method == "mxfp4"``, the released checkpoints) are
+    dequantized at load (``loaders/families/gpt_oss.py``); other quantizations are refused. A config naming no
+    dtype (the released ones) plans and loads as bfloat16, the dtype of its unquantized tensors."""
+    cfg = _Fields("GptOssForCausalLM", config, _GPT_OSS_DEFAULTS)
+    quant = cfg["quantization_config"]
+    if quant is not None and (not isinstance(quant, Mapping) or quant.get("quant_method") != "mxfp4"):
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise ValueError(f"{cfg.arch}: quantization_config.quant_method {method!r} is not supported (only the "
+                         f"released checkpoints' mxfp4 experts, which load dequantized)")
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if len(types) < n:
+        raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    types = _check_layer_types(cfg.arch, types[:n], _GPT_OSS_TYPES)
+    params = _rope_params(cfg) if (cfg.get("rope_scaling") or cfg.get("rope_parameters")) else dict(_GPT_OSS_ROPE)
+    rope = _rope(params, theta=150000.0, max_positions=cfg["max_position_embeddings"])
+    moe = MoE(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+              intermediate_size=cfg["intermediate_size"],
+              router="topk_softmax", renormalize=False, router_bias=True, bias=True, activation="swiglu_oai",
+              swiglu_alpha=float(cfg["swiglu_alpha"]), swiglu_limit=float(cfg["swiglu_limit"]))
+    bias = bool(cfg["attention_bias"])
+    layers = []
+    for kind in types:
+        attention = Attention(
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(),
+            head_dim=cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"],
+            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None, rope=rope,
+            qkv_bias=bias, o_bias=bias, sinks=True)
+        layers.append(Layer(mixer=attention, ffn=moe))
+    named = cfg.raw.get("dtype") or cfg.raw.get("torch_dtype")
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"], **({} if named else {"dtype": "bfloat16"}))

@@ -16,6 +16,9 @@ Which files: ``model.safetensors``, or the shards ``model.safetensors.index.json
 file inside the checkpoint directory (no absolute paths, no ``..``, no symlink leading out of it, except
 into the blob store of a Hugging Face cache snapshot).
 
+A target may need other hub tensors too (``Target.inputs``: MXFP4 blocks need their scales); the loader reads
+them from whichever file holds them and passes them to the transform after the target's own tensor.
+
 Tensor parallelism is one more step here, not in the maps: a target's transform yields the *full*
 (sub-)tensor, and ``HybridModel.shard_of`` cuts this rank's part before the shape check and the copy, so
 each rank keeps only its shard (peak: one full hub tensor at a time).
@@ -23,6 +26,7 @@ each rank keeps only its shard (peak: one full hub tensor at a time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -47,11 +51,14 @@ class Target:
 
     ``index`` selects a sub-tensor along the leading dims (e.g. ``(expert,)`` of a stacked expert
     weight); ``transform`` reshapes the hub tensor into that sub-tensor's layout (transpose, slice of
-    a fused tensor, ...). Arithmetic in a transform runs in the checkpoint's dtype."""
+    a fused tensor, ...). Arithmetic in a transform runs in the checkpoint's dtype. ``inputs``: names of
+    other hub tensors the transform also takes, in order after the hub tensor (``transform(t, *inputs)``);
+    while checking, every tensor a transform sees is a meta tensor of the header's shape."""
 
     name: str
     index: tuple[int, ...] = ()
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    transform: Callable[..., torch.Tensor] | None = None
+    inputs: tuple[str, ...] = ()
 
 
 # hub tensor name -> targets; [] = a known tensor deliberately ignored (e.g. rotary inv_freq);
@@ -193,9 +200,10 @@ class _Coverage:
         self.counts = dict.fromkeys(self.params, 0)
         self.unexpected: list[str] = []
 
-    def write(self, file: Path, hub_name: str, tensor: torch.Tensor, target: Target, *, copy: bool) -> None:
-        """Check (and with ``copy``, perform) ``param[target.index] = transform(tensor)``; ``tensor`` may be a
-        meta tensor when only checking."""
+    def write(self, file: Path, hub_name: str, tensor: torch.Tensor, target: Target, *, copy: bool,
+              inputs: tuple[torch.Tensor, ...] = ()) -> None:
+        """Check (and with ``copy``, perform) ``param[target.index] = transform(tensor, *inputs)``; the tensors may
+        be meta tensors when only checking."""
         where = f"{target.name}{list(target.index) if target.index else ''}"
         if target.name in self.aliases:
             return
@@ -213,7 +221,10 @@ class _Coverage:
         except IndexError:
             raise ValueError(f"{file.name}: checkpoint tensor {hub_name}: index {list(target.index)} is out of "
                              f"range for {target.name} of shape {tuple(param.shape)}") from None
-        value = target.transform(tensor) if target.transform is not None else tensor
+        try:
+            value = target.transform(tensor, *inputs) if target.transform is not None else tensor
+        except ValueError as err:
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name} -> {where}: {err}") from None
         try:
             value = self.model.shard_of(target.name, value, offset=len(target.index))    # this rank's part
         except ValueError as err:
@@ -254,9 +265,27 @@ def check_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: We
     _check(model, _headers(checkpoint_dir), weight_map, config=config, checkpoint_dir=checkpoint_dir)
 
 
+def _where_is(headers: dict[Path, dict[str, TensorInfo]]) -> dict[str, tuple[Path, TensorInfo]]:
+    """Hub tensor name -> (its file, its header entry), over every file of the checkpoint."""
+    return {name: (file, info) for file, header in headers.items() for name, info in header.items()}
+
+
+def _input_files(file: Path, hub_name: str, target: Target, where: dict[str, tuple[Path, TensorInfo]]
+                 ) -> list[tuple[str, Path, TensorInfo]]:
+    """(name, file, header entry) of each of ``target.inputs``; one the checkpoint lacks is an error."""
+    out = []
+    for name in target.inputs:
+        if name not in where:
+            raise ValueError(f"{file.name}: checkpoint tensor {hub_name} (-> {target.name}) needs {name}, which the "
+                             f"checkpoint does not have")
+        out.append((name, *where[name]))
+    return out
+
+
 def _check(model: HybridModel, headers: dict[Path, dict[str, TensorInfo]], weight_map: WeightMap, *,
            config: HybridConfig, checkpoint_dir: str | Path) -> None:
     coverage = _Coverage(model)
+    where = _where_is(headers)
     for file, header in headers.items():
         for hub_name, info in header.items():
             targets = weight_map(hub_name, config)
@@ -265,7 +294,9 @@ def _check(model: HybridModel, headers: dict[Path, dict[str, TensorInfo]], weigh
                 continue
             tensor = torch.empty(info.shape, dtype=info.dtype, device="meta")
             for target in targets:
-                coverage.write(file, hub_name, tensor, target, copy=False)
+                inputs = tuple(torch.empty(i.shape, dtype=i.dtype, device="meta")
+                               for _, _, i in _input_files(file, hub_name, target, where))
+                coverage.write(file, hub_name, tensor, target, copy=False, inputs=inputs)
     coverage.check_complete(config, checkpoint_dir)
 
 
@@ -279,14 +310,27 @@ def load_weights(model: HybridModel, checkpoint_dir: str | Path, weight_map: Wei
     headers = _headers(checkpoint_dir)
     _check(model, headers, weight_map, config=config, checkpoint_dir=checkpoint_dir)
     coverage = _Coverage(model)
-    for file, header in headers.items():
-        with TensorReader(file) as reader:
+    where = _where_is(headers)
+    with contextlib.ExitStack() as stack:
+        readers: dict[Path, TensorReader] = {}
+
+        def reader_of(file: Path) -> TensorReader:
+            if file not in readers:
+                readers[file] = stack.enter_context(TensorReader(file))
+            return readers[file]
+
+        for file, header in headers.items():
             for hub_name in header:
                 targets = weight_map(hub_name, config)
                 if not targets:
                     continue
-                tensor = reader.get(hub_name)
+                tensor = reader_of(file).get(hub_name)
+                extra: dict[str, torch.Tensor] = {}      # read once for all of this tensor's targets
                 for target in targets:
-                    coverage.write(file, hub_name, tensor, target, copy=True)
-                del tensor
+                    for name, in_file, _ in _input_files(file, hub_name, target, where):
+                        if name not in extra:
+                            extra[name] = reader_of(in_file).get(name)
+                    coverage.write(file, hub_name, tensor, target, copy=True,
+                                   inputs=tuple(extra[name] for name in target.inputs))
+                del tensor, extra
     coverage.check_complete(config, checkpoint_dir)

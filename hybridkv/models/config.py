@@ -38,6 +38,10 @@ from hybridkv.kv_groups.specs import (
 from hybridkv.layers.parallel import local_units
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
+# Gated activations that are not ``act(gate) * up``: gpt-oss's clamped SwiGLU (``MoE.activation``).
+GATED_ONLY_ACTIVATIONS = ("swiglu_oai",)
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
+MOE_ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
 # Sanity bounds: far beyond any released model, low enough that a config.json typo (hidden_size=10**9,
 # num_hidden_layers=10**6) is an error before anything is built. Sizes are int32 on the device (kernel
@@ -134,7 +138,12 @@ def _check_fields(obj: Any) -> None:
 @dataclass(frozen=True, kw_only=True)
 class Rope:
     """Rotary embedding. ``interleaved`` rotates pairs (x[2i], x[2i+1]) (Llama-4, GPT-J); otherwise
-    the halves are rotated (NeoX / Llama / Mistral / Gemma). ``scaling``: None, "linear" or "llama3"."""
+    the halves are rotated (NeoX / Llama / Mistral / Gemma). ``scaling``: None, "linear", "llama3" or "yarn".
+
+    YaRN (gpt-oss) reads ``factor``, ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (the
+    ramp between interpolated and extrapolated frequencies), ``truncate`` (round the ramp's ends to whole
+    dims) and the attention factor: ``attention_factor``, else from ``mscale`` / ``mscale_all_dim`` when both are
+    set, else ``0.1 ln(factor) + 1`` (HF's ``_compute_yarn_parameters``; ``layers/rotary.py``)."""
 
     theta: float = 10000.0
     interleaved: bool = False
@@ -144,6 +153,12 @@ class Rope:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -153,8 +168,10 @@ class Rope:
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(
                 f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.scaling not in (None, "linear", "llama3"):
-            raise ValueError(f"Rope.scaling must be None, 'linear' or 'llama3', got {self.scaling!r}")
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"Rope.scaling must be one of {ROPE_SCALINGS}, got {self.scaling!r}")
+        _positive("Rope", beta_fast=self.beta_fast, beta_slow=self.beta_slow,
+                  attention_factor=self.attention_factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +187,10 @@ class Attention:
     run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4).
     ``scale`` overrides head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; Granite:
     attention_multiplier). Falcon-H1 µP multipliers: the input is scaled by ``input_multiplier``, keys by
-    ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``."""
+    ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
+
+    ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator and carries no
+    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache."""
 
     num_heads: int
     num_kv_heads: int
@@ -188,6 +208,7 @@ class Attention:
     input_multiplier: float = 1.0
     key_multiplier: float = 1.0
     output_multiplier: float = 1.0
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -332,7 +353,14 @@ class MoE:
 
     ``router``: "softmax" (top-k of softmax, optionally renormalised), "sigmoid_input" (Llama-4: sigmoid
     top-k weights scale the expert *input*), "sigmoid_bias" (NemotronH: sigmoid scores with a
-    correction bias for selection, weights renormalised and scaled by ``routed_scaling_factor``).
+    correction bias for selection, weights renormalised and scaled by ``routed_scaling_factor``),
+    "topk_softmax" (gpt-oss: softmax over the top-k logits; ``renormalize`` is moot, the k weights sum to 1).
+    ``router_bias``: the router linear has a bias (gpt-oss).
+
+    ``activation``: one of ``ACTIVATIONS`` (``act(gate) * up``, or ``act(up)`` ungated) or "swiglu_oai"
+    (gpt-oss, gated only): ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, L)``,
+    ``alpha = swiglu_alpha``, ``L = swiglu_limit``. ``bias``: the experts' gate/up and down projections have
+    biases (gpt-oss).
 
     NemotronH extras: selection first keeps the ``topk_groups`` best of ``num_groups`` expert groups
     (group score = sum of its two best corrected scores), and with ``latent_size`` the routed experts
@@ -352,6 +380,10 @@ class MoE:
     num_groups: int = 1
     topk_groups: int = 1
     latent_size: int | None = None
+    router_bias: bool = False
+    bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -359,11 +391,14 @@ class MoE:
                   intermediate_size=self.intermediate_size)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoE.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if self.router not in ("softmax", "sigmoid_input", "sigmoid_bias"):
-            raise ValueError(f"MoE.router must be 'softmax', 'sigmoid_input' or 'sigmoid_bias', "
-                             f"got {self.router!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.router not in MOE_ROUTERS:
+            raise ValueError(f"MoE.router must be one of {MOE_ROUTERS}, got {self.router!r}")
+        if self.activation not in ACTIVATIONS + GATED_ONLY_ACTIVATIONS:
+            raise ValueError(f"MoE.activation must be one of {ACTIVATIONS + GATED_ONLY_ACTIVATIONS}, "
+                             f"got {self.activation!r}")
+        if self.activation in GATED_ONLY_ACTIVATIONS and (not self.gated or self.shared_intermediate_size):
+            raise ValueError(f"MoE.activation {self.activation!r} needs gated experts and no shared expert")
+        _positive("MoE", swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         _positive("MoE", num_groups=self.num_groups, topk_groups=self.topk_groups,
                   latent_size=self.latent_size)
         if self.shared_intermediate_size < 0:

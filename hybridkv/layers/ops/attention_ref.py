@@ -5,6 +5,11 @@ oracle, not the hot path). It reads keys *only* through the block-table columns 
 covers, so a block the metadata does not reference is never touched (tests poison such blocks with NaN).
 Positions are relative to ``key_start`` (masks need only differences), so trimmed and virtual batches need
 nothing special here.
+
+Attention sinks (gpt-oss): a learned logit per query head joins every softmax denominator (it takes part in the
+max and adds ``exp(sink - max)`` to the sum) but carries no value, so each query's weights sum to less than one.
+It is per query row, so a trimmed table or a local-attention virtual request (one query, one softmax) gets it
+once, like any other row; a row with no visible key gives all its weight to the sink, i.e. a zero output.
 """
 
 from __future__ import annotations
@@ -47,13 +52,16 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (num_heads,) sink logits
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim), q's dtype
     """Attention of every query token over its request's keys, read through ``cam.block_table_tensor``.
 
     Masks: causal (``k <= p``) when ``cam.causal``; window ``p - W < k`` when ``sliding_window`` is set
     (HF semantics, W keys including the query itself). ``softcap`` applies ``softcap * tanh(s / softcap)``
     to the scaled logits. GQA: query head h uses kv head ``h // (num_heads // num_kv_heads)``. A query with
-    no visible key (impossible when causal) gets a zero output instead of NaN.
+    no visible key (impossible when causal) gets a zero output instead of NaN. ``sinks``: one logit per query
+    head in the units of the scaled (and softcapped) logits, added to each softmax's denominator only (module
+    docstring); the sink itself is not softcapped.
     """
     num_tokens, num_heads, head_dim = q.shape
     nb, bs, num_kv_heads, kd = k_cache.shape
@@ -69,6 +77,9 @@ def paged_attention_ref(
         raise ValueError(f"k_cache: block size {bs} != metadata block_size {cam.block_size}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be positive, got {sliding_window}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks: shape {tuple(sinks.shape)}, expected ({num_heads},) (one per query head)")
+    sink_col = sinks.float().to(q.device)[:, None, None] if sinks is not None else None     # (heads, 1, 1)
     group = num_heads // num_kv_heads
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     qsl = cam.query_start_loc_cpu.tolist()
@@ -95,6 +106,10 @@ def paged_attention_ref(
         if sliding_window is not None:
             visible &= pos_q - pos_k < sliding_window
         logits = logits.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no key -> 0
+        if sink_col is not None:      # one more logit per row without a value: its weight is dropped
+            logits = torch.cat([logits, sink_col.expand(-1, t1 - t0, 1)], dim=-1)
+            probs = torch.softmax(logits, dim=-1)[..., :s]
+        else:
+            probs = torch.softmax(logits, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no key -> 0
         out[t0:t1] = torch.einsum("hnk,khd->nhd", probs, v)
     return out.to(q.dtype)

@@ -217,12 +217,14 @@ def compose_rope_attention(qk_rope_write_kv: Callable[..., torch.Tensor], paged_
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q and k prepared and k, v written as ``qk_rope_write_kv``, then ``paged_attention`` of q over the
-        cache: (num_tokens, num_heads, head_dim)."""
+        cache: (num_tokens, num_heads, head_dim). ``sinks``: (num_heads,) sink logits, or None."""
         q = qk_rope_write_kv(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-        return paged_attention(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        return paged_attention(q, k_cache, v_cache, cam, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                               sinks=sinks)
 
     return rope_attention
 
@@ -246,7 +248,7 @@ def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | 
     return weight * normed.to(y.dtype)
 
 
-ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias")
+ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
 
 def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
@@ -254,7 +256,8 @@ def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize:
                   topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (num_tokens, num_experts), any float dtype -> (expert ids int64, fp32 weights), both
     (num_tokens, top_k), best first. ``router`` (``models.config.MoE``): "softmax" (top-k of the softmax,
-    renormalised if asked), "sigmoid_input" (Llama-4: sigmoid of the top-k logits), "sigmoid_bias" (NemotronH:
+    renormalised if asked), "sigmoid_input" (Llama-4: sigmoid of the top-k logits), "topk_softmax" (gpt-oss:
+    softmax over the top-k logits; ``renormalize`` changes nothing), "sigmoid_bias" (NemotronH:
     sigmoid scores, chosen by score + ``correction_bias`` among the ``topk_groups`` best of ``num_groups``
     expert groups (group score: its two best corrected scores), weights renormalised if asked). Weights are
     multiplied by ``scaling`` last."""
@@ -268,6 +271,9 @@ def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize:
     elif router == "sigmoid_input":
         top, ids = logits.topk(top_k, dim=-1)
         weights = top.sigmoid()
+    elif router == "topk_softmax":
+        top, ids = logits.topk(top_k, dim=-1)
+        weights = top.softmax(-1)
     else:
         if correction_bias is None:
             raise ValueError("moe_route: the 'sigmoid_bias' router needs correction_bias")

@@ -8,6 +8,7 @@ from hybridkv.loaders.families import (  # noqa: F401
     bamba,
     falcon_h1,
     gemma,
+    gpt_oss,
     granite_moe_hybrid,
     jamba,
     llama4,
