@@ -175,16 +175,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _words(rng: random.Random, n: int) -> list[str]:
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(n)]
+SPECIAL = ["<pad>", "</s>", "<s>", "<unk>", "<|", "|>", "user", "assistant", "system"]
+
+
+def _vocabulary(size: int) -> list[str]:
+    """``size`` distinct tokens: the chat template's pieces, then words ("a".."z", "aa", ...)."""
+    words, n = list(SPECIAL), 0
+    while len(words) < size:
+        n, word = n + 1, ""
+        m = n
+        while m:
+            m, r = divmod(m - 1, 26)
+            word = chr(97 + r) + word
+        if word not in SPECIAL:
+            words.append(word)
+    return words
 
 
 def build_checkpoint(family: str, tiny: bool, directory: Path, device: Any, dtype: Any) -> None:
-    """The HF model of ``gpu_decode.hf_config`` (random init) and a byte-level BPE tokenizer with a chat
-    template (vocabulary within the model's)."""
+    """The HF model of ``gpu_decode.hf_config`` (random init) and a word-level tokenizer over the model's whole
+    vocabulary with a chat template: a random-init model samples ids uniformly, and every id must be text
+    (a small BPE vocabulary would leave most sampled ids without any, and a stream without text chunks)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     sys.path.insert(0, str(HERE))
     from gpu_decode import hf_config
@@ -195,33 +208,24 @@ def build_checkpoint(family: str, tiny: bool, directory: Path, device: Any, dtyp
         hf = cls(config).to(dtype)
     hf.save_pretrained(directory)
     del hf
-    rng = random.Random(1)
-    vocab = _words(rng, 2000)
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator((" ".join(rng.choices(vocab, k=30)) for _ in range(2000)), trainers.BpeTrainer(
-        vocab_size=min(config.vocab_size, 2000), special_tokens=["<pad>", "</s>", "<s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    vocab = _vocabulary(config.vocab_size)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "chat_template": CHAT_TEMPLATE}))
+        "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}))
 
 
 def conversations(directory: Path, n: int, input_len: int) -> list[list[dict[str, str]]]:
-    """``n`` one-message conversations of about ``input_len`` tokens of random words."""
+    """``n`` one-message conversations of about ``input_len`` tokens of random words (one token each)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    words = _vocabulary(min(tok.get_vocab_size(), 5000))[len(SPECIAL):]
     rng = random.Random(2)
-    vocab = _words(random.Random(1), 2000)
-    out = []
-    for _ in range(n):
-        words = rng.choices(vocab, k=input_len)
-        ids = tok.encode(" ".join(words)).ids[:max(input_len - 6, 1)]      # (the template adds ~6 tokens)
-        out.append([{"role": "user", "content": tok.decode(ids)}])
-    return out
+    # (the template adds ~6 tokens)
+    return [[{"role": "user", "content": " ".join(rng.choices(words, k=max(input_len - 6, 1)))}] for _ in range(n)]
 
 
 # -- servers ----------------------------------------------------------------------------------------------

@@ -255,10 +255,22 @@ def run_pass(llm, w: Workload, seed: int, vocab: int, tiny: bool, compiles: Comp
             "answers": answers_per_turn}
 
 
+@contextlib.contextmanager
 def profiler(device: torch.device):
+    """The torch profiler (kernels, device busy time) and cProfile (where the host's Python time goes)."""
+    import cProfile
+
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+    host = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) \
+            as prof:
+        host.enable()
+        try:
+            yield prof
+        finally:
+            host.disable()
+    prof.host = host
 
 
 def print_profile(prof, r: dict, device: torch.device, title: str) -> None:
@@ -270,6 +282,11 @@ def print_profile(prof, r: dict, device: torch.device, title: str) -> None:
     print(f"{title}: wall {r['wall_s']:.3f} s, device busy {busy:.3f} s, {r['steps']} steps", flush=True)
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=20,
                        max_name_column_width=60), flush=True)
+    import pstats
+
+    print("host (cProfile; its overhead inflates Python time):", flush=True)
+    pstats.Stats(prof.host).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof.host).sort_stats("cumulative").print_stats("hybridkv", 30)
 
 
 def run_hf(hf, prompts: list[list[int]], new_tokens: int, device) -> dict:
