@@ -20,6 +20,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.engine import LLMEngine
+from hybridkv.engine.front import EngineFront
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import HybridModel, build_model
 
@@ -190,6 +191,7 @@ def test_too_few_checkpoint_slots_degrade_hits_not_outputs(models, caplog) -> No
             plan = dataclasses.replace(llm.plan, num_checkpoint_slots=slots,
                                        num_state_slots=llm.plan.num_state_slots - llm.plan.num_checkpoint_slots + slots)
             llm.engine = LLMEngine(model, plan, max_num_seqs=16, max_num_batched_tokens=32, backend="torch")
+            llm.front = EngineFront(llm.engine)         # (the new engine's cache is the one the model is bound to)
         with caplog.at_level(logging.WARNING, logger="hybridkv.kv_groups"):
             caplog.clear()
             outs = tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) + \

@@ -83,6 +83,14 @@ class BlockPool:
         e = self._key_index.get(block_hash)
         return NULL_BLOCK if e is None else int(self._entry_blocks[e, group_id])
 
+    def cached_blocks(self, block_hashes: Sequence[BlockHash], group_ids: Sequence[int]) -> np.ndarray:
+        """(len(group_ids), n) the block caching each key in each group (a hit's blocks: one dict lookup per
+        key, not per key and group). Every key must be cached in every group."""
+        entries = self.entries(block_hashes)
+        blocks = self._entry_blocks[entries[:, None], list(group_ids)].T
+        assert (entries >= 0).all() and (blocks != NULL_BLOCK).all(), "a hit block was evicted between search and take"
+        return blocks
+
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:
         return self.lookup(group_id, block_hash) != NULL_BLOCK
 
@@ -187,13 +195,14 @@ class BlockPool:
         for b in zero.tolist():
             lru[b] = None
 
-    def touch(self, group_id: int, block_ids: Sequence[int]) -> None:
-        """Take one more reference to cached blocks (a prefix hit), reviving free ones."""
-        for b in block_ids:
-            if self.ref_count[b] == 0:
-                del self._lru[b]
-                self._owner[b] = group_id
-            self.ref_count[b] += 1
+    def touch(self, group_id: int, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Take one more reference to distinct cached blocks (a prefix hit), reviving free ones."""
+        ids = np.asarray(block_ids, np.int64)
+        revived = ids[self.ref_count[ids] == 0]
+        for b in revived.tolist():
+            del self._lru[b]
+        self._owner[revived] = group_id
+        self.ref_count[ids] += 1
 
     def cache_blocks(self, group_ids: Sequence[int], hashes: Sequence[BlockHash],
                      block_ids: np.ndarray) -> None:

@@ -172,11 +172,11 @@ class AttentionManager(ABC):
     def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> None:
         """Reference the blocks a hit at ``length`` needs and write them into ``row``."""
         start, end = self.hit_start_block(length), length // self.block_size
-        for gi, g in enumerate(self.group_ids):
-            ids = [self.pool.lookup(g, block_hashes[j]) for j in range(start, end)]
-            assert NULL_BLOCK not in ids, "a hit block was evicted between search and take"
-            self.pool.touch(g, ids)
-            self.tables[gi, row, start:end] = ids
+        if end > start:
+            ids = self.pool.cached_blocks(block_hashes[start:end], self.group_ids)     # (G, end - start)
+            for g, group_ids in zip(self.group_ids, ids, strict=True):
+                self.pool.touch(g, group_ids)
+            self.tables[:, row, start:end] = ids
         self.reset_rows(row, start)
 
     # -- request end -----------------------------------------------------------------------------
