@@ -174,7 +174,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         return value if math.isfinite(value) else None          # (failed requests count as infinitely late)
 
     return {"rate": rate, "requests": n, "failed": n - len(done), "errors": errors, "wall_s": wall,
-            "client_cpu_s": time.process_time() - cpu0,
+            "client_cpu_s": time.process_time() - cpu0, "text_chunks": len(itl) + len(done),
             "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}

@@ -178,9 +178,13 @@ def main() -> None:
     ap.add_argument("--prefill-us-per-token", type=float, default=0.5, help="... plus this per scheduled token")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=262144)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds; default: Python's 0.005)")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy the HTTP runs, writing here")
     add_output_args(ap, "server_overhead")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(1)                 # (nothing here computes; a pool would only spin against the server)
     n, new = args.requests, args.output_len
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -220,7 +224,7 @@ def main() -> None:
                 rows[name] = {"seconds": point["wall_s"],    # (the client's clock: its process start excluded)
                                "tokens": n * max_tokens,
                               "steps": m.steps, "cpu_engine": m.cpu["engine"], "cpu_loop": m.cpu["loop"],
-                              "cpu_client": point["client_cpu_s"],
+                              "cpu_client": point["client_cpu_s"], "text_chunks": point["text_chunks"],
                               "itl_p50": point["itl_p50"], "itl_p99": point["itl_p99"],
                               "tpot_p50": point["tpot_p50"], "ttft_p99": point["ttft_p99"]}
         finally:
@@ -229,13 +233,14 @@ def main() -> None:
     for r in rows.values():
         r["output_tok_s"] = r["tokens"] / r["seconds"]
         r["vs_offline"] = r["seconds"] and off["seconds"] / r["seconds"] if r["tokens"] == off["tokens"] else None
-    chunks = n * new                     # one chunk per token at most; fewer when steps are merged
+    chunks = rows["http stream"]["text_chunks"]        # (fewer than the tokens when a stream merges steps)
     derived = {
         "server_cpu_per_request_ms": 1e3 * (rows["http"]["cpu_loop"] + rows["http"]["cpu_engine"]
                                             - off["cpu_engine"]) / n,
         "intake_cpu_per_request_ms": 1e3 * (rows["intake"]["cpu_loop"] + rows["intake"]["cpu_engine"]) / n,
-        "stream_cpu_per_token_us": 1e6 * (rows["http stream"]["cpu_loop"] + rows["http stream"]["cpu_engine"]
+        "stream_cpu_per_chunk_us": 1e6 * (rows["http stream"]["cpu_loop"] + rows["http stream"]["cpu_engine"]
                                           - rows["http"]["cpu_loop"] - rows["http"]["cpu_engine"]) / chunks,
+        "tokens_per_chunk": n * new / chunks,
         "ideal_seconds": off["steps"] * args.step_ms / 1e3 + n * args.input_len * args.prefill_us_per_token / 1e6,
     }
     meta = {"commit": commit(), "command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -258,7 +263,8 @@ def main() -> None:
                  for k, r in rows.items()])
     print(f"server CPU per request (non-streamed, beyond offline): {derived['server_cpu_per_request_ms']:.2f} ms; "
           f"intake CPU per request (max_tokens 1): {derived['intake_cpu_per_request_ms']:.2f} ms; "
-          f"streaming CPU per token: {derived['stream_cpu_per_token_us']:.0f} us", flush=True)
+          f"streaming CPU per text chunk: {derived['stream_cpu_per_chunk_us']:.0f} us "
+          f"({derived['tokens_per_chunk']:.2f} tokens per chunk)", flush=True)
 
 
 if __name__ == "__main__":
