@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +57,61 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
 
 
 # -- the load generator (its own process) ----------------------------------------------------------------
-async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+class _HTTPError(Exception):
+    pass
+
+
+async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, AsyncIterator[bytes]]:
+    """POST ``body`` as JSON on a new HTTP/1.1 connection: the status and the response body's pieces as they
+    come (chunked or sized). The load generator's own client: httpx spends several ms of CPU per request with
+    hundreds of connections open, so a load of 256 requests would measure the client, not the server."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(port or 80))
+    data = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: "
+                 f"{len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    status_line = await reader.readline()
+    if not status_line.startswith(b"HTTP/1.1 "):
+        writer.close()
+        raise _HTTPError(f"not an HTTP response: {status_line[:80]!r}")
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        key, _, value = line.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                while size := int((await reader.readline()).split(b";")[0], 16):
+                    yield await reader.readexactly(size)
+                    await reader.readexactly(2)
+            elif "content-length" in headers:
+                yield await reader.readexactly(int(headers["content-length"]))
+            else:
+                yield await reader.read()
+        finally:
+            writer.close()
+
+    return int(status_line.split()[1]), pieces()
+
+
+async def _one(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One chat completion; streamed: TTFT (first chunk with text), the gaps between later chunks, tokens."""
     start = time.perf_counter()
-    if not body["stream"]:
-        try:
-            r = await http.post(f"{url}/v1/chat/completions", json=body)
-        except httpx.HTTPError as err:
-            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
-        if r.status_code != 200:
-            return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
-        e2e = time.perf_counter() - start
-        return {"ok": True, "ttft": e2e, "gaps": [], "tokens": r.json()["usage"]["completion_tokens"], "e2e": e2e,
-                "error": None}
-    ttft, last, gaps, chunks, usage = None, None, [], 0, None
     try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            async for line in r.aiter_lines():
+        status, pieces = await _post(url, "/v1/chat/completions", body)
+        if status != 200 or not body["stream"]:
+            text = b"".join([p async for p in pieces]).decode()
+            if status != 200:
+                return {"ok": False, "error": f"HTTP {status}: {text[:200]}"}
+            e2e = time.perf_counter() - start
+            return {"ok": True, "ttft": e2e, "gaps": [], "tokens": json.loads(text)["usage"]["completion_tokens"],
+                    "e2e": e2e, "error": None}
+        ttft, last, gaps, chunks, usage, buffer = None, None, [], 0, None, b""
+        async for piece in pieces:
+            *lines, buffer = (buffer + piece).split(b"\n")
+            for raw in lines:
+                line = raw.decode()
                 if not line.startswith("data:") or line.startswith("data: [DONE]"):
                     continue
                 # (parsing every chunk would make this process the bottleneck at high rates: after the first
@@ -94,7 +130,7 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[
                     gaps.append(now - last)
                 last = now
                 chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
+    except (OSError, asyncio.IncompleteReadError, ValueError, _HTTPError) as err:
         return {"ok": False, "error": f"{type(err).__name__}: {err}"}
     end = time.perf_counter()
     tokens = usage["completion_tokens"] if usage else chunks
@@ -109,24 +145,23 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     body = {"model": spec["model"], "max_tokens": spec["output_len"], "temperature": 0.0, "stream": spec["stream"],
             **spec.get("extra", {})}
     results: list[dict[str, Any] | None] = [None] * n
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(spec["timeout"]), limits=limits) as http:
-        async def run(i: int) -> None:
-            results[i] = await _one(http, spec["url"], {**body, "messages": spec["conversations"][i % len(
-                spec["conversations"])]})
+    cpu0 = time.process_time()
+    async def run(i: int) -> None:
+        results[i] = await _one(spec["url"], {**body, "messages": spec["conversations"][i % len(
+            spec["conversations"])]})
 
-        start = time.perf_counter()
-        tasks, at = [], 0.0
-        for i in range(n):
-            if math.isfinite(rate):
-                at += rng.expovariate(rate)
-                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(run(i)))
-        _, pending = await asyncio.wait(tasks, timeout=spec["drain_timeout"])
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    tasks, at = [], 0.0
+    for i in range(n):
+        if math.isfinite(rate):
+            at += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        tasks.append(asyncio.create_task(run(i)))
+    _, pending = await asyncio.wait(tasks, timeout=spec["drain_timeout"])
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - start
     done = [r for r in results if r is not None and r["ok"]]
     errors = [r["error"] for r in results if r is not None and not r["ok"]][:3]
     ttft = [r["ttft"] for r in done] + [math.inf] * (n - len(done))
@@ -139,6 +174,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         return value if math.isfinite(value) else None          # (failed requests count as infinitely late)
 
     return {"rate": rate, "requests": n, "failed": n - len(done), "errors": errors, "wall_s": wall,
+            "client_cpu_s": time.process_time() - cpu0, "text_chunks": len(itl) + len(done),
             "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
@@ -197,7 +233,6 @@ def build_checkpoint(family: str, tiny: bool, directory: Path, device: Any, dtyp
     vocabulary with a chat template: a random-init model samples ids uniformly, and every id must be text
     (a small BPE vocabulary would leave most sampled ids without any, and a stream without text chunks)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     sys.path.insert(0, str(HERE))
     from gpu_decode import hf_config
@@ -208,7 +243,14 @@ def build_checkpoint(family: str, tiny: bool, directory: Path, device: Any, dtyp
         hf = cls(config).to(dtype)
     hf.save_pretrained(directory)
     del hf
-    vocab = _vocabulary(config.vocab_size)
+    write_tokenizer(directory, config.vocab_size)
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of ``vocab_size`` words (``_vocabulary``) with ``CHAT_TEMPLATE``, in ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = _vocabulary(vocab_size)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(directory / "tokenizer.json"))

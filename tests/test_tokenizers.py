@@ -226,3 +226,23 @@ def test_bos_exactly_once(kind: str, tmp_path: Path) -> None:
     assert tok.decode(plain) == TEXTS[0]
     kept = tok.decode(plain, skip_special_tokens=False)
     assert kept.startswith(tok.bos_token) and kept != tok.decode(plain)
+
+
+def test_a_chat_template_is_compiled_once_and_errors_still_raise() -> None:
+    from jinja2.exceptions import TemplateError
+
+    from hybridkv.loaders.tokenizer import ChatTemplate, _compiled
+
+    source = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+              "{% if add_generation_prompt %}[assistant]{% endif %}{{ when }}")
+    template = ChatTemplate(source=source, special_tokens={"eos_token": "</s>"})
+    before = _compiled.cache_info()
+    for i in range(3):
+        text = template.render([{"role": "user", "content": f"hi {i}"}], when=i)
+        assert text == f"[user]hi {i}</s>[assistant]{i}"
+    after = _compiled.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 2
+    with pytest.raises(TemplateError, match="no system"):
+        ChatTemplate(source="{{ raise_exception('no system') }}").render([])
+    with pytest.raises(TemplateError):
+        ChatTemplate(source="{% if %}").render([])

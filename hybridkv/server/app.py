@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import re
 import time
@@ -396,30 +397,31 @@ class _Server:
         options = body.stream_options or api.StreamOptions()
         offsets = [0] * (len(streams) * body.n)
         timers = [TokenTimer(self.metrics.itl) for _ in offsets]
+        events = _ChunkEvents(rid, "text_completion", created, self.model_name)
         generated = 0
         async for p, out in _merged(streams, self):
             for c in out.outputs:
                 index = p * body.n + c.index
                 generated += len(c.token_ids)
                 timers[index].tokens(len(c.token_ids))
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.logprobs, offsets[index])
-                    offsets[index] += sum(len(t) for t in logprobs.tokens)
-                choice = api.CompletionChoice.model_construct(
-                    index=index, text=c.text or "", logprobs=logprobs, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, prompt_token_ids=None,
-                    token_ids=list(c.token_ids) if body.return_token_ids else None)
-                chunk = api.CompletionChunk.model_construct(
-                    id=rid, object="text_completion", created=created, model=self.model_name, choices=[choice],
-                    usage=_running_usage(streams, generated) if options.continuous_usage_stats else None)
-                yield _event(chunk)
+                if body.logprobs is None and not body.return_token_ids:
+                    choice = events.text_choice(index, c.text or "", c.finish_reason, c.stop_reason)
+                else:
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self._completion_logprobs(c.logprobs, offsets[index])
+                        offsets[index] += sum(len(t) for t in logprobs.tokens)
+                    choice = api.CompletionChoice.model_construct(
+                        index=index, text=c.text or "", logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason, prompt_token_ids=None,
+                        token_ids=list(c.token_ids) if body.return_token_ids else None,
+                        prompt_logprobs=None).model_dump_json()
+                yield events.event([choice], _running_usage(streams, generated)
+                                   if options.continuous_usage_stats else None)
             if out.finished and out.error is not None:
                 yield _error_event(out.error)
         if options.include_usage:
-            yield _event(api.CompletionChunk.model_construct(id=rid, object="text_completion", created=created,
-                                                             model=self.model_name, choices=[],
-                                                             usage=_usage(streams)))
+            yield events.event([], _usage(streams))
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -482,32 +484,31 @@ class _Server:
                            created: int) -> AsyncIterator[str]:
         options = body.stream_options or api.StreamOptions()
         timers = [TokenTimer(self.metrics.itl) for _ in range(body.n)]
+        events = _ChunkEvents(rid, "chat.completion.chunk", created, self.model_name)
         generated = 0
 
-        def chunk(choices: list[api.ChatStreamChoice], usage: api.Usage | None = None) -> str:
-            return _event(api.ChatCompletionChunk.model_construct(
-                id=rid, object="chat.completion.chunk", created=created, model=self.model_name, choices=choices,
-                usage=usage if usage is not None else (_running_usage([stream], generated)
-                                                       if options.continuous_usage_stats else None)))
+        def usage() -> api.Usage | None:
+            return _running_usage([stream], generated) if options.continuous_usage_stats else None
 
         for i in range(body.n):
-            yield chunk([api.ChatStreamChoice.model_construct(index=i, delta=api.DeltaMessage(role="assistant",
-                                                                                              content=""),
-                                                              logprobs=None, finish_reason=None, stop_reason=None,
-                                                              token_ids=None)])
+            yield events.event([events.delta_choice(i, "", None, None, role="assistant")], usage())
         async for _, out in _merged([stream], self):
             for c in out.outputs:
                 generated += len(c.token_ids)
                 timers[c.index].tokens(len(c.token_ids))
-                yield chunk([api.ChatStreamChoice.model_construct(
-                    index=c.index, delta=api.DeltaMessage.model_construct(role=None, content=c.text or ""),
-                    logprobs=self._chat_logprobs(c, body) if body.logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    token_ids=list(c.token_ids) if body.return_token_ids else None)])
+                if not body.logprobs and not body.return_token_ids:
+                    choice = events.delta_choice(c.index, c.text or "", c.finish_reason, c.stop_reason)
+                else:
+                    choice = api.ChatStreamChoice.model_construct(
+                        index=c.index, delta=api.DeltaMessage.model_construct(role=None, content=c.text or ""),
+                        logprobs=self._chat_logprobs(c, body) if body.logprobs else None,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if body.return_token_ids else None).model_dump_json()
+                yield events.event([choice], usage())
             if out.finished and out.error is not None:
                 yield _error_event(out.error)
         if options.include_usage:
-            yield chunk([], _usage([stream]))
+            yield events.event([], _usage([stream]))
         yield "data: [DONE]\n\n"
 
     # -- /tokenize, /detokenize --------------------------------------------------------------------
@@ -591,8 +592,36 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _event(chunk: Any) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+class _ChunkEvents:
+    """The server-sent events of one streamed response, written as the protocol's chunk models (``ChatCompletionChunk``,
+    ``CompletionChunk``) serialize, from strings made once per response: building and serializing pydantic models
+    for every token cost more than the rest of the chunk's way out. A choice with logprobs or token ids comes
+    serialized by its model."""
+
+    def __init__(self, rid: str, kind: str, created: int, model: str) -> None:
+        self._head = f'data: {{"id":{_dumps(rid)},"object":{_dumps(kind)},"created":{created},' \
+                     f'"model":{_dumps(model)},"choices":['
+
+    def event(self, choices: list[str], usage: api.Usage | None) -> str:
+        tail = "null" if usage is None else usage.model_dump_json()
+        return f'{self._head}{",".join(choices)}],"usage":{tail}}}\n\n'
+
+    @staticmethod
+    def delta_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, *,
+                     role: str | None = None) -> str:
+        """A ``ChatStreamChoice`` without logprobs and token ids."""
+        return f'{{"index":{index},"delta":{{"role":{_dumps(role)},"content":{_dumps(text)}}},"logprobs":null,' \
+               f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)},"token_ids":null}}'
+
+    @staticmethod
+    def text_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+        """A streamed ``CompletionChoice`` without logprobs and token ids."""
+        return f'{{"index":{index},"text":{_dumps(text)},"logprobs":null,"finish_reason":{_dumps(finish_reason)},' \
+               f'"stop_reason":{_dumps(stop_reason)},"prompt_token_ids":null,"token_ids":null,"prompt_logprobs":null}}'
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""Compact JSON with text kept as UTF-8, as pydantic writes it (for str, int and None)."""
 
 
 def _error_event(message: str) -> str:
