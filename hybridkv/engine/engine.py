@@ -922,7 +922,8 @@ class LLMEngine:
                                               else None))
 
     def _delta_output(self, r: Request) -> RequestOutput:
-        """A DELTA request's output tokens (and logprobs) since its last output; no text."""
+        """A DELTA request's output tokens (and logprobs) since its last output; no text, no metrics (the
+        final output has them: built for every streamed request every step, they cost engine-thread time)."""
         start, end = r.num_delivered, r.num_output_tokens
         r.num_delivered = end
         first = r.num_prompt_tokens
@@ -931,8 +932,7 @@ class LLMEngine:
                                       logprobs=tuple(r.logprobs[start:end]) if r.params.logprobs is not None
                                       else None)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-                             outputs=(completion,), finished=False, metrics=r.metrics,
-                             num_cached_tokens=r.num_cached_tokens)
+                             outputs=(completion,), finished=False, num_cached_tokens=r.num_cached_tokens)
 
     def reset_counters(self) -> None:
         """Zero the counters ``stats`` reports (after the start-up warm-up)."""

@@ -33,14 +33,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()    # (token id, logprob), best first
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CompletionOutput:
     index: int
     token_ids: tuple[int, ...]
@@ -50,7 +50,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None        # the stop token id or stop string that ended it (None: EOS)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RequestMetrics:
     """When things happened to a request, in ``time.monotonic()`` seconds (differences are meaningful, not
     the values: vLLM's arrival time is wall-clock). None: not yet."""
@@ -66,7 +66,7 @@ class RequestMetrics:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -75,7 +75,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None   # None for the first prompt token
     error: str | None = None                    # why it was rejected or failed (other requests are unaffected)
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None        # on outputs of finished requests and cumulative ones
     num_cached_tokens: int | None = None        # prompt tokens its first step found in the prefix cache
 
 
