@@ -7,26 +7,15 @@ sampling controls.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
+from tiny import checkpoint_parser, open_llm
 
-from hybridkv import LLM, SamplingParams
+from hybridkv import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", nargs="?", help="a checkpoint directory with a tokenizer and a chat template")
-    ap.add_argument("--tiny", action="store_true")
+    ap = checkpoint_parser(__doc__, "a checkpoint directory with a tokenizer and a chat template")
     args = ap.parse_args()
-    if (args.checkpoint is None) == (not args.tiny):
-        ap.error("give a checkpoint directory or --tiny")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            from tiny import tiny_checkpoint
-
-            args.checkpoint = tiny_checkpoint(tmp)
-        llm = LLM(args.checkpoint, **(dict(device="cpu", kv_cache_memory="64MiB") if args.tiny else {}))
+    with open_llm(ap, args) as llm:
         conversations = [
             [{"role": "system", "content": "You answer in one sentence."},
              {"role": "user", "content": "What does a sliding-window attention layer keep in its cache?"}],

@@ -7,33 +7,24 @@ numeric exact match (``hybridkv eval gsm8k`` is the same as a command).
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import time
 from pathlib import Path
 
-from hybridkv import LLM
+from tiny import checkpoint_parser, open_llm
+
 from hybridkv.eval import gsm8k
 
 SAMPLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_test_sample.jsonl"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", nargs="?")
+    ap = checkpoint_parser(__doc__, "a checkpoint directory with a tokenizer")
     ap.add_argument("--data", default=None, help="GSM8K test jsonl (question / answer); default: a local HF cache")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
-    if (args.checkpoint is None) == (not args.tiny):
-        ap.error("give a checkpoint directory or --tiny")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            from tiny import tiny_checkpoint
-
-            args.checkpoint, args.data, args.limit = tiny_checkpoint(tmp), args.data or SAMPLE, args.limit or 4
-        llm = LLM(args.checkpoint, **(dict(device="cpu", kv_cache_memory="64MiB") if args.tiny else {}))
+    if args.tiny:
+        args.data, args.limit = args.data or SAMPLE, args.limit or 4
+    with open_llm(ap, args) as llm:
         examples = gsm8k.load_examples(args.data, limit=args.limit)
         start = time.perf_counter()
         completions = gsm8k.generate_completions(llm, examples, max_tokens=32 if args.tiny else 256, use_tqdm=False)

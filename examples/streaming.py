@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import tempfile
 
-from hybridkv import LLM, AsyncLLM, SamplingParams
+from tiny import checkpoint_parser, open_llm
+
+from hybridkv import AsyncLLM, SamplingParams
 
 
 async def two_streams(engine: AsyncLLM, params: SamplingParams) -> None:
@@ -30,19 +30,9 @@ async def two_streams(engine: AsyncLLM, params: SamplingParams) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", nargs="?", help="a checkpoint directory with a tokenizer")
-    ap.add_argument("--tiny", action="store_true")
+    ap = checkpoint_parser(__doc__, "a checkpoint directory with a tokenizer")
     args = ap.parse_args()
-    if (args.checkpoint is None) == (not args.tiny):
-        ap.error("give a checkpoint directory or --tiny")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            from tiny import tiny_checkpoint
-
-            args.checkpoint = tiny_checkpoint(tmp)
-        llm = LLM(args.checkpoint, **(dict(device="cpu", kv_cache_memory="64MiB") if args.tiny else {}))
+    with open_llm(ap, args) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=24)
 
         # 1. A plain loop: each step's output (text so far) for every request of the call.

@@ -5,10 +5,14 @@ real model says."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv import HybridConfig
+from hybridkv import LLM, HybridConfig
 from hybridkv.models import MLP, Attention, Layer, Mamba2
 from hybridkv.models.hybrid import build_model, save_model
 
@@ -43,3 +47,21 @@ def tiny_checkpoint(directory: str | Path) -> Path:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}))
     return directory
+
+
+def checkpoint_parser(doc: str, checkpoint_help: str) -> argparse.ArgumentParser:
+    """An example's command line: a checkpoint directory, or ``--tiny``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("checkpoint", nargs="?", help=checkpoint_help)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random checkpoint with a byte tokenizer instead")
+    return ap
+
+
+@contextlib.contextmanager
+def open_llm(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Iterator[LLM]:
+    """The ``LLM`` of ``args.checkpoint``, or of the tiny checkpoint written to a temporary directory (``--tiny``:
+    on the CPU, 64 MiB of KV cache)."""
+    if (args.checkpoint is None) == (not args.tiny):
+        ap.error("give a checkpoint directory or --tiny")
+    with tempfile.TemporaryDirectory() as tmp:
+        yield LLM(tiny_checkpoint(tmp), device="cpu", kv_cache_memory="64MiB") if args.tiny else LLM(args.checkpoint)
