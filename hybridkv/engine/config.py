@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.backends.base import KernelBackend
 from hybridkv.backends.registry import available_backends
 from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.models.config import HybridConfig
@@ -54,7 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | str | None = None
     enable_prefix_caching: bool = True
-    backend: str = "auto"
+    backend: str | KernelBackend = "auto"             # a registered name, or a backend object built by hand
     seed: int = 0
     tokenizer: str | Path | object | None = None
     tensor_parallel_size: int = 1
@@ -116,7 +117,7 @@ class EngineConfig:
             except RuntimeError:
                 errors.append(f"device {self.device!r} is not a device (auto, cpu, cuda, cuda:1)")
         known = ("auto", *available_backends())
-        if self.backend not in known:
+        if not isinstance(self.backend, KernelBackend) and self.backend not in known:
             errors.append(f"backend must be one of {', '.join(known)}, got {self.backend!r}")
         if self.kv_cache_memory is not None:
             memory = self.kv_cache_memory
