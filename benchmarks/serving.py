@@ -323,7 +323,7 @@ def bench_model(family: str, args, device, dtype, bw: float, mm: float, compiles
     rows: list[dict] = []
     workloads = [w for w in args.workloads.split(",") if w != "long" or family in ATTENTION_MODELS]
     long_len = (33 << 10) if not args.tiny else 600
-    max_len = long_len if "long" in workloads else (4096 if not args.tiny else 256)
+    max_len = args.max_model_len or (long_len if "long" in workloads else (4096 if not args.tiny else 256))
     kw = dict(dtype=dtype, device=str(device), backend=args.backend, kv_cache_memory=args.kv_memory,
               max_model_len=max_len, max_num_seqs=args.max_num_seqs)
     model = None
@@ -437,6 +437,8 @@ def main() -> None:
     ap.add_argument("--hf-models", default="gemma3", help="models HF generate_batch runs mixed on ('' = none)")
     ap.add_argument("--hf-requests", type=int, default=256, help="the first N mixed prompts for HF")
     ap.add_argument("--kv-memory", default="24GiB")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: 33792 with the long workload, else 4096 (it sets the step token budget too)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
