@@ -64,6 +64,8 @@ class Sizes:
 class NoModel:
     """A step runner that computes nothing: each sampled token is a function of the step's input token."""
 
+    device = torch.device("cpu")
+
     def __init__(self, plan: KVCachePlan, vocab: int) -> None:
         self.plan, self.vocab = plan, vocab
 

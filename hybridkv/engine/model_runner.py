@@ -337,8 +337,10 @@ class ModelRunner:
         """Copy Mamba states slot src -> dst in every Mamba layer (prefix-cache checkpoints)."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        # (an asynchronous copy: torch.tensor(..., device=cuda) waits for the device, and a step with
+        # checkpoints would then lose its overlap with the step before it)
+        pairs = np.asarray(copies, dtype=np.int64).T
+        src, dst = host_to_device(pairs[0].copy(), self.device), host_to_device(pairs[1].copy(), self.device)
         for group in self.plan.mamba_groups:
             for name in group.layer_names:
                 for state in self.caches[name]:
