@@ -32,6 +32,7 @@ from hybridkv.models.config import (
     MoE,
     Rope,
     SharedBlock,
+    ShortConv,
 )
 
 Converter = Callable[[Mapping[str, Any]], HybridConfig]
@@ -54,6 +55,7 @@ MODEL_TYPES: dict[str, str] = {
     "falcon_h1": "FalconH1ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -98,7 +100,7 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings")
 _PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "no_rope_layers", "moe_layers",
-                   "attn_layer_indices")
+                   "attn_layer_indices", "full_attn_idxs")
 
 
 def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
@@ -839,3 +841,63 @@ def gpt_oss(config: Mapping[str, Any]) -> HybridConfig:
         layers.append(Layer(mixer=attention, ffn=moe))
     named = cfg.raw.get("dtype") or cfg.raw.get("torch_dtype")
     return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"], **({} if named else {"dtype": "bfloat16"}))
+
+
+# -- LFM2 --------------------------------------------------------------------------------------------------
+_LFM2_DEFAULTS = dict(
+    vocab_size=65536, hidden_size=2560, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=True, conv_bias=False, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=True, full_attn_idxs=None, layer_types=None)
+_LFM2_TYPES = ("conv", "full_attention")
+
+
+def _lfm2_layer_types(cfg: _Fields) -> list[str]:
+    """``layer_types``, else "full_attention" at ``full_attn_idxs`` (every layer when that is null too, as
+    HF's ``Lfm2Config``) and "conv" elsewhere."""
+    n = cfg["num_hidden_layers"]
+    if cfg["layer_types"] is not None:
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _LFM2_TYPES)
+        if len(types) != n:
+            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+        return types
+    idxs = cfg["full_attn_idxs"]
+    attention = set(range(n)) if idxs is None else set(idxs)
+    if any(not isinstance(i, int) or not 0 <= i < n for i in attention):
+        raise ValueError(f"{cfg.arch}: full_attn_idxs {sorted(idxs)!r} must be layer indices below {n}")
+    return ["full_attention" if i in attention else "conv" for i in range(n)]
+
+
+def _lfm2_ff_dim(cfg: _Fields) -> int:
+    """HF ``Lfm2MLP``'s width: with ``block_auto_adjust_ff_dim``, 2/3 of the configured size, times
+    ``block_ffn_dim_multiplier`` (when set) and rounded up to ``block_multiple_of``."""
+    size = cfg["intermediate_size"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        size = int(2 * size / 3)
+        if cfg["block_ffn_dim_multiplier"] is not None:
+            size = int(cfg["block_ffn_dim_multiplier"] * size)
+            multiple = cfg["block_multiple_of"]
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+@register("Lfm2ForCausalLM")
+def lfm2(config: Mapping[str, Any]) -> HybridConfig:
+    """Short-convolution layers (``ShortConv``, width ``conv_L_cache``) and full attention per ``layer_types``
+    (or ``full_attn_idxs``), every layer with a SwiGLU MLP. Attention: RMS q/k norms per head before RoPE (theta
+    1e6 by default), no biases; ``conv_bias`` biases the conv's projections and the conv. The hub's older
+    spellings win as in HF: ``block_ff_dim`` over ``intermediate_size``, ``tie_embedding`` over
+    ``tie_word_embeddings``. The final norm is HF's ``embedding_norm`` (applied after the last layer)."""
+    renamed = dict(config)
+    for old, new in (("block_ff_dim", "intermediate_size"), ("tie_embedding", "tie_word_embeddings")):
+        if old in config:
+            renamed[new] = config[old]
+    cfg = _Fields("Lfm2ForCausalLM", renamed, _LFM2_DEFAULTS)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or hidden // heads,
+                          rope=_rope(_rope_params(cfg), theta=1_000_000.0), qk_norm="rms")
+    conv = ShortConv(channels=hidden, conv_kernel=cfg["conv_L_cache"], bias=bool(cfg["conv_bias"]))
+    mlp = MLP(intermediate_size=_lfm2_ff_dim(cfg))
+    layers = [Layer(mixer=attention if kind == "full_attention" else conv, ffn=mlp) for kind in _lfm2_layer_types(cfg)]
+    return _model(cfg, layers, norm_eps=cfg["norm_eps"])
