@@ -1,12 +1,14 @@
-"""LFM2 (short convolutions + attention) end to end against HF transformers (CPU, fp32).
+"""LFM2 and LFM2-MoE (short convolutions + attention) end to end against HF transformers (CPU, fp32).
 
 A tiny random ``Lfm2ForCausalLM`` (``_hf_mamba_models.lfm2``: convs with biases, q/k-normed attention, the SwiGLU
-width rule) is written by ``save_pretrained`` and loaded by hybridkv from that directory. Every prompt runs through
+width rule) and ``Lfm2MoeForCausalLM`` (``lfm2_moe``: dense layers, then sigmoid-routed experts with an expert
+bias) are written by ``save_pretrained`` and loaded by hybridkv from that directory. Every prompt runs through
 ``LLM.generate`` with 4-token blocks and an 8-token step budget, so each is a chunked prefill (the conv state
 carried across chunks); greedy tokens must equal HF's (a full forward per step, no HF cache) and every sampled
 position's logits be within 1e-4 — with prefix caching off and on. Two prompts share a 22-token prefix: with
 caching on the second starts from a conv-state checkpoint (``num_cached_tokens`` > 0), one request after the other
-and both in one batch. The config translation is checked against HF's own ``Lfm2Config`` / ``Lfm2MLP``.
+and both in one batch. The config translation is checked against HF's own ``Lfm2Config`` / ``Lfm2MLP`` and
+``Lfm2MoeConfig``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 from _hf_mamba_models import BUILDERS, VOCAB, hf_greedy
-from transformers import Lfm2Config, PreTrainedModel
+from transformers import Lfm2Config, Lfm2MoeConfig, PreTrainedModel
 from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.model_runner import reference_logits
 from hybridkv.loaders import hf_config_to_hybrid
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
-from hybridkv.models import Attention, ShortConv
+from hybridkv.models import MLP, Attention, MoE, ShortConv
 
 NEW_TOKENS = 16
 ATOL = 1e-4
@@ -42,10 +44,10 @@ class Checkpoint:
         self.oracle = {k: hf_greedy(hf, p, NEW_TOKENS) for k, p in self.prompts.items()}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    hf = BUILDERS["lfm2"]()
-    path = tmp_path_factory.mktemp("lfm2")
+@pytest.fixture(scope="module", params=["lfm2", "lfm2_moe"])
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    hf = BUILDERS[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return Checkpoint(hf, path)
 
@@ -154,3 +156,18 @@ def test_hub_spellings_win_as_in_hf() -> None:
         hf_config_to_hybrid({**raw, "layer_types": ["conv"] * 3})
     with pytest.raises(ValueError, match="unknown layer type 'mamba'"):
         hf_config_to_hybrid({**raw, "layer_types": ["conv", "mamba", "conv", "conv"]})
+
+
+def test_lfm2_moe_dense_layers_then_experts() -> None:
+    hf = Lfm2MoeConfig(**_BASE, intermediate_size=48, moe_intermediate_size=16, num_dense_layers=1, num_experts=4,
+                       num_experts_per_tok=2, routed_scaling_factor=2.0, layer_types=["conv", "full_attention"] * 2)
+    ours = hf_config_to_hybrid(hf.to_dict())
+    assert [type(layer.ffn) for layer in ours.layers] == [MLP, MoE, MoE, MoE]
+    assert ours.layers[0].ffn.intermediate_size == 48                  # no width rule for the MoE family
+    assert ours.layers[1].ffn == MoE(num_experts=4, top_k=2, intermediate_size=16, router="sigmoid_bias",
+                                     renormalize=True, routed_scaling_factor=2.0)
+    raw = {"model_type": "lfm2_moe", **_BASE}
+    with pytest.raises(ValueError, match="lacks layer_types"):
+        hf_config_to_hybrid(raw)
+    with pytest.raises(ValueError, match="use_expert_bias=false"):
+        hf_config_to_hybrid({**raw, "layer_types": ["conv"] * 4, "use_expert_bias": False})

@@ -20,6 +20,7 @@ from _configs import (
     GPT_OSS_20B,
     GPT_OSS_120B,
     LFM2_1_2B,
+    LFM2_8B_A1B,
     LLAMA4_SCOUT,
     MAMBA_CODESTRAL_7B,
     MISTRAL_7B,
@@ -201,6 +202,22 @@ def test_lfm2_1_2b_conv_layers_are_one_small_slot() -> None:
     page = 6 * 16 * (2 * 8 * 64 * 2)                                       # 196608 B
     assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
     assert result.bytes_per_request_max == 32768 // 16 * page + 10 * 2048 * 2 * 2 == 402_735_104
+
+
+def test_lfm2_8b_a1b_plan_and_experts() -> None:
+    """24 layers: 6 attention, 18 short convs (2048 x 2 bf16 each per request); two dense layers, then 32 experts
+    of 1792 top-4 routed by sigmoid score + expert bias."""
+    config = hf_config_to_hybrid(LFM2_8B_A1B)
+    assert [layer.ffn.intermediate_size for layer in config.layers[:3]] == [7168, 7168, 1792]
+    assert (config.layers[2].ffn.num_experts, config.layers[2].ffn.top_k, config.layers[2].ffn.router) == (
+        32, 4, "sigmoid_bias")
+    result = plan(LFM2_8B_A1B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert layer_ids(kinds["full"][0]) == [2, 6, 10, 14, 18, 21]
+    assert len(kinds["mamba(2048x2)"][0]["layers"]) == 18
+    page = 6 * 16 * (2 * 8 * 64 * 2)
+    assert result.padding_bytes == 0
+    assert result.bytes_per_request_max == 32768 // 16 * page + 18 * 2048 * 2 * 2
 
 
 def test_kv_dtype_and_block_size_options() -> None:
