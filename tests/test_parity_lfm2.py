@@ -52,9 +52,10 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Checkpoint(hf, path)
 
 
-def make_llm(path: Path, caching: bool) -> LLM:
-    return LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cpu",
-               kv_cache_memory=1 << 24, max_num_seqs=4, enable_prefix_caching=caching)
+def make_llm(path: Path, caching: bool, **kw: object) -> LLM:
+    args = dict(block_size=4, max_num_batched_tokens=8, dtype="float32", device="cpu", kv_cache_memory=1 << 24,
+                max_num_seqs=4, enable_prefix_caching=caching)
+    return LLM(path, **(args | kw))  # type: ignore[arg-type]
 
 
 def generate_with_logits(llm: LLM, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
@@ -98,6 +99,22 @@ def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
         outs = llm.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
     assert (min(o.num_cached_tokens for o in outs) > 0) == caching
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_backend_on_gpu_matches_hf(ckpt: Checkpoint) -> None:
+    """On CUDA with the triton backend (its conv1d kernels with activation=None, fp32 attention in ieee precision):
+    eager synchronous steps (one forward per sampled row, as the spy needs) give HF's tokens and logits; with
+    decode steps captured as CUDA graphs, a batch with prefix caching gives the same tokens."""
+    eager = make_llm(ckpt.path, True, device="cuda", backend="triton", cuda_graphs=False, async_scheduling=False)
+    for key, prompt in ckpt.prompts.items():
+        want_tokens, want_logits = ckpt.oracle[key]
+        tokens, logits, _ = generate_with_logits(eager, prompt)
+        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
+        assert (logits.cpu() - want_logits).abs().max().item() <= ATOL
+    graphs = make_llm(ckpt.path, True, device="cuda", backend="triton", cuda_graphs=True)
+    outs = graphs.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
 
 
 def test_reference_forward_matches_hf(ckpt: Checkpoint) -> None:
