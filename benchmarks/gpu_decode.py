@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
-    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss] [--batches 1,8,32]
+    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2] [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
 
@@ -10,7 +10,8 @@ shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head
 Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers), NemotronH-like (Mamba2 +
 attention + relu² MLPs) and gpt-oss-like (gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding
 128 / full with sinks, q/k/v/o biases, YaRN, 32 q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with
-the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all). ``triton`` runs decode steps as CUDA
+the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all) and LFM2 (LFM2-1.2B's shapes: 10 short convs
+and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary). ``triton`` runs decode steps as CUDA
 graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
 of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
@@ -109,6 +110,16 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.GptOssConfig(**kw)
         cfg.architectures = ["GptOssForCausalLM"]
         return cfg, transformers.GptOssForCausalLM
+    if family == "lfm2":        # LFM2-1.2B's shapes: short convs (width 3) + attention at [2, 5, 8, 10, 12, 14]
+        kw = dict(hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=65536, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+                  max_position_embeddings=16384, tie_word_embeddings=True)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, full_attn_idxs=[1, 3], block_multiple_of=16)
+        cfg = transformers.Lfm2Config(**kw)
+        cfg.architectures = ["Lfm2ForCausalLM"]
+        return cfg, transformers.Lfm2ForCausalLM
     raise ValueError(family)
 
 
@@ -128,7 +139,11 @@ def random_llm(family: str, **llm_kwargs):
 
 
 def state_bytes_per_step(config, family: str, batch: int) -> int:
-    """Mamba state bytes a decode step reads and writes: fp32 SSM state + conv state (model dtype), x2."""
+    """Mamba state bytes a decode step reads and writes: fp32 SSM state + conv state (model dtype), x2 (LFM2: the
+    short convs' conv state only)."""
+    if family == "lfm2":
+        convs = config.layer_types.count("conv")
+        return 2 * batch * convs * config.hidden_size * (config.conv_L_cache - 1) * 2
     if family not in ("mamba2", "nemotronh"):
         return 0
     if family == "mamba2":
@@ -167,6 +182,9 @@ def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) 
     (full: ctx; sliding W: min(ctx, W); chunked C: those of its own chunk, (ctx - 1) % C + 1)."""
     if family == "mamba2":
         return 0
+    if family == "lfm2":
+        per_tok = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * elem
+        return batch * ctx * per_tok * config.layer_types.count("full_attention")
     kv, d = config.num_key_value_heads, config.head_dim
     per_tok = 2 * kv * d * elem
     if family == "nemotronh":

@@ -324,6 +324,83 @@ GPT_OSS_120B = {
 GPT_OSS_20B = {**GPT_OSS_120B, "layer_types": ["sliding_attention", "full_attention"] * 12, "num_hidden_layers": 24,
                "num_local_experts": 32}
 
+# LiquidAI/LFM2-1.2B config.json (https://huggingface.co/LiquidAI/LFM2-1.2B/raw/main/config.json), the 4.54-era
+# hub spelling: ``block_ff_dim`` (12288, which the SwiGLU width rule turns into 8192) and ``full_attn_idxs``, no
+# ``layer_types``. Copied from public ports' test fixtures that quote it verbatim (one adds ``intermediate_size``
+# and ``head_dim`` for its own runtime, left out here); its ``transformers_version`` entry is left out.
+LFM2_1_2B = {
+    "architectures": ["Lfm2ForCausalLM"],
+    "block_auto_adjust_ff_dim": True,
+    "block_dim": 2048,
+    "block_ff_dim": 12288,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_mlp_init_scale": 1.0,
+    "block_multiple_of": 256,
+    "block_norm_eps": 1e-05,
+    "block_out_init_scale": 1.0,
+    "block_use_swiglu": True,
+    "block_use_xavier_init": True,
+    "bos_token_id": 1,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "conv_dim": 2048,
+    "conv_dim_out": 2048,
+    "conv_use_xavier_init": True,
+    "eos_token_id": 7,
+    "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 128000,
+    "model_type": "lfm2",
+    "norm_eps": 1e-05,
+    "num_attention_heads": 32,
+    "num_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_pos_enc": True,
+    "vocab_size": 65536,
+}
+
+# LiquidAI/LFM2-8B-A1B. RECONSTRUCTED (no verbatim copy found offline) from the facts public ports and audits of
+# https://huggingface.co/LiquidAI/LFM2-8B-A1B/raw/main/config.json agree on: 24 layers, full attention at
+# [2, 6, 10, 14, 18, 21] (``layer_types``) and short convs (width 3, no bias) elsewhere, hidden 2048, 32 heads / 8 KV
+# heads, 2 dense layers of 7168, then 32 experts of 1792 top-4 (sigmoid, expert bias, renormalised), 128000
+# positions, the legacy top-level ``rope_theta`` 1e6, tied embeddings, vocab 65536, eos 7, bf16.
+LFM2_8B_A1B = {
+    "architectures": ["Lfm2MoeForCausalLM"],
+    "bos_token_id": 1,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "eos_token_id": 7,
+    "hidden_size": 2048,
+    "intermediate_size": 7168,
+    "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                    "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                    "full_attention", "conv", "conv", "full_attention", "conv", "conv"],
+    "max_position_embeddings": 128000,
+    "model_type": "lfm2_moe",
+    "moe_intermediate_size": 1792,
+    "norm_eps": 1e-05,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_dense_layers": 2,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "rope_theta": 1000000.0,
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_expert_bias": True,
+    "vocab_size": 65536,
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "gpt-oss-20b": GPT_OSS_20B,
@@ -334,4 +411,6 @@ RELEASED = {
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
     "nemotron-h-8b": NEMOTRON_H_8B,
     "bamba-9b": BAMBA_9B,
+    "lfm2-1.2b": LFM2_1_2B,
+    "lfm2-8b-a1b": LFM2_8B_A1B,
 }

@@ -1,4 +1,4 @@
-"""Tiny random HF transformers models of the Mamba hybrid families, saved as real checkpoints.
+"""Tiny random HF transformers models of the state-space hybrid families, saved as real checkpoints.
 
 Every builder returns an fp32, eval, eager-attention HF model of 3-6 layers (hidden 64, vocab 160)
 that exercises its family's distinctive parts: partial RoPE and biases (Bamba); Mamba-1 with dt/B/C
@@ -6,7 +6,8 @@ norms and softmax MoE on both layer kinds (Jamba); two shared blocks, one used t
 MLP adapters and RoPE (Zamba2); single-part layers, relu² MLP, grouped sigmoid MoE with a correction
 bias, a latent space and a shared expert (NemotronH); every µP multiplier set away from 1, with and
 without the gated norm (Falcon-H1); embedding / residual / attention / logit multipliers, MoE + shared
-MLP, NoPE, and a dense RoPE variant (Granite-4.0-H).
+MLP, NoPE, and a dense RoPE variant (Granite-4.0-H); short convolutions with biases beside q/k-normed attention
+and the SwiGLU width rule (LFM2); dense then sigmoid-routed expert layers with an expert bias (LFM2-MoE).
 
 Weights are re-drawn at a larger scale than HF's init (std 0.02 gives near-uniform logits, where
 greedy decoding is decided by noise), and the SSM parameters are made non-trivial: A_log, D and the
@@ -28,6 +29,10 @@ from transformers import (
     GraniteMoeHybridForCausalLM,
     JambaConfig,
     JambaForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    Lfm2MoeConfig,
+    Lfm2MoeForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedModel,
@@ -72,7 +77,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         else:
             p.copy_(noise / p.shape[-1] ** 0.5)
     for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
             buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
 
 
@@ -163,6 +168,29 @@ def granite(seed: int = 0, *, moe: bool = True) -> PreTrainedModel:
     return _finish(GraniteMoeHybridForCausalLM(config), seed)
 
 
+def lfm2(seed: int = 0) -> PreTrainedModel:
+    """conv, attention, conv, conv, attention: short convs of width 3 with biases (in_proj, conv, out_proj), RMS
+    q/k norms before RoPE, tied embeddings; the MLP width from HF's rule (100 -> 2/3 -> x1.5 -> rounded up to
+    16: 112)."""
+    config = Lfm2Config(
+        **_COMMON, intermediate_size=100, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"], conv_L_cache=3, conv_bias=True,
+        block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=16,
+        rope_parameters=dict(_ROPE), tie_word_embeddings=True)
+    return _finish(Lfm2ForCausalLM(config), seed)
+
+
+def lfm2_moe(seed: int = 0) -> PreTrainedModel:
+    """conv, attention, conv, conv, attention without conv biases; layers 0-1 a dense SwiGLU MLP, 2-4 8 experts,
+    top-2 by sigmoid score + expert bias, renormalised and scaled by 1.5."""
+    config = Lfm2MoeConfig(
+        **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        conv_L_cache=3, conv_bias=False, num_dense_layers=2, num_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=1.5, norm_topk_prob=True, rope_parameters=dict(_ROPE), tie_word_embeddings=False)
+    return _finish(Lfm2MoeForCausalLM(config), seed)
+
+
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "bamba": bamba,
     "jamba": jamba,
@@ -172,6 +200,8 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "falcon_h1_gated_norm": lambda: falcon_h1(rms_norm=True),
     "granite_moe_hybrid": granite,
     "granite_dense_rope": lambda: granite(moe=False),
+    "lfm2": lfm2,
+    "lfm2_moe": lfm2_moe,
 }
 
 

@@ -1,9 +1,9 @@
 """Tiny models of every layer mix for the tensor-parallel tests, and a runner that records logits.
 
-Each mix is shaped so that tensor parallelism at 2 exercises a distinct rule: kv heads split and
-replicated (kv 2 and kv 1), an odd vocabulary (padded vocab-parallel rows) with tied embeddings, MoE
-experts split inside, Mamba2 groups split (n_groups 2) and replicated (n_groups 1, so the gated norm's
-group spans both ranks), Mamba-1 channels, µP section multipliers. Windows and chunks are 4-8 tokens.
+Each mix is shaped so that tensor parallelism at 2 exercises a distinct rule: kv heads split and replicated (kv 2
+and kv 1), an odd vocabulary (padded vocab-parallel rows) with tied embeddings, MoE experts split inside, Mamba2
+groups split (n_groups 2) and replicated (n_groups 1, so the gated norm's group spans both ranks), Mamba-1 channels,
+µP section multipliers, short-conv channels. Windows and chunks are 4-8 tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, Rope
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, Rope, ShortConv
 
 VOCAB = 61          # odd: the vocab-parallel embedding and head pad one row at tp 2
 
@@ -71,8 +71,19 @@ def mamba_hybrid() -> HybridConfig:
     return HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=layers, max_position_embeddings=256)
 
 
+def lfm2_like() -> HybridConfig:
+    """LFM2-like: short convs with biases (channels split, the out_proj bias added once after the sum) beside
+    full attention with q/k norms, SwiGLU MLPs."""
+    conv = ShortConv(channels=32, conv_kernel=3, bias=True)
+    attn = Attention(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="rms", rope=Rope(theta=1000.0))
+    mlp = MLP(intermediate_size=48)
+    layers = tuple(Layer(mixer=m, ffn=mlp) for m in (conv, attn, conv, conv))
+    return HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=layers, max_position_embeddings=256)
+
+
 MIXES: dict[str, Callable[[], HybridConfig]] = {
     "llama4_like": llama4_like, "sliding": sliding, "mamba2": mamba2_only, "mamba_hybrid": mamba_hybrid,
+    "lfm2_like": lfm2_like,
 }
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=16,

@@ -2,8 +2,8 @@
 
 On the CPU: the bucket sizes, and the buffer width bound against the real transforms (random decode
 batches: every transformed table must fit the captured width). On a GPU: generation with graphs is
-token-identical to eager for every layer kind (full, sliding, chunked-local, Mamba2; MoE FFNs), including batches
-that need padding and batches that shrink as requests finish.
+token-identical to eager for every layer kind (full, sliding, chunked-local, Mamba2, short conv; MoE FFNs),
+including batches that need padding and batches that shrink as requests finish.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hybridkv.backends.builders import AttentionInputs, build_group_inputs, deco
 from hybridkv.engine.cuda_graphs import default_buckets
 from hybridkv.kv_groups.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.metadata import CommonAttentionMetadata
-from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE, ShortConv
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,7 +63,7 @@ def _mix_config() -> HybridConfig:
     attn = dict(num_heads=4, num_kv_heads=2, head_dim=16)
     moe = MoE(num_experts=4, top_k=1, intermediate_size=64, router="sigmoid_input", shared_intermediate_size=64)
     mixers = (Attention(sliding_window=24, **attn), Mamba2(num_heads=4, head_dim=16, state_size=16, n_groups=1),
-              Attention(attention_chunk_size=32, **attn), Attention(**attn))
+              Attention(attention_chunk_size=32, **attn), Attention(**attn), ShortConv(channels=64, bias=True))
     return HybridConfig(vocab_size=256, hidden_size=64, max_position_embeddings=512, dtype="float32",
                         layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=128) if i % 2 else moe)
                                      for i, m in enumerate(mixers)))

@@ -73,6 +73,14 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "lfm2": ("Lfm2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, full_attn_idxs=[1, 4], conv_L_cache=4, conv_bias=True)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv",
+                                                                    "full_attention"], num_dense_layers=2,
+        num_experts=4, num_experts_per_tok=2)),
 }
 MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 
@@ -154,6 +162,11 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "granitemoehybrid": _hf_granite,
     "gpt_oss": lambda model, cfg: [("sliding_window" if layer.self_attn.sliding_window else "full", "moe")
                                    for layer in _layers(model)],
+    "lfm2": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv", "mlp")
+                                for layer in _layers(model)],
+    "lfm2_moe": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv",
+                                     "moe" if hasattr(layer.feed_forward, "experts") else "mlp")
+                                    for layer in _layers(model)],
 }
 
 

@@ -126,6 +126,7 @@ HUB_NAMES = {   # what save_pretrained (transformers 5.23) writes: the hub layou
     "granite_moe_hybrid": ["model.layers.0.block_sparse_moe.input_linear.weight",
                            "model.layers.0.block_sparse_moe.router.layer.weight"],
     "zamba2": ["model.layers.1.shared_transformer.self_attn.linear_q_adapter_list.2.0.weight"],
+    "lfm2_moe": ["model.layers.2.feed_forward.experts.7.w1.weight", "model.layers.2.feed_forward.expert_bias"],
 }
 
 
@@ -164,7 +165,7 @@ def _assert_same_parameters(a: HybridModel, b: HybridModel) -> None:
         assert torch.equal(p, pb[name]), name
 
 
-@pytest.mark.parametrize("name", ["jamba", "nemotron_h", "granite_moe_hybrid", "zamba2"])
+@pytest.mark.parametrize("name", ["jamba", "nemotron_h", "granite_moe_hybrid", "zamba2", "lfm2_moe"])
 def test_in_memory_names_load_the_same_weights(name: str, tmp_path: Path) -> None:
     hf = BUILDERS[name]()
     hf.save_pretrained(tmp_path / "hub")

@@ -19,6 +19,8 @@ from _configs import (
     GEMMA3_27B,
     GPT_OSS_20B,
     GPT_OSS_120B,
+    LFM2_1_2B,
+    LFM2_8B_A1B,
     LLAMA4_SCOUT,
     MAMBA_CODESTRAL_7B,
     MISTRAL_7B,
@@ -182,6 +184,40 @@ def test_mamba_hybrids_keep_small_blocks_and_no_padding(
     slot = mamba_layers * (conv_dim * 3 * 2 + 128 * 64 * 128 * 4)
     assert result.bytes_per_request_max == 8192 // 16 * page + slot
     assert result.allocated_bytes <= result.budget_bytes
+
+
+def test_lfm2_1_2b_conv_layers_are_one_small_slot() -> None:
+    """16 layers: full attention at ``full_attn_idxs`` [2, 5, 8, 10, 12, 14], short convs elsewhere; a conv layer
+    keeps (2048 channels x 2 inputs) bf16 per request, in the Mamba state-slot pool; the MLP is 8192 wide
+    (12288 -> 2/3 -> rounded to 256)."""
+    config = hf_config_to_hybrid(LFM2_1_2B)
+    assert (config.dtype, config.tie_word_embeddings, config.eos_token_ids) == ("bfloat16", True, (7,))
+    assert {layer.ffn.intermediate_size for layer in config.layers} == {8192}
+    result = plan(LFM2_1_2B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (full,) = kinds["full"]
+    (conv,) = kinds["mamba(2048x2)"]
+    assert layer_ids(full) == [2, 5, 8, 10, 12, 14]
+    assert layer_ids(conv) == [0, 1, 3, 4, 6, 7, 9, 11, 13, 15]
+    page = 6 * 16 * (2 * 8 * 64 * 2)                                       # 196608 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    assert result.bytes_per_request_max == 32768 // 16 * page + 10 * 2048 * 2 * 2 == 402_735_104
+
+
+def test_lfm2_8b_a1b_plan_and_experts() -> None:
+    """24 layers: 6 attention, 18 short convs (2048 x 2 bf16 each per request); two dense layers, then 32 experts
+    of 1792 top-4 routed by sigmoid score + expert bias."""
+    config = hf_config_to_hybrid(LFM2_8B_A1B)
+    assert [layer.ffn.intermediate_size for layer in config.layers[:3]] == [7168, 7168, 1792]
+    assert (config.layers[2].ffn.num_experts, config.layers[2].ffn.top_k, config.layers[2].ffn.router) == (
+        32, 4, "sigmoid_bias")
+    result = plan(LFM2_8B_A1B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert layer_ids(kinds["full"][0]) == [2, 6, 10, 14, 18, 21]
+    assert len(kinds["mamba(2048x2)"][0]["layers"]) == 18
+    page = 6 * 16 * (2 * 8 * 64 * 2)
+    assert result.padding_bytes == 0
+    assert result.bytes_per_request_max == 32768 // 16 * page + 18 * 2048 * 2 * 2
 
 
 def test_kv_dtype_and_block_size_options() -> None:

@@ -1,11 +1,11 @@
 """Prefix caching on the traffic shapes it must pay for, on tiny models of every mix (CPU, fp32, greedy).
 
-Mixes: a Mamba2 + attention hybrid (NemotronH-like), Mamba2 alone, sliding window + global (Gemma-3-like),
-chunked local + global (Llama-4-like). Workloads: a shared prefix whose length is not a multiple of the
-block size (unique parts of one length, or of random lengths), exact repeats of mixed-length prompts,
-multi-turn chat (each turn = the previous prompt + its answer + new tokens), and mixed prompts sharing
-nothing. For each: greedy tokens with caching on == off, hit tokens >= 90% of the reusable tokens (the
-block-aligned prefix an earlier request computed: the shared prefix, the repeated prompt, the previous
+Mixes: a Mamba2 + attention hybrid (NemotronH-like), Mamba2 alone, sliding window + global (Gemma-3-like), chunked
+local + global (Llama-4-like), short convs + attention (LFM2-like: conv states checkpointed as Mamba's). Workloads:
+a shared prefix whose length is not a multiple of the block size (unique parts of one length, or of random lengths),
+exact repeats of mixed-length prompts, multi-turn chat (each turn = the previous prompt + its answer + new tokens),
+and mixed prompts sharing nothing. For each: greedy tokens with caching on == off, hit tokens >= 90% of the reusable
+tokens (the block-aligned prefix an earlier request computed: the shared prefix, the repeated prompt, the previous
 turn's prompt + answer), fewer steps where something is shared and at most one more where nothing is.
 """
 
@@ -21,7 +21,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.front import EngineFront
-from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, ShortConv
 from hybridkv.models.hybrid import HybridModel, build_model
 
 VOCAB = 61
@@ -34,13 +34,14 @@ def config(mix: str) -> HybridConfig:
     full = Attention(num_heads=2, num_kv_heads=1, head_dim=8)
     sliding = Attention(num_heads=2, num_kv_heads=1, head_dim=8, sliding_window=7)
     chunked = Attention(num_heads=2, num_kv_heads=1, head_dim=8, attention_chunk_size=16)
+    conv = ShortConv(channels=16, bias=True)
     mixers = {"mamba": (mamba, full, mamba), "mamba2": (mamba, mamba), "sliding": (sliding, sliding, full),
-              "chunked": (chunked, chunked, full)}[mix]
+              "chunked": (chunked, chunked, full), "short_conv": (conv, full, conv)}[mix]
     return HybridConfig(vocab_size=VOCAB, hidden_size=16, max_position_embeddings=256, dtype="float32",
                         layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=24)) for m in mixers), eos_token_ids=(0,))
 
 
-MIXES = ("mamba", "mamba2", "sliding", "chunked")
+MIXES = ("mamba", "mamba2", "sliding", "chunked", "short_conv")
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +119,8 @@ WORKLOADS: dict[str, Callable[[LLM, np.random.Generator], Run]] = {
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-@pytest.mark.parametrize("mix", ["mamba", "sliding", *(pytest.param(m, marks=pytest.mark.slow)
-                                                         for m in ("mamba2", "chunked"))])
+@pytest.mark.parametrize("mix", ["mamba", "sliding", "short_conv", *(pytest.param(m, marks=pytest.mark.slow)
+                                                                       for m in ("mamba2", "chunked"))])
 def test_traffic_hits_and_equals_caching_off(models, mix: str, workload: str) -> None:
     runs = {caching: WORKLOADS[workload](make_llm(models[mix], caching), np.random.default_rng(7))
             for caching in (True, False)}

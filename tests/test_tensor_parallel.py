@@ -1,16 +1,15 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): the same tokens and logits as one process.
 
-Every layer mix (chunked-local + global with MoE, sliding, pure Mamba2, Mamba2 + attention + Mamba-1 +
-latent MoE) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the greedy tokens of
-``tensor_parallel_size=1`` with every step's logits within 1e-5 (fp32). HF checkpoints load at tp 2 (each
-rank reads its shard); in-process checks show each rank's parameters are exactly the shards of the full
-ones for every supported family, and every family served at tp 2 gives tp 1's tokens with logits within
-1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an error
-naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang — also when it
-fails inside a step's forward (ranks spawned through ``_tp_fault_worker``), and a spawned rank exits when rank 0
-dies. Rank 0 may be started any way at all (``python -c``, stdin, a script without a ``__main__`` guard): the
-spawned ranks never import it. Random init
-drawn on the device (``init="device"``, chunked) is also exactly the shard of the full init.
+Every layer mix (chunked-local + global with MoE, sliding, pure Mamba2, Mamba2 + attention + Mamba-1 + latent MoE,
+short convs + attention) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the greedy tokens of
+``tensor_parallel_size=1`` with every step's logits within 1e-5 (fp32). HF checkpoints load at tp 2 (each rank reads
+its shard); in-process checks show each rank's parameters are exactly the shards of the full ones for every
+supported family, and every family served at tp 2 gives tp 1's tokens with logits within 1e-5 (or within fp32's own
+round-off of that checkpoint, when larger). Bad input fails fast with an error naming the dimension, and a dead or
+stuck rank is an error within the timeout, never a hang — also when it fails inside a step's forward (ranks spawned
+through ``_tp_fault_worker``), and a spawned rank exits when rank 0 dies. Rank 0 may be started any way at all
+(``python -c``, stdin, a script without a ``__main__`` guard): the spawned ranks never import it. Random init drawn
+on the device (``init="device"``, chunked) is also exactly the shard of the full init.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from hybridkv.engine import distributed
 from hybridkv.engine.distributed import ParallelContext, TensorParallelError, pack_step, unpack_step
 from hybridkv.layers.parallel import Shard, Split, TensorParallel
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
-from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE, hybrid
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, MoE, ShortConv, hybrid
 from hybridkv.models.hybrid import build_model
 
 TOL = 1e-5
@@ -52,7 +51,7 @@ def test_tp2_matches_tp1(mix: str) -> None:
     assert two.tokens == one.tokens
     assert len({t for seq in one.tokens for t in seq}) >= 5, f"{mix}: degenerate greedy output"
     assert max_logit_diff(one, two) <= TOL
-    if any(isinstance(layer.mixer, Mamba2) for layer in config.layers):
+    if any(isinstance(layer.mixer, Mamba2 | ShortConv) for layer in config.layers):
         assert two.copies, "prefix hits should have copied Mamba states (sent to rank 1 with the next step)"
 
 
@@ -73,7 +72,8 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "gpt_oss" else f  # ~11 s
+# gpt-oss ~11 s; LFM2-MoE's sharded experts are those of the other MoE families, its short convs LFM2's (quick)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("gpt_oss", "lfm2_moe") else f
                                     for f in HF_FAMILIES])
 def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
     """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks

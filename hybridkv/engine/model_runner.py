@@ -171,11 +171,12 @@ class ModelRunner:
             raise ValueError(f"plan and model disagree on cache layers: plan-only "
                              f"{sorted(set(self.caches) - set(layers))[:4]}, model-only "
                              f"{sorted(set(layers) - set(self.caches))[:4]}")
+        attention = {name for g in plan.attention_groups for name in g.layer_names}
         for name, module in layers.items():
             tensors = self.caches[name]
-            if len(tensors) == 1:                     # attention: (num_blocks, 2, block_size, kv_heads, dim)
+            if name in attention:                     # (num_blocks, 2, block_size, kv_heads, dim)
                 module.bind_cache(tensors[0][:, 0], tensors[0][:, 1])
-            else:                                     # Mamba: one tensor per state
+            else:                                     # state slots: one tensor per state
                 module.bind_cache(*tensors)
         self._decode_constants = _DecodeConstants()
         self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs)

@@ -1,6 +1,7 @@
-"""The part every recurrent mixer shares: its per-request state lives in slots of the Mamba state pool
-(a conv state and an SSM state per slot), bound once by the model runner, and each step it reads its
-group's ``MambaInputs`` and the kernel backend from the forward context."""
+"""The part every recurrent mixer shares: its per-request state lives in slots of the Mamba state pool (one
+tensor per state of its ``MambaSpec``: conv + SSM state for Mamba, the conv state alone for a short conv),
+bound once by the model runner, and each step it reads its group's ``MambaInputs`` and the kernel backend from
+the forward context."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ class StateSlotMixer(nn.Module):
     def __init__(self, *, cache_name: str) -> None:
         super().__init__()
         self.cache_name = cache_name
-        self.state: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
+        self.state: tuple[torch.Tensor, ...] | None = None   # bound by the model runner
 
-    def bind_cache(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
-        """conv_states: (num_slots, conv channels, kernel - 1); ssm_states: (num_slots, ...) fp32."""
-        self.state = (conv_states, ssm_states)
+    def bind_cache(self, *states: torch.Tensor) -> None:
+        """One (num_slots, ...) tensor per state, in spec order: conv states (num_slots, conv channels,
+        kernel - 1) first, then (Mamba) SSM states in fp32."""
+        self.state = states
 
-    def step_inputs(self) -> tuple[MambaInputs, KernelBackend, torch.Tensor, torch.Tensor]:
-        """This step's (inputs, backend, conv_states, ssm_states)."""
+    def step_inputs(self) -> tuple[MambaInputs | KernelBackend | torch.Tensor, ...]:
+        """This step's (inputs, backend, *states)."""
         if self.state is None:
             raise RuntimeError(f"{self.cache_name}: no state slots bound (the model runner binds them)")
         ctx = get_forward_context()

@@ -32,6 +32,7 @@ from hybridkv.models.config import (
     MoE,
     Rope,
     SharedBlock,
+    ShortConv,
 )
 
 Converter = Callable[[Mapping[str, Any]], HybridConfig]
@@ -54,6 +55,8 @@ MODEL_TYPES: dict[str, str] = {
     "falcon_h1": "FalconH1ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -98,7 +101,7 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings")
 _PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "no_rope_layers", "moe_layers",
-                   "attn_layer_indices")
+                   "attn_layer_indices", "full_attn_idxs")
 
 
 def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
@@ -839,3 +842,105 @@ def gpt_oss(config: Mapping[str, Any]) -> HybridConfig:
         layers.append(Layer(mixer=attention, ffn=moe))
     named = cfg.raw.get("dtype") or cfg.raw.get("torch_dtype")
     return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"], **({} if named else {"dtype": "bfloat16"}))
+
+
+# -- LFM2 --------------------------------------------------------------------------------------------------
+_LFM2_DEFAULTS = dict(
+    vocab_size=65536, hidden_size=2560, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=True, conv_bias=False, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=True, full_attn_idxs=None, layer_types=None)
+_LFM2_TYPES = ("conv", "full_attention")
+
+
+def _lfm2_layer_types(cfg: _Fields) -> list[str]:
+    """``layer_types``, else "full_attention" at ``full_attn_idxs`` (every layer when that is null too, as
+    HF's ``Lfm2Config``) and "conv" elsewhere."""
+    n = cfg["num_hidden_layers"]
+    if cfg["layer_types"] is not None:
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _LFM2_TYPES)
+        if len(types) != n:
+            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+        return types
+    idxs = cfg["full_attn_idxs"]
+    attention = set(range(n)) if idxs is None else set(idxs)
+    if any(not isinstance(i, int) or not 0 <= i < n for i in attention):
+        raise ValueError(f"{cfg.arch}: full_attn_idxs {sorted(idxs)!r} must be layer indices below {n}")
+    return ["full_attention" if i in attention else "conv" for i in range(n)]
+
+
+def _lfm2_ff_dim(cfg: _Fields) -> int:
+    """HF ``Lfm2MLP``'s width: with ``block_auto_adjust_ff_dim``, 2/3 of the configured size, times
+    ``block_ffn_dim_multiplier`` (when set) and rounded up to ``block_multiple_of``."""
+    size = cfg["intermediate_size"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        size = int(2 * size / 3)
+        if cfg["block_ffn_dim_multiplier"] is not None:
+            size = int(cfg["block_ffn_dim_multiplier"] * size)
+            multiple = cfg["block_multiple_of"]
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2_mixers(cfg: _Fields, types: list[str]) -> list[Attention | ShortConv]:
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or hidden // heads,
+                          rope=_rope(_rope_params(cfg), theta=1_000_000.0), qk_norm="rms")
+    conv = ShortConv(channels=hidden, conv_kernel=cfg["conv_L_cache"], bias=bool(cfg["conv_bias"]))
+    return [attention if kind == "full_attention" else conv for kind in types]
+
+
+def _lfm2_renamed(config: Mapping[str, Any], *aliases: tuple[str, str]) -> dict[str, Any]:
+    """The hub's older spellings win over the new keys, as in HF's config classes."""
+    renamed = dict(config)
+    for old, new in aliases:
+        if old in config:
+            renamed[new] = config[old]
+    return renamed
+
+
+@register("Lfm2ForCausalLM")
+def lfm2(config: Mapping[str, Any]) -> HybridConfig:
+    """Short-convolution layers (``ShortConv``, width ``conv_L_cache``) and full attention per ``layer_types``
+    (or ``full_attn_idxs``), every layer with a SwiGLU MLP. Attention: RMS q/k norms per head before RoPE (theta
+    1e6 by default), no biases; ``conv_bias`` biases the conv's projections and the conv. The hub's older
+    spellings win as in HF: ``block_ff_dim`` over ``intermediate_size``, ``tie_embedding`` over
+    ``tie_word_embeddings``. The final norm is HF's ``embedding_norm`` (applied after the last layer)."""
+    cfg = _Fields("Lfm2ForCausalLM", _lfm2_renamed(config, ("block_ff_dim", "intermediate_size"),
+                                                   ("tie_embedding", "tie_word_embeddings")), _LFM2_DEFAULTS)
+    mlp = MLP(intermediate_size=_lfm2_ff_dim(cfg))
+    return _model(cfg, [Layer(mixer=m, ffn=mlp) for m in _lfm2_mixers(cfg, _lfm2_layer_types(cfg))],
+                  norm_eps=cfg["norm_eps"])
+
+
+_LFM2_MOE_DEFAULTS = dict(
+    vocab_size=65536, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792, num_hidden_layers=32,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, max_position_embeddings=128000, norm_eps=1e-5,
+    num_attention_heads=32, num_key_value_heads=8, conv_bias=False, conv_L_cache=3, num_dense_layers=2,
+    num_experts_per_tok=4, num_experts=32, use_expert_bias=True, routed_scaling_factor=1.0, norm_topk_prob=True,
+    layer_types=None)
+
+
+@register("Lfm2MoeForCausalLM")
+def lfm2_moe(config: Mapping[str, Any]) -> HybridConfig:
+    """LFM2's layers (``layer_types`` is required, as HF's modeling reads it) with a dense SwiGLU MLP of
+    ``intermediate_size`` (no width rule) in the first ``num_dense_layers`` layers and routed experts after:
+    sigmoid scores, the top ``num_experts_per_tok`` chosen by score + ``expert_bias``, weights renormalised when
+    ``norm_topk_prob`` and scaled by ``routed_scaling_factor`` (our ``sigmoid_bias`` router; HF adds 1e-6 to the
+    renormalising sum, we 1e-20: a relative difference below 1e-6 of the weights). ``use_expert_bias=false`` is
+    refused (no released checkpoint has it; it would need a router without the bias)."""
+    cfg = _Fields("Lfm2MoeForCausalLM", _lfm2_renamed(config, ("tie_embedding", "tie_word_embeddings")),
+                  _LFM2_MOE_DEFAULTS)
+    if cfg["layer_types"] is None:
+        raise ValueError(f"{cfg.arch}: config lacks layer_types")
+    if not cfg["use_expert_bias"]:
+        raise ValueError(f"{cfg.arch}: use_expert_bias=false is not supported (routing without the expert bias)")
+    types = _lfm2_layer_types(cfg)
+    dense = MLP(intermediate_size=cfg["intermediate_size"])
+    moe = MoE(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+              intermediate_size=cfg["moe_intermediate_size"], router="sigmoid_bias",
+              renormalize=bool(cfg["norm_topk_prob"]), routed_scaling_factor=float(cfg["routed_scaling_factor"]))
+    layers = [Layer(mixer=m, ffn=dense if i < cfg["num_dense_layers"] else moe)
+              for i, m in enumerate(_lfm2_mixers(cfg, types))]
+    return _model(cfg, layers, norm_eps=cfg["norm_eps"])

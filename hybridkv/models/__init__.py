@@ -10,6 +10,8 @@ from hybridkv.models.config import (
     MoE,
     Rope,
     SharedBlock,
+    ShortConv,
 )
 
-__all__ = ["MLP", "Attention", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope", "SharedBlock"]
+__all__ = ["MLP", "Attention", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope", "SharedBlock",
+           "ShortConv"]

@@ -327,6 +327,34 @@ class Mamba1:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShortConv:
+    """LFM2's gated short convolution (HF ``Lfm2ShortConv``): ``in_proj`` gives B, C, x (``channels`` each),
+    ``y = out_proj(C * conv(B * x))`` with a depthwise causal conv of width ``conv_kernel`` (HF ``conv_L_cache``)
+    and no activation. State per request: the conv state (channels, conv_kernel - 1), the last gated inputs;
+    ``bias`` is HF's ``conv_bias``, which biases in_proj, the conv and out_proj alike."""
+
+    channels: int
+    conv_kernel: int = 3
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _positive("ShortConv", channels=self.channels, conv_kernel=self.conv_kernel)
+        if self.conv_kernel < 2:
+            raise ValueError(f"ShortConv.conv_kernel must be at least 2 (a state of width - 1 inputs), "
+                             f"got {self.conv_kernel}")
+
+    @property
+    def kind(self) -> str:
+        return "short_conv"
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state,) shape on one tensor-parallel rank: its share of the channels."""
+        channels = local_units(self.channels, tensor_parallel_size, "channels")
+        return ((channels, self.conv_kernel - 1),)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MLP:
     """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH).
 
@@ -438,7 +466,7 @@ class SharedBlock:
             raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
-Mixer = Attention | Mamba2 | Mamba1
+Mixer = Attention | Mamba2 | Mamba1 | ShortConv
 FeedForward = MLP | MoE
 
 
@@ -460,7 +488,7 @@ class Layer:
         _check_fields(self)
         if self.mixer is None and self.ffn is None:
             raise ValueError("Layer needs a mixer, a feed-forward, or both")
-        if self.mixer is not None and not isinstance(self.mixer, Attention | Mamba2 | Mamba1):
+        if self.mixer is not None and not isinstance(self.mixer, Attention | Mamba2 | Mamba1 | ShortConv):
             raise ValueError(f"Layer.mixer: unknown kind {type(self.mixer).__name__}")
         if self.parallel_mixer is not None and not isinstance(self.mixer, Attention):
             raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
@@ -576,6 +604,8 @@ class HybridConfig:
             elif isinstance(mixer, Mamba2):
                 check(where, mixer.num_heads, "num_heads")
                 check(where, mixer.n_groups, "n_groups", replicate=True)
+            elif isinstance(mixer, ShortConv):
+                check(where, mixer.channels, "channels")
             else:
                 check(where, mixer.intermediate_size, "intermediate_size")
         for i, layer in enumerate(self.layers):
@@ -589,8 +619,8 @@ class HybridConfig:
                  tensor_parallel_size: int = 1) -> dict[str, KVCacheSpec]:
         """Layer cache name -> KV-cache spec, for every layer that keeps per-request state.
 
-        KV and conv states default to the model dtype; the SSM state is always fp32. A window or chunk
-        of at least ``max_position_embeddings`` behaves as full attention and is planned as such. With
+        KV and conv states (Mamba's and ShortConv's) default to the model dtype; the SSM state is always fp32. A
+        window or chunk of at least ``max_position_embeddings`` behaves as full attention and is planned as such. With
         ``tensor_parallel_size`` > 1 the specs are one rank's: its kv heads (replicated when fewer than the
         ranks) and its Mamba heads / channels; block counts, tables and slots are the same on every rank."""
         tp = tensor_parallel_size
@@ -613,9 +643,10 @@ class HybridConfig:
                             attention_chunk_size=mixer.attention_chunk_size, **common)
                     else:
                         specs[name] = FullAttentionSpec(**common)
-                else:
-                    specs[name] = MambaSpec(block_size=block_size, shapes=mixer.state_shapes(tp),
-                                            dtypes=(conv_dtype, torch.float32))
+                else:                   # a conv state, then (Mamba) the SSM state
+                    shapes = mixer.state_shapes(tp)
+                    specs[name] = MambaSpec(block_size=block_size, shapes=shapes,
+                                            dtypes=(conv_dtype, torch.float32)[:len(shapes)])
             except ValueError as err:
                 raise ValueError(f"{name} ({type(mixer).__name__}): {err}") from None
         return specs
@@ -637,8 +668,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, MLP, MoE, SharedBlock, Layer,
-                                         HybridConfig)}
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, MLP, MoE, SharedBlock,
+                                         Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:
             if isinstance(obj, dict) and "type" in obj:

@@ -34,7 +34,8 @@ from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
-from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock
+from hybridkv.layers.short_conv import ShortConvLayer
+from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock, ShortConv
 from hybridkv.models.memory import check_device, check_fits, parameter_lower_bound
 from hybridkv.models.safetensors_file import CheckpointError, TensorReader, read_header
 
@@ -50,6 +51,8 @@ def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: Tensor
         return Mamba2Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     if isinstance(mixer, Mamba1):
         return Mamba1Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
+    if isinstance(mixer, ShortConv):
+        return ShortConvLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     raise NotImplementedError(f"{cache_name}: mixer kind {type(mixer).__name__} is not built yet")
 
 

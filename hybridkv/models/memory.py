@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models.config import Attention, HybridConfig, Mamba1, Mamba2, MoE
+from hybridkv.models.config import Attention, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
 from hybridkv.utils import format_bytes
 
 
@@ -88,6 +88,8 @@ def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
     if isinstance(mixer, Mamba1):
         inner = mixer.intermediate_size
         return inner * (3 * hidden + mixer.conv_kernel + 2 * mixer.dt_rank + 3 * mixer.state_size)
+    if isinstance(mixer, ShortConv):
+        return mixer.channels * (4 * hidden + mixer.conv_kernel)
     return 0
 
 

@@ -11,6 +11,7 @@ from hybridkv.loaders.families import (  # noqa: F401
     gpt_oss,
     granite_moe_hybrid,
     jamba,
+    lfm2,
     llama4,
     mamba2,
     mistral,

@@ -1,0 +1,58 @@
+"""LFM2's gated short convolution over per-request state slots (HF ``Lfm2ShortConv`` semantics).
+
+in_proj -> [B | C | x]; y = out_proj(C * conv(B * x)) with a depthwise causal conv of width ``conv_kernel`` and
+no activation; the conv state holds the last width - 1 gated inputs B * x. It is the Mamba conv op with
+``activation=None`` (``layers/ops/conv1d_ref.py``, the Triton twin on GPU), so its state is a one-tensor
+``MambaSpec``: slots, prefix-cache checkpoints and state copies are the Mamba machinery unchanged. Decodes
+(1-token continuations, batched first) take the one-step update; everything else the packed conv with
+per-request initial states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.state_slots import StateSlotMixer
+from hybridkv.models.config import ShortConv
+
+
+class ShortConvLayer(StateSlotMixer):
+    """Tensor parallel (``tp``): the channels split: each of in_proj's B, C, x sections column-parallel, the conv
+    channels and the conv state with them (everything between the projections is per channel), out_proj
+    row-parallel (one all-reduce)."""
+
+    def __init__(self, hidden_size: int, cfg: ShortConv, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cache_name=cache_name)
+        self.cfg = cfg
+        channels = Split(cfg.channels, cfg.channels, what=f"{cache_name} ShortConv.channels")
+        self.channels = channels.local_size(tp.size)
+        self.in_proj = ColumnParallelLinear(hidden_size, 3 * cfg.channels, bias=cfg.bias, tp=tp,
+                                            sections=(channels, channels, channels))          # B C x
+        # HF stores the depthwise conv as (channels, 1, kernel); we keep that layout for loading.
+        self.conv = nn.Conv1d(self.channels, self.channels, cfg.conv_kernel, groups=self.channels, bias=cfg.bias)
+        self.out_proj = RowParallelLinear(cfg.channels, hidden_size, bias=cfg.bias, tp=tp, sections=(channels,))
+        self.tp_shards = dict.fromkeys(("conv.weight", "conv.bias"), Shard(0, (channels,)))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden_size)
+        meta, be, conv_states = self.step_inputs()
+        B, C, xs = self.in_proj(x).split(self.channels, dim=-1)            # (num_tokens, channels) each
+        bx = B * xs
+        weight, bias = self.conv.weight.squeeze(1), self.conv.bias         # (channels, kernel)
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into y
+            y = be.causal_conv1d_update(bx, conv_states=conv_states, weight=weight, bias=bias,
+                                        state_indices=meta.state_indices, activation=None)
+            return self.out_proj(C * y)
+        y = torch.empty_like(bx)
+        if nd:
+            y[:ndt] = be.causal_conv1d_update(bx[:ndt], conv_states=conv_states, weight=weight, bias=bias,
+                                              state_indices=meta.state_indices[:nd], activation=None)
+        y[ndt:] = be.causal_conv1d(bx[ndt:], weight, bias, conv_states=conv_states,
+                                   query_start_loc=meta.prefill_query_start_loc,
+                                   state_indices=meta.state_indices[nd:],
+                                   has_initial_state=meta.has_initial_state[nd:], activation=None)
+        return self.out_proj(C * y)                                         # (num_tokens, hidden_size)
