@@ -1,0 +1,202 @@
+"""The engine in its own process (``engine/core.py``, ``engine/core_client.py``), as ``hybridkv serve`` runs it.
+
+Through ``EngineCoreClient`` in this process: greedy and seeded outputs, streamed or not, equal the offline
+API's on the same checkpoint; an abort frees the request's blocks in the engine process (seen in a snapshot);
+the API-side checks (``EngineLimits``) refuse what the engine refuses, with its messages. A checkpoint that
+cannot load is a clear start-up error (and one line from ``hybridkv serve``). A server whose engine process is
+killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hybridkv import SamplingParams
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
+from hybridkv.engine.engine import RequestError
+from hybridkv.engine.front import EngineDeadError
+from hybridkv.engine.limits import EngineLimits
+from tests._server import ROOT, ServerProcess, offline_llm, tiny_checkpoint
+
+TIMEOUT = 60.0
+PROMPTS = ["The lazy fox", "Hybrid models mix", "def add(a, b):", "1234 blocks"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+CONFIG = EngineConfig(device="cpu", kv_cache_memory="16MiB", max_num_seqs=16, max_num_batched_tokens=128)
+"""``offline_llm``'s engine."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint: Path):
+    return offline_llm(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint: Path):
+    engine = EngineCoreClient(checkpoint, CONFIG)
+    yield engine
+    engine.shutdown(timeout=TIMEOUT)
+    assert engine.process.returncode == 0
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+async def collect(engine: EngineCoreClient, prompt, params: SamplingParams, stream: bool):
+    """(token ids, text) per sample: the deltas joined, or the one final output."""
+    ids: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    async for out in engine.submit(prompt, params, stream=stream):
+        assert out.error is None, out.error
+        for c in out.outputs:
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            text[c.index] = text.get(c.index, "") + (c.text or "")
+    return [(ids[i], text[i]) for i in sorted(ids)]
+
+
+def test_outputs_equal_the_offline_api(client: EngineCoreClient, offline) -> None:
+    seeded = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=7, max_tokens=6)
+    stopped = SamplingParams(temperature=0.0, max_tokens=12, stop=[" "], include_stop_str_in_output=True)
+    cases = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[0], seeded), (PROMPTS[1], stopped)]
+    want = [[(list(c.token_ids), c.text) for c in offline.generate([p], params, use_tqdm=False)[0].outputs]
+            for p, params in cases]
+
+    async def main() -> list:
+        jobs = [collect(client, p, params, stream) for stream in (False, True) for p, params in cases]
+        return await asyncio.gather(*jobs)
+
+    got = run(main())
+    assert got == want + want
+    # token-id prompts, and the prompt ids and text an output carries
+    ids = offline.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
+
+    async def by_ids():
+        return await client.submit({"prompt_token_ids": list(ids.prompt_token_ids)}, GREEDY, stream=False).result()
+
+    out = run(by_ids())
+    assert out.outputs[0].token_ids == ids.outputs[0].token_ids and out.prompt_token_ids == ids.prompt_token_ids
+
+
+def test_an_abort_frees_the_request_in_the_engine_process(client: EngineCoreClient) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+
+    async def main() -> None:
+        stream = client.submit(PROMPTS[0], long)
+        for _ in range(3):
+            await anext(stream)
+        snap = await client.snapshot()
+        assert snap.running == 1 and any(snap.kv_usage.values())
+        stream.abort()
+        while True:
+            snap = await client.snapshot()
+            if snap.running == 0 and snap.waiting == 0 and not any(snap.kv_usage.values()):
+                return
+            await asyncio.sleep(0.05)
+
+    run(main())
+
+
+def test_the_api_side_checks_are_the_engines(client: EngineCoreClient, offline) -> None:
+    limits = client.limits
+    assert limits == EngineLimits.of(offline.engine)
+    assert client.max_model_len == offline.max_model_len and client.vocab_size == offline.engine.vocab_size
+    ok = [5, 6, 7]
+    cases = [([], GREEDY), ([1.5], GREEDY), ([-1], GREEDY), ([300], GREEDY), ([7] * 5000, GREEDY),
+             (ok, replace(GREEDY, stop_token_ids=(400,))), (ok, replace(GREEDY, logit_bias={999: 1.0})),
+             (ok, replace(GREEDY, logprobs=limits.max_logprobs + 1)),
+             (ok, replace(GREEDY, prompt_logprobs=limits.max_logprobs + 1)), (ok, replace(GREEDY, n=2))]
+    for ids, params in cases:
+        with pytest.raises(RequestError) as theirs:
+            offline.engine.validate_prompt(ids, params)
+        with pytest.raises(RequestError) as ours:
+            limits.check_request(ids, params)
+        assert str(ours.value) == str(theirs.value)
+    limits.check_request(ok, GREEDY)
+    # the capacity bound: the longest request whose blocks fit, and no longer
+    fits = limits.max_request_tokens
+    coordinator = offline.engine.coordinator
+    assert coordinator.blocks_to_admit(fits) <= offline.engine._capacity_blocks
+    if fits < limits.max_model_len:
+        assert coordinator.blocks_to_admit(fits + 1) > offline.engine._capacity_blocks
+
+
+def test_a_checkpoint_that_cannot_load_is_a_clear_start_up_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineStartError, match="could not start: FileNotFoundError: .*not a checkpoint directory"):
+        EngineCoreClient(tmp_path, CONFIG)
+    done = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", str(tmp_path), "--device", "cpu",
+                           "--port", "1"], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridkv serve: error:") and "not a checkpoint directory" in last, done.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_a_server_whose_engine_process_dies_answers_503(checkpoint: Path, tmp_path: Path) -> None:
+    with ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", "tiny") as server:
+        (core,) = _children(server.proc.pid)
+        body = {"prompt": "The lazy fox", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", f"{server.url}/v1/completions",
+                                                                json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(core, signal.SIGKILL)
+            rest = list(lines)                 # the stream ends (with an error event), not hangs
+        assert any('"code":500' in line and "engine process died" in line for line in rest), rest[-3:]
+        deadline = time.monotonic() + TIMEOUT
+        while (health := httpx.get(f"{server.url}/health", timeout=TIMEOUT)).status_code == 200:
+            assert time.monotonic() < deadline, "/health kept answering 200"
+            time.sleep(0.05)
+        assert health.status_code == 503 and "engine process died" in health.json()["error"]["message"]
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).status_code == 200
+        assert server.stop() == 0, server.log_text()
+
+
+def test_a_dead_engine_process_fails_submissions_and_snapshots(checkpoint: Path) -> None:
+    engine = EngineCoreClient(checkpoint, CONFIG)
+    try:
+        async def main() -> None:
+            stream = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True))
+            await anext(stream)
+            engine.process.kill()
+            outs = [out async for out in stream]
+            assert outs[-1].finished and "engine process died" in outs[-1].error
+            with pytest.raises(EngineDeadError):
+                engine.submit(PROMPTS[0], GREEDY)
+            with pytest.raises(EngineDeadError):
+                await engine.snapshot()
+
+        run(main())
+        assert "engine process died" in engine.dead
+    finally:
+        engine.shutdown(timeout=TIMEOUT)
