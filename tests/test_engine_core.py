@@ -2,7 +2,8 @@
 
 Through ``EngineCoreClient`` in this process: greedy and seeded outputs, streamed or not, equal the offline
 API's on the same checkpoint; an abort frees the request's blocks in the engine process (seen in a snapshot);
-the API-side checks (``EngineLimits``) refuse what the engine refuses, with its messages. A checkpoint that
+the API-side checks (``EngineLimits``) refuse what the engine refuses, with its messages; traffic far larger
+than the socket buffers flows (sends block, nothing deadlocks). A checkpoint that
 cannot load is a clear start-up error (and one line from ``hybridkv serve``). A server whose engine process is
 killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs.
 """
@@ -19,9 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from hybridkv import SamplingParams
+from hybridkv.engine import core_client
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
 from hybridkv.engine.engine import RequestError
@@ -198,5 +201,26 @@ def test_a_dead_engine_process_fails_submissions_and_snapshots(checkpoint: Path)
 
         run(main())
         assert "engine process died" in engine.dead
+    finally:
+        engine.shutdown(timeout=TIMEOUT)
+
+
+def test_a_burst_larger_than_the_socket_buffers(checkpoint: Path, offline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Socket buffers far smaller than the traffic (a burst of long prompts one way, every step's outputs the
+    other), so sends block until the other side reads: every request still finishes with the offline API's
+    tokens."""
+    monkeypatch.setattr(core_client, "SOCKET_BUFFER_BYTES", 4096)          # (the kernel's smallest, about)
+    engine = EngineCoreClient(checkpoint, CONFIG)
+    try:
+        prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 300, 600)] for i in range(48)]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        want = [list(o.outputs[0].token_ids) for o in offline.generate(prompts, params, use_tqdm=False)]
+
+        async def main() -> list:
+            return await asyncio.gather(*(collect(engine, {"prompt_token_ids": p}, params, stream=True)
+                                          for p in prompts))
+
+        got = run(main())
+        assert [g[0][0] for g in got] == want
     finally:
         engine.shutdown(timeout=TIMEOUT)

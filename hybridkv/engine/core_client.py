@@ -53,6 +53,8 @@ logger = logging.getLogger("hybridkv.engine")
 
 __all__ = ["EngineCoreClient", "EngineStartError"]
 
+SOCKET_BUFFER_BYTES = 8 << 20
+
 
 class EngineStartError(RuntimeError):
     """The engine process could not start (its reason in the message)."""
@@ -70,7 +72,11 @@ class EngineCoreClient:
             raise ValueError(f"max_waiting must be a positive int or None, got {max_waiting!r}")
         job = CoreJob(model=model, config=config, factory=factory, log_level=log_level)
         self.max_waiting = max_waiting
-        self._lock = threading.Lock()                       # owners, counters, sends
+        # Two locks: a sender may block on a full socket until the engine process reads; the reader thread takes
+        # only ``_lock`` (never held across a send), so it always drains the engine's outputs meanwhile, and the
+        # engine process, whose step may be sending outputs, always gets to read.
+        self._send_lock = threading.Lock()                  # one message at a time on the socket
+        self._lock = threading.Lock()                       # owners, counters, calls
         self._owners: dict[str, RequestStream] = {}         # engine request id -> its stream
         self._calls: dict[int, Future] = {}                 # snapshot seq -> its future
         self._seq = itertools.count()
@@ -81,6 +87,9 @@ class EngineCoreClient:
         self._dead: str | None = None
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
         ours, theirs = socket.socketpair()
+        for sock in (ours, theirs):         # room for a burst of long prompts (capped by the kernel's limits)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
             self.process = subprocess.Popen([sys.executable, *CORE_COMMAND, str(theirs.fileno())],
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_core_env())
@@ -173,22 +182,27 @@ class EngineCoreClient:
                                params=params, sample_ids=ids, stream=stream,
                                decode=self.decode if self.tokenizer is not None else None)
         message = ("add", [(s.request_id, token_ids, s.params, kind.value) for s in submissions])
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(self._dead)
-            waiting = self._core_waiting + self._sent - self._core_adds
-            if self.max_waiting is not None and waiting + len(ids) > self.max_waiting:
-                raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry later")
-            for sid in ids:
-                if sid in self._owners:
-                    raise RequestError(f"request id {sid!r} is already in use")
+        with self._send_lock:
+            with self._lock:
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead)
+                waiting = self._core_waiting + self._sent - self._core_adds
+                if self.max_waiting is not None and waiting + len(ids) > self.max_waiting:
+                    raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}); "
+                                         "retry later")
+                for sid in ids:
+                    if sid in self._owners:
+                        raise RequestError(f"request id {sid!r} is already in use")
+                self._sent += len(ids)
+                for sid in ids:
+                    self._owners[sid] = result
             try:
                 self._conn.send(message)
             except OSError as err:
+                with self._lock:
+                    for sid in ids:
+                        self._owners.pop(sid, None)
                 raise EngineDeadError(f"the engine process is gone ({err})") from None
-            self._sent += len(ids)
-            for sid in ids:
-                self._owners[sid] = result
         return result
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -204,23 +218,27 @@ class EngineCoreClient:
     async def snapshot(self) -> EngineSnapshot:
         """What the engine holds and has done (read between two steps in the engine process)."""
         future: Future = Future()
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(self._dead)
-            seq = next(self._seq)
-            self._calls[seq] = future
+        with self._send_lock:
+            with self._lock:
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead)
+                seq = next(self._seq)
+                self._calls[seq] = future
             try:
                 self._conn.send(("snapshot", seq))
             except OSError:
-                del self._calls[seq]
+                with self._lock:
+                    self._calls.pop(seq, None)
                 raise EngineDeadError("the engine process is gone") from None
         return await asyncio.wrap_future(future)
 
     def _abort(self, request_ids: Sequence[str]) -> None:
-        with self._lock:
-            for rid in request_ids:
-                self._owners.pop(rid, None)
-            if self._dead is None:
+        with self._send_lock:
+            with self._lock:
+                for rid in request_ids:
+                    self._owners.pop(rid, None)
+                dead = self._dead is not None
+            if not dead:
                 with contextlib.suppress(OSError):      # (gone: the reader ends every stream)
                     self._conn.send(("abort", list(request_ids)))
 
@@ -324,7 +342,7 @@ class EngineCoreClient:
         self._conn.close()
 
     def _send_quietly(self, message: tuple) -> None:
-        with self._lock, contextlib.suppress(OSError):
+        with self._send_lock, contextlib.suppress(OSError):
             self._conn.send(message)
 
     def _kill(self) -> None:
