@@ -5,12 +5,14 @@ API's on the same checkpoint; an abort frees the request's blocks in the engine 
 the API-side checks (``EngineLimits``) refuse what the engine refuses, with its messages; traffic far larger
 than the socket buffers flows (sends block, nothing deadlocks). A checkpoint that
 cannot load is a clear start-up error (and one line from ``hybridkv serve``). A server whose engine process is
-killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs.
+killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs. The app also serves
+the Python API's in-process ``AsyncLLM``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -222,5 +224,29 @@ def test_a_burst_larger_than_the_socket_buffers(checkpoint: Path, offline, monke
 
         got = run(main())
         assert [g[0][0] for g in got] == want
+    finally:
+        engine.shutdown(timeout=TIMEOUT)
+
+
+def test_the_app_over_an_in_process_engine_thread(offline) -> None:
+    """The app also serves an ``AsyncLLM`` (the Python API's engine thread): the same outputs and routes."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.engine.async_llm import AsyncLLM
+    from hybridkv.server.app import ServerSettings, build_app
+
+    engine = AsyncLLM(offline)
+    try:
+        app = build_app(engine, ServerSettings(served_model_names=("tiny",), model_root="tiny", stats_interval=0))
+        want = offline.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+        with TestClient(app) as http:
+            assert http.get("/health").status_code == 200
+            body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+            assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            events = [line for line in http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+                      if line.startswith("data: {")]
+            assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events) == want
+            assert http.post("/v1/completions", json={"prompt": [7] * 5000}).status_code == 400
+            assert "hybridkv:num_requests_running" in http.get("/metrics").text
     finally:
         engine.shutdown(timeout=TIMEOUT)

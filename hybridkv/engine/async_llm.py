@@ -197,7 +197,7 @@ class RequestStream:
             if stream and decode is not None:
                 detok = IncrementalDetokenizer(lambda ids: decode(ids, params), stop=params.stop)
             self._samples[rid] = _Sample(detokenizer=detok)
-        self._pending: deque[RequestOutput] = deque()     # filled by the engine thread
+        self._pending: deque[RequestOutput] = deque()     # filled by the routing thread (deliver)
         self._event = asyncio.Event()
         self._finished = False
         self.metrics: dict[int, RequestMetrics] = {}
