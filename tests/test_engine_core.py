@@ -5,13 +5,15 @@ API's on the same checkpoint; an abort frees the request's blocks in the engine 
 the API-side checks (``EngineLimits``) refuse what the engine refuses, with its messages; traffic far larger
 than the socket buffers flows (sends block, nothing deadlocks). A checkpoint that
 cannot load is a clear start-up error (and one line from ``hybridkv serve``). A server whose engine process is
-killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs. The app also serves
+killed answers 503, fails ``/health`` and ends the streams it was serving; nothing hangs; SIGTERM to the whole
+process group (a supervisor's) drains as SIGTERM to the server does. The app also serves
 the Python API's in-process ``AsyncLLM``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +34,7 @@ from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError
 from hybridkv.engine.limits import EngineLimits
-from tests._server import ROOT, ServerProcess, offline_llm, tiny_checkpoint
+from tests._server import ENGINE_ARGS, ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
 
 TIMEOUT = 60.0
 PROMPTS = ["The lazy fox", "Hybrid models mix", "def add(a, b):", "1234 blocks"]
@@ -250,3 +252,37 @@ def test_the_app_over_an_in_process_engine_thread(offline) -> None:
             assert "hybridkv:num_requests_running" in http.get("/metrics").text
     finally:
         engine.shutdown(timeout=TIMEOUT)
+
+
+def test_sigterm_to_the_whole_process_group_drains(checkpoint: Path, tmp_path: Path) -> None:
+    """A supervisor's SIGTERM reaches the engine process too: it leaves it to the server, which lets the running
+    request finish, stops the engine process and exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", str(checkpoint), "--port", str(port),
+                                 *ENGINE_ARGS], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        (core,) = _children(proc.pid)
+        body = {"prompt": "The lazy fox", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            os.killpg(proc.pid, signal.SIGTERM)
+            events = [json.loads(line[5:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 60
+        assert proc.wait(TIMEOUT) == 0
+        assert not Path(f"/proc/{core}").exists() or "Z" in Path(f"/proc/{core}/stat").read_text().split()[2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

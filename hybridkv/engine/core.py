@@ -18,8 +18,9 @@ messages of plain types):
 ``waiting`` is ``EngineFront.num_waiting()`` and ``adds`` the submissions received when it was read (the API
 process bounds its queue with them). A streamed request's output of a step travels as (id, new token ids, cached
 prompt tokens); other outputs (final ones, ones with logprobs) whole, without the prompt ids the API holds.
-The process ignores SIGINT (the API process handles Ctrl-C and drains the engine) and stops when the API
-process goes (end of file on the socket: every request is aborted).
+The process ignores SIGINT and SIGTERM (sent to the whole process group by Ctrl-C or a supervisor: the API
+process handles them and drains the engine) and stops when the API process goes (end of file on the socket:
+every request is aborted).
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ class EngineCore:
 def main(argv: Sequence[str]) -> int:
     """The engine process: read the ``CoreJob`` from the socket whose descriptor ``argv[0]`` is, build it, report
     ready (its ``EngineLimits``) or why it failed, then serve."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a supervisor's SIGTERM to the whole group reach this process too: the API process handles them
+    # (it drains, then tells this one to stop); this one stops by itself only when the API process is gone.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     job: CoreJob = conn.recv()
     if job.log_level is not None:
