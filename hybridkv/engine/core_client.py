@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from hybridkv.engine.limits import EngineLimits
 from hybridkv.engine.llm import Prompt, parse_prompt, sample_submissions
 from hybridkv.engine.request import CompletionOutput, OutputKind, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.envs import child_environment
 from hybridkv.models.config import HybridConfig
 
 logger = logging.getLogger("hybridkv.engine")
@@ -355,10 +355,7 @@ def _core_env() -> dict[str, str]:
     """The engine process's environment: this one's, with the directory this hybridkv came from on the path."""
     import hybridkv
 
-    env = dict(os.environ)
-    root = str(Path(hybridkv.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return child_environment(path_first=str(Path(hybridkv.__file__).resolve().parent.parent))
 
 
 def _api_tokenizer(model: str | Path | HybridConfig, config: EngineConfig) -> object | None:
