@@ -8,9 +8,10 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
 1. **Offline**: ``LLM.chat`` on all ``--num-prompts`` conversations at once (prompts of ``--input-len``
    tokens, ``--output-len`` new tokens, greedy, ``ignore_eos``): output tok/s and requests/s (the capacity
    C); and the batch-32 decode step (32 short prompts decoding together: mean time between tokens).
-2. **HTTP**, the same engine behind ``hybridkv serve``'s app (``AsyncLLM`` + FastAPI + uvicorn, in a thread of
-   this process whose main thread only waits; the load generator is a separate process, so it shares no
-   GIL with the server): the same conversations all at once, streamed and not (throughput vs offline), then
+2. **HTTP**, the same engine behind ``hybridkv serve``'s app as the server runs it (the engine in its own
+   process, ``EngineCoreClient``; FastAPI + uvicorn in a thread of this process whose main thread only waits;
+   the load generator is a separate process, so it shares no GIL with the server): the same conversations all
+   at once, streamed and not (throughput vs offline), then
    Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C): TTFT, TPOT (per request:
    time after the first token / tokens after it), ITL (time between streamed chunks, as a client sees it)
    p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests,
@@ -272,15 +273,16 @@ def conversations(directory: Path, n: int, input_len: int) -> list[list[dict[str
 
 # -- servers ----------------------------------------------------------------------------------------------
 class InProcessServer:
-    """``hybridkv serve``'s app over ``llm`` (AsyncLLM + FastAPI + uvicorn) in a thread of this process."""
+    """``hybridkv serve``'s app (FastAPI + uvicorn) over ``engine`` (an ``EngineCoreClient``, as the server runs
+    it, or an ``AsyncLLM``) in a thread of this process; ``stop()`` also shuts the engine down."""
 
-    def __init__(self, llm: Any, name: str) -> None:
+    def __init__(self, engine: Any, name: str) -> None:
         import uvicorn
 
-        from hybridkv.engine.async_llm import AsyncLLM
         from hybridkv.server.app import ServerSettings, build_app
 
-        self.engine = AsyncLLM(llm)
+        self.engine = engine
+        self.name = name
         self.url = f"http://127.0.0.1:{_free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         app = build_app(self.engine, ServerSettings(served_model_names=(name,), model_root=name, stats_interval=0))
@@ -359,6 +361,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
     import torch
 
     from hybridkv import LLM, EngineConfig, SamplingParams
+    from hybridkv.engine.core_client import EngineCoreClient
 
     result: dict[str, Any] = {"family": family}
     with tempfile.TemporaryDirectory() as tmp:
@@ -394,7 +397,14 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
               f"{result['offline']['requests_s']:.2f} req/s; batch-32 step {1e3 * result['decode_step_b32_s']:.2f} ms",
               flush=True)
 
-        server = InProcessServer(llm, name)
+        # The server as ``hybridkv serve`` runs it: the engine in its own process (this one's freed first)
+        del llm
+        import gc
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        server = InProcessServer(EngineCoreClient(ckpt, config), name)
         try:
             extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
             run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
@@ -427,9 +437,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                           itl_p99_at_half=half["itl_p99"] if half else None)
         finally:
             server.stop()
-            del llm, server
-            import gc
-
+            del server
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -1,24 +1,27 @@
 """The HTTP server's own cost, without a model: ``hybridkv serve``'s app over an engine whose step is a fixed sleep.
 
     python benchmarks/server_overhead.py [--requests 256] [--input-len 256] [--output-len 64] [--step-ms 5]
-                                         [--prefill-us-per-token 0.5] [--vocab 262144] [--profile DIR]
+                                         [--prefill-us-per-token 0.5] [--host-ms 0] [--vocab 262144]
+                                         [--profile DIR]
 
 The real ``LLM`` (scheduler, KV coordinator, sampler bookkeeping, detokenizer, chat template, tokenizer) over a
 tiny checkpoint whose vocabulary is a word-level tokenizer as large as Gemma-3's, but its step runner computes
-nothing: it sleeps ``--step-ms`` (plus ``--prefill-us-per-token`` per scheduled token), as a GPU step lets the
-host wait without the GIL, and returns a token that is a function of the step's input (every id is a word, so
-every streamed chunk has text). So the engine thread's Python work is the real one and the model's time is a
-known constant; the rest is what serving costs.
+nothing (``_sleep_engine.py``): it sleeps ``--step-ms`` (plus ``--prefill-us-per-token`` per scheduled token), as
+a GPU step lets the host wait without the GIL, and returns a token that is a function of the step's input (every
+id is a word, so every streamed chunk has text). So the engine's Python work is the real one and the model's time
+is a known constant; the rest is what serving costs.
 
 Runs, each on the same ``--requests`` chat conversations, all at once, greedy, ``ignore_eos``:
   offline   ``LLM.chat`` in this process (after a warm-up run).
-  http      the app (``AsyncLLM`` + FastAPI + uvicorn on 127.0.0.1, in a thread of this process, as
-            ``serve_load.py`` runs it), non-streamed and streamed, loaded by ``serve_load.py --client`` (a
-            separate process).
+  http      the app (FastAPI + uvicorn on 127.0.0.1, in a thread of this process, as ``serve_load.py`` runs it)
+            non-streamed and streamed, loaded by ``serve_load.py --client`` (a separate process); over the engine
+            in its own process as ``hybridkv serve`` runs it (``EngineCoreClient``, the stand-in built there by
+            its factory), and, the rows marked "(thread)", over an engine thread of this process (``AsyncLLM``).
   intake    the same requests with ``max_tokens`` 1, non-streamed: what taking a request costs.
-Per run: wall seconds, output tok/s, HTTP/offline, CPU seconds of the engine thread and of the event-loop thread
-(Linux ``/proc``), steps; derived: the server's extra CPU per request (intake run) and per streamed chunk
-(streamed - non-streamed, over the chunks). Targets (GPU, ``serve_load.py``): HTTP >= 90% of offline.
+Per run: wall seconds, output tok/s, HTTP/offline, CPU seconds of the engine (its thread, or its whole process)
+and of the API side (the event-loop thread, plus the engine process's reader thread) (Linux ``/proc``), steps;
+derived: the server's extra CPU per request (intake run) and per streamed chunk (streamed - non-streamed, over
+the chunks). Targets (GPU, ``serve_load.py``): HTTP >= 90% of offline.
 ``--profile DIR``: also run each HTTP load under py-spy (all threads, ``--idle`` off) when installed, writing
 flame graphs and the top functions per thread.
 """
@@ -26,6 +29,8 @@ flame graphs and the top functions per thread.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import math
 import os
 import shutil
@@ -34,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,48 +47,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
+from _sleep_engine import sleep_llm  # noqa: E402
 from gpu_attention import print_table  # noqa: E402
 from serve_load import InProcessServer, conversations, run_load, write_tokenizer  # noqa: E402
 
-from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.engine.model_runner import StepBatch, StepOutput  # noqa: E402
-from hybridkv.kv_groups.plan import KVCachePlan  # noqa: E402
+from hybridkv import EngineConfig, SamplingParams  # noqa: E402
+from hybridkv.engine.async_llm import AsyncLLM  # noqa: E402
+from hybridkv.engine.core_client import EngineCoreClient  # noqa: E402
 from hybridkv.models import MLP, Attention, HybridConfig, Layer  # noqa: E402
 from hybridkv.models.hybrid import build_model, save_model  # noqa: E402
 
-
-class SleepRunner:
-    """A step runner standing in for the model: ``step_s + token_s x tokens`` of sleep (the GIL released, as a
-    host waiting on the GPU), then each output row's token, a function of its input token (never a special one)."""
-
-    def __init__(self, plan: KVCachePlan, vocab: int, *, step_s: float, token_s: float, first: int) -> None:
-        self.plan, self.vocab, self.step_s, self.token_s, self.first = plan, vocab, step_s, token_s, first
-        self.device = torch.device("cpu")
-        self.steps = 0
-
-    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
-        pass
-
-    def execute(self, batch: StepBatch) -> StepOutput:
-        time.sleep(self.step_s + self.token_s * len(batch.input_ids))
-        self.steps += 1
-        last = batch.input_ids[batch.logits_indices]
-        span = self.vocab - self.first
-        return StepOutput(logits=None, greedy=torch.from_numpy((last * 7919 + 13) % span + self.first))
+HERE = Path(__file__).resolve().parent
 
 
-def build_llm(directory: Path, args: argparse.Namespace) -> LLM:
+def write_checkpoint(directory: Path, args: argparse.Namespace) -> EngineConfig:
+    """The tiny checkpoint (a vocabulary as large as Gemma-3's) and the engine config every run uses."""
     config = HybridConfig(vocab_size=args.vocab, hidden_size=8, max_position_embeddings=4096, dtype="float32",
                           eos_token_ids=(1,), layers=(Layer(mixer=Attention(num_heads=1, num_kv_heads=1, head_dim=8),
                                                             ffn=MLP(intermediate_size=8)),))
     save_model(build_model(config, seed=0), directory)
     write_tokenizer(directory, args.vocab)
     # no prefix caching: every run sends the same conversations, and each must do the same work
-    llm = LLM(directory, device="cpu", kv_cache_memory="256MiB", max_num_seqs=args.requests,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-    llm.engine.runner = SleepRunner(llm.engine.plan, args.vocab, step_s=args.step_ms / 1e3,
-                                    token_s=args.prefill_us_per_token / 1e6, first=16)
-    return llm
+    return EngineConfig(device="cpu", kv_cache_memory="256MiB", max_num_seqs=args.requests,
+                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
 
 
 def thread_cpu(native_id: int) -> float:
@@ -92,34 +78,31 @@ def thread_cpu(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Meter:
-    """Wall time, steps and per-thread CPU of a run."""
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, llm: LLM, threads: dict[str, threading.Thread]) -> None:
-        self.llm, self.threads = llm, threads
+
+class Meter:
+    """Wall time, steps and CPU of a run: ``cpu`` name -> a function giving CPU seconds so far (summed per name)."""
+
+    def __init__(self, steps: Callable[[], int], cpu: dict[str, list[Callable[[], float]]]) -> None:
+        self.steps_of, self.sources = steps, cpu
+
+    def _cpu(self) -> dict[str, float]:
+        return {k: sum(f() for f in fs) for k, fs in self.sources.items()}
 
     def __enter__(self) -> Meter:
-        self.cpu0 = {k: thread_cpu(t.native_id) for k, t in self.threads.items()}
-        self.steps0 = self.llm.engine.runner.steps
+        self.cpu0 = self._cpu()
+        self.steps0 = self.steps_of()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
-        self.cpu = {k: thread_cpu(t.native_id) - self.cpu0[k] for k, t in self.threads.items()}
-        self.steps = self.llm.engine.runner.steps - self.steps0
-
-
-class _Probe(threading.Thread):
-    """Stands for the calling thread in ``Meter`` (offline runs drive the engine in the main thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._native = threading.get_native_id()
-
-    @property
-    def native_id(self) -> int:      # type: ignore[override]
-        return self._native
+        self.cpu = {k: v - self.cpu0[k] for k, v in self._cpu().items()}
+        self.steps = self.steps_of() - self.steps0
 
 
 def _py_spy(pid: int, out: Path, name: str) -> subprocess.Popen | None:
@@ -176,6 +159,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--step-ms", type=float, default=5.0, help="the stand-in model's time per step")
     ap.add_argument("--prefill-us-per-token", type=float, default=0.5, help="... plus this per scheduled token")
+    ap.add_argument("--host-ms", type=float, default=0.0,
+                    help="Python work per step holding the GIL before the sleep (a GPU step's launch work; on the "
+                    "H200 at batch 256 the engine's host work per decode step is about the step itself)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=262144)
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -189,63 +175,63 @@ def main() -> None:
     n, new = args.requests, args.output_len
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     rows: dict[str, dict[str, Any]] = {}
+    times = {"step_s": args.step_ms / 1e3, "token_s": args.prefill_us_per_token / 1e6, "host_s": args.host_ms / 1e3}
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp)
-        llm = build_llm(ckpt, args)
+        config = write_checkpoint(ckpt, args)
+        llm = sleep_llm(ckpt, config, **times)
         convs = conversations(ckpt, n, args.input_len)
-        main_thread = {"main": _Probe()}
+        main_thread = threading.get_native_id()
         for _ in range(2):                   # the second run is timed
-            with Meter(llm, main_thread) as m:
+            with Meter(lambda: llm.engine.runner.steps, {"engine": [lambda: thread_cpu(main_thread)]}) as m:
                 outs = llm.chat(convs, params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == n * new, tokens
-        rows["offline"] = {"seconds": m.seconds, "tokens": tokens, "steps": m.steps, "cpu_engine": m.cpu["main"],
+        rows["offline"] = {"seconds": m.seconds, "tokens": tokens, "steps": m.steps, "cpu_engine": m.cpu["engine"],
                            "cpu_loop": 0.0}
-        server = InProcessServer(llm, str(ckpt))
-        threads = {"engine": server.engine._thread, "loop": server.thread}
-        if args.profile is not None:
-            args.profile.mkdir(parents=True, exist_ok=True)
+        # the engine in a thread of this process (AsyncLLM), then in its own process, as ``hybridkv serve`` runs it
+        server = InProcessServer(AsyncLLM(llm), str(ckpt))
+        threads = server.engine._thread, server.thread
         try:
-            run_load(server.url, str(ckpt), convs[:8], rate=math.inf, num_requests=8, output_len=new,
-                     extra={"ignore_eos": True})                                   # warm-up
-            runs = [("http", False, new), ("http stream", True, new), ("intake", False, 1)]
-            for name, stream, max_tokens in runs:
-                extra = {"ignore_eos": True, **({"stream_options": {"include_usage": True}} if stream else {})}
-                spy = _py_spy(os.getpid(), args.profile, name.replace(" ", "_")) if args.profile else None
-                if spy is not None:
-                    time.sleep(1.0)          # (py-spy attaches)
-                with Meter(llm, threads) as m:
-                    point = run_load(server.url, str(ckpt), convs, rate=math.inf, num_requests=n,
-                                     output_len=max_tokens, extra=extra, stream=stream)
-                if spy is not None:
-                    _stop_spy(spy, args.profile, name.replace(" ", "_"))
-                if point["failed"]:
-                    raise RuntimeError(f"{name}: {point['failed']} requests failed: {point['errors']}")
-                rows[name] = {"seconds": point["wall_s"],    # (the client's clock: its process start excluded)
-                               "tokens": n * max_tokens,
-                              "steps": m.steps, "cpu_engine": m.cpu["engine"], "cpu_loop": m.cpu["loop"],
-                              "cpu_client": point["client_cpu_s"], "text_chunks": point["text_chunks"],
-                              "itl_p50": point["itl_p50"], "itl_p99": point["itl_p99"],
-                              "tpot_p50": point["tpot_p50"], "ttft_p99": point["ttft_p99"]}
+            http_runs(rows, " (thread)", server, convs, args, Meter(
+                lambda: llm.engine.runner.steps, {"engine": [lambda: thread_cpu(threads[0].native_id)],
+                                                  "loop": [lambda: thread_cpu(threads[1].native_id)]}))
+        finally:
+            server.stop()
+        # the engine process imports the stand-in's factory by name (from this directory)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+        client = EngineCoreClient(ckpt, config, factory=functools.partial(sleep_llm, **times))
+        server = InProcessServer(client, str(ckpt))
+        pid, api = client.process.pid, (server.thread, client._reader)
+        try:
+            http_runs(rows, "", server, convs, args, Meter(
+                lambda: asyncio.run(client.snapshot()).steps,
+                {"engine": [lambda: process_cpu(pid)], "loop": [lambda t=t: thread_cpu(t.native_id) for t in api]}))
         finally:
             server.stop()
     off = rows["offline"]
     for r in rows.values():
         r["output_tok_s"] = r["tokens"] / r["seconds"]
         r["vs_offline"] = r["seconds"] and off["seconds"] / r["seconds"] if r["tokens"] == off["tokens"] else None
-    chunks = rows["http stream"]["text_chunks"]        # (fewer than the tokens when a stream merges steps)
-    derived = {
-        "server_cpu_per_request_ms": 1e3 * (rows["http"]["cpu_loop"] + rows["http"]["cpu_engine"]
-                                            - off["cpu_engine"]) / n,
-        "intake_cpu_per_request_ms": 1e3 * (rows["intake"]["cpu_loop"] + rows["intake"]["cpu_engine"]) / n,
-        "stream_cpu_per_chunk_us": 1e6 * (rows["http stream"]["cpu_loop"] + rows["http stream"]["cpu_engine"]
-                                          - rows["http"]["cpu_loop"] - rows["http"]["cpu_engine"]) / chunks,
-        "tokens_per_chunk": n * new / chunks,
-        "ideal_seconds": off["steps"] * args.step_ms / 1e3 + n * args.input_len * args.prefill_us_per_token / 1e6,
-    }
+    derived = {"ideal_seconds": off["steps"] * (args.step_ms + args.host_ms) / 1e3
+               + n * args.input_len * args.prefill_us_per_token / 1e6}
+    for mode in ("", " (thread)"):
+        chunks = rows[f"http stream{mode}"]["text_chunks"]        # (fewer than the tokens when a stream merges steps)
+        http, stream, intake = (rows[f"{k}{mode}"] for k in ("http", "http stream", "intake"))
+        key = "_thread" if mode else ""
+        derived |= {
+            f"server_cpu_per_request_ms{key}": 1e3 * (http["cpu_loop"] + http["cpu_engine"] - off["cpu_engine"]) / n,
+            f"intake_cpu_per_request_ms{key}": 1e3 * (intake["cpu_loop"] + intake["cpu_engine"]) / n,
+            f"stream_cpu_per_chunk_us{key}": 1e6 * (stream["cpu_loop"] + stream["cpu_engine"] - http["cpu_loop"]
+                                                    - http["cpu_engine"]) / chunks,
+            f"tokens_per_chunk{key}": n * new / chunks,
+        }
     meta = {"commit": commit(), "command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cpus": os.cpu_count(), "python": sys.version.split()[0], "requests": n, "input_len": args.input_len,
-            "output_len": new, "step_ms": args.step_ms, "prefill_us_per_token": args.prefill_us_per_token,
+            "output_len": new, "step_ms": args.step_ms, "host_ms": args.host_ms,
+            "prefill_us_per_token": args.prefill_us_per_token,
             "vocab": args.vocab, "switch_interval": sys.getswitchinterval()}
     write_json(args, "server_overhead", {"meta": meta, "runs": rows, "derived": derived})
 
@@ -253,7 +239,8 @@ def main() -> None:
         return "-" if x is None else f"{1e3 * x:.1f}"
 
     print_table(f"server_overhead ({meta['commit']}; {n} chats of ~{args.input_len} tokens, {new} new; model step "
-                f"{args.step_ms} ms sleep; model-only time {derived['ideal_seconds']:.2f} s)",
+                f"{args.step_ms} ms sleep + {args.host_ms} ms host work; model-only "
+                f"time {derived['ideal_seconds']:.2f} s)",
                 ["run", "seconds", "tok/s", "vs offline", "steps", "CPU engine s", "CPU loop s", "CPU client s",
                  "TPOT p50 ms", "ITL p99 ms"],
                 [[k, f"{r['seconds']:.2f}", f"{r['output_tok_s']:.0f}",
@@ -261,10 +248,39 @@ def main() -> None:
                   f"{r['cpu_engine']:.2f}", f"{r['cpu_loop']:.2f}",
                   f"{r['cpu_client']:.2f}" if "cpu_client" in r else "-", ms(r.get("tpot_p50")), ms(r.get("itl_p99"))]
                  for k, r in rows.items()])
-    print(f"server CPU per request (non-streamed, beyond offline): {derived['server_cpu_per_request_ms']:.2f} ms; "
-          f"intake CPU per request (max_tokens 1): {derived['intake_cpu_per_request_ms']:.2f} ms; "
-          f"streaming CPU per text chunk: {derived['stream_cpu_per_chunk_us']:.0f} us "
-          f"({derived['tokens_per_chunk']:.2f} tokens per chunk)", flush=True)
+    for key, what in (("", "engine process"), ("_thread", "engine thread")):
+        print(f"{what}: server CPU per request (non-streamed, beyond offline): "
+              f"{derived[f'server_cpu_per_request_ms{key}']:.2f} ms; intake CPU per request (max_tokens 1): "
+              f"{derived[f'intake_cpu_per_request_ms{key}']:.2f} ms; streaming CPU per text chunk: "
+              f"{derived[f'stream_cpu_per_chunk_us{key}']:.0f} us ({derived[f'tokens_per_chunk{key}']:.2f} tokens "
+              f"per chunk)", flush=True)
+
+
+def http_runs(rows: dict[str, dict[str, Any]], suffix: str, server: InProcessServer, convs: list,
+              args: argparse.Namespace, meter: Meter) -> None:
+    """The warm-up, then the non-streamed, streamed and intake loads; a row each (its name + ``suffix``)."""
+    n, new = args.requests, args.output_len
+    run_load(server.url, server.name, convs[:8], rate=math.inf, num_requests=8, output_len=new,
+             extra={"ignore_eos": True})                                   # warm-up
+    for name, stream, max_tokens in [("http", False, new), ("http stream", True, new), ("intake", False, 1)]:
+        extra = {"ignore_eos": True, **({"stream_options": {"include_usage": True}} if stream else {})}
+        label = (name + suffix).replace(" ", "_").replace("(", "").replace(")", "")
+        spy = _py_spy(os.getpid(), args.profile, label) if args.profile else None
+        if spy is not None:
+            time.sleep(1.0)          # (py-spy attaches)
+        with meter as m:
+            point = run_load(server.url, server.name, convs, rate=math.inf, num_requests=n, output_len=max_tokens,
+                             extra=extra, stream=stream)
+        if spy is not None:
+            _stop_spy(spy, args.profile, label)
+        if point["failed"]:
+            raise RuntimeError(f"{name}{suffix}: {point['failed']} requests failed: {point['errors']}")
+        rows[name + suffix] = {"seconds": point["wall_s"],    # (the client's clock: its process start excluded)
+                               "tokens": n * max_tokens, "steps": m.steps, "cpu_engine": m.cpu["engine"],
+                               "cpu_loop": m.cpu["loop"], "cpu_client": point["client_cpu_s"],
+                               "text_chunks": point["text_chunks"], "itl_p50": point["itl_p50"],
+                               "itl_p99": point["itl_p99"], "tpot_p50": point["tpot_p50"],
+                               "ttft_p99": point["ttft_p99"]}
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "debug", "hf_cache_dirs", "master_address", "torchrun_world",
-           "triton_interpret"]
+__all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "child_environment", "debug", "hf_cache_dirs", "master_address",
+           "torchrun_world", "triton_interpret"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            meaning="Hugging Face's cache root, searched for an already downloaded GSM8K (never downloaded)"),
     EnvVar(name="HF_DATASETS_CACHE", type="str", default="", meaning="Hugging Face's datasets cache, searched first"),
     EnvVar(name="HF_HUB_CACHE", type="str", default="$HF_HOME/hub", meaning="Hugging Face's hub cache"),
+    EnvVar(name="PYTHONPATH", type="str", default="",
+           meaning="Python's own; the engine process of hybridkv serve gets it with hybridkv's root put first"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -112,3 +114,11 @@ def hf_cache_dirs() -> list[Path]:
 def benchmark_commit() -> str | None:
     """``HYBRIDKV_COMMIT``: the commit a benchmark records when it runs from a copy without .git."""
     return os.environ.get("HYBRIDKV_COMMIT") or None
+
+
+def child_environment(*, path_first: str) -> dict[str, str]:
+    """This process's environment for a fresh interpreter that must import this hybridkv (the engine process):
+    a copy, with ``path_first`` put ahead on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, env.get("PYTHONPATH")) if p)
+    return env

@@ -26,7 +26,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,7 +58,7 @@ class AsyncLLM:
         self.llm = llm
         self.front = llm.front
         self.max_waiting = max_waiting
-        self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+        self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
         self._closing: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hybridkv-engine", daemon=True)
@@ -77,6 +77,18 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.engine.vocab_size
+
+    def decode(self, ids: Sequence[int], params: SamplingParams) -> str:
+        """Text of token ids as a request with ``params`` gets it (needs a tokenizer)."""
+        return self.llm.engine.decode(ids, params)
+
+    def render_chat(self, messages: Sequence[Any], **options: Any) -> str:
+        """One conversation as its prompt text (``LLM.render_chat``)."""
+        return self.llm.render_chat(messages, **options)
 
     @property
     def dead(self) -> str | None:
@@ -98,16 +110,17 @@ class AsyncLLM:
         parsed = self.llm.parse_prompt(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         kind = OutputKind.DELTA if stream else OutputKind.FINAL
-        submissions = sample_submissions(self.front, rid, parsed, params, kind)
+        submissions = sample_submissions(self.front.validate, rid, parsed, params, kind)
         if self.max_waiting is not None and self.front.num_waiting() + len(submissions) > self.max_waiting:
             raise QueueFullError(f"{self.front.num_waiting()} requests are waiting (max_waiting="
                                  f"{self.max_waiting}); retry later")
         waker = self._wakers.get(loop)
         if waker is None:
-            waker = self._wakers[loop] = _LoopWaker(loop)
+            waker = self._wakers[loop] = LoopWaker(loop)
         token_ids = tuple(int(t) for t in submissions[0].token_ids)
-        result = RequestStream(self, waker, rid, prompt=parsed.text, prompt_token_ids=token_ids, params=params,
-                               sample_ids=[s.request_id for s in submissions], stream=stream)
+        result = RequestStream(self.front.abort, waker, rid, prompt=parsed.text, prompt_token_ids=token_ids,
+                               params=params, sample_ids=[s.request_id for s in submissions], stream=stream,
+                               decode=self.decode if self.llm.tokenizer is not None else None)
         self.front.submit(submissions, result)
         return result
 
@@ -165,10 +178,11 @@ class RequestStream:
     the request, as ``abort()`` and leaving ``async with`` do. Once it has finished, ``metrics`` holds each
     sample's ``RequestMetrics``, ``num_output_tokens`` their total length."""
 
-    def __init__(self, owner: AsyncLLM, waker: _LoopWaker, request_id: str, *, prompt: str | None,
-                 prompt_token_ids: tuple[int, ...], params: SamplingParams, sample_ids: Sequence[str],
-                 stream: bool) -> None:
-        self._front = owner.front
+    def __init__(self, abort: Callable[[Sequence[str]], None], waker: LoopWaker, request_id: str, *,
+                 prompt: str | None, prompt_token_ids: tuple[int, ...], params: SamplingParams,
+                 sample_ids: Sequence[str], stream: bool,
+                 decode: Callable[[Sequence[int], SamplingParams], str] | None) -> None:
+        self._abort = abort                   # aborts engine requests (their ids) at the next step boundary
         self._waker = waker
         self.request_id = request_id
         self.prompt = prompt
@@ -177,15 +191,13 @@ class RequestStream:
         self.stream = stream
         self._ids = list(sample_ids)
         self._live = set(sample_ids)
-        engine = owner.llm.engine
-        tokenizer = engine.tokenizer
         self._samples: dict[str, _Sample] = {}
         for rid in sample_ids:
             detok = None
-            if stream and tokenizer is not None:
-                detok = IncrementalDetokenizer(lambda ids: engine.decode(ids, params), stop=params.stop)
+            if stream and decode is not None:
+                detok = IncrementalDetokenizer(lambda ids: decode(ids, params), stop=params.stop)
             self._samples[rid] = _Sample(detokenizer=detok)
-        self._pending: deque[RequestOutput] = deque()     # filled by the engine thread
+        self._pending: deque[RequestOutput] = deque()     # filled by the routing thread (deliver)
         self._event = asyncio.Event()
         self._finished = False
         self.metrics: dict[int, RequestMetrics] = {}
@@ -194,7 +206,8 @@ class RequestStream:
         self.num_cached_tokens: int | None = None
         self.error: str | None = None
 
-    # Sink (engine thread, front lock held)
+    # Sink (the thread that routes engine outputs: the engine thread with the front's lock held, or the reader
+    # thread of an engine process)
     def deliver(self, outputs: list[RequestOutput]) -> None:
         self._pending.extend(outputs)
         self._waker.wake(self)
@@ -207,7 +220,7 @@ class RequestStream:
         """Abort what is still running (idempotent); the stream ends."""
         if self._live:
             live, self._live = sorted(self._live), set()
-            self._front.abort(live)
+            self._abort(live)
         self._finished = True
         self._event.set()
 
@@ -321,7 +334,7 @@ class RequestStream:
                              error=self.error, num_cached_tokens=self.num_cached_tokens)
 
 
-class _LoopWaker:
+class LoopWaker:
     """Wakes the streams of one event loop that got outputs: one ``call_soon_threadsafe`` per engine step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:

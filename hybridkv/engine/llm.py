@@ -20,7 +20,7 @@ import numbers
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -222,37 +222,7 @@ class LLM:
     # -- prompts ------------------------------------------------------------------------------------
     def parse_prompt(self, item: object) -> ParsedPrompt:
         """One prompt of a call: its token ids (checked by the engine) and text, or why it is not one."""
-        try:
-            if isinstance(item, str):
-                return ParsedPrompt(token_ids=self._encode(item), text=item)
-            if isinstance(item, Mapping):
-                unknown = sorted(map(str, set(item) - {"prompt", "prompt_token_ids"}))
-                if unknown:
-                    raise RequestError(f"unsupported prompt keys {unknown} (known: 'prompt', 'prompt_token_ids')")
-                text = item.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise RequestError(f"'prompt' must be a string, got {type(text).__name__}")
-                if "prompt_token_ids" in item:
-                    return ParsedPrompt(token_ids=item["prompt_token_ids"], text=text)
-                if text is None:
-                    raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-                return ParsedPrompt(token_ids=self._encode(text), text=text)
-            if isinstance(item, Sequence | np.ndarray) and not isinstance(item, bytes):
-                return ParsedPrompt(token_ids=item, text=None)
-            raise RequestError(f"a prompt is a string, a list of token ids or a prompt dict, got "
-                               f"{type(item).__name__}")
-        except RequestError as err:
-            return ParsedPrompt(error=str(err), text=item if isinstance(item, str) else None)
-        except Exception as err:       # the tokenizer failed on this text: this prompt's error, not the call's
-            return ParsedPrompt(error=f"could not encode the prompt ({type(err).__name__}: {err})",
-                                text=item if isinstance(item, str) else None)
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
-        from hybridkv.loaders.tokenizer import encode_prompt
-
-        return encode_prompt(self.tokenizer, text)
+        return parse_prompt(item, self.tokenizer)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -292,7 +262,7 @@ class LLM:
             rid = str(next(self._ids))
             call.ids.append(rid)
             try:
-                subs = sample_submissions(self.front, rid, prompt, p, kind)
+                subs = sample_submissions(self.front.validate, rid, prompt, p, kind)
             except RequestError as err:
                 call.errors[rid] = _error_output(rid, prompt, str(err))
                 continue
@@ -397,14 +367,52 @@ class ParsedPrompt:
     error: str | None = None
 
 
-def sample_submissions(front: EngineFront, rid: str, prompt: ParsedPrompt, params: object,
-                       kind: OutputKind) -> list[Submission]:
-    """The engine requests "<rid>.<i>" of ``prompt``'s ``n`` samples, each checked (``RequestError``)."""
+def parse_prompt(item: object, tokenizer: object | None) -> ParsedPrompt:
+    """One prompt (text, token ids or a prompt dict): its token ids (unchecked) and text, text encoded with
+    ``tokenizer``; or why it is not one."""
+    try:
+        if isinstance(item, str):
+            return ParsedPrompt(token_ids=_encode(tokenizer, item), text=item)
+        if isinstance(item, Mapping):
+            unknown = sorted(map(str, set(item) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                raise RequestError(f"unsupported prompt keys {unknown} (known: 'prompt', 'prompt_token_ids')")
+            text = item.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise RequestError(f"'prompt' must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" in item:
+                return ParsedPrompt(token_ids=item["prompt_token_ids"], text=text)
+            if text is None:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            return ParsedPrompt(token_ids=_encode(tokenizer, text), text=text)
+        if isinstance(item, Sequence | np.ndarray) and not isinstance(item, bytes):
+            return ParsedPrompt(token_ids=item, text=None)
+        raise RequestError(f"a prompt is a string, a list of token ids or a prompt dict, got "
+                           f"{type(item).__name__}")
+    except RequestError as err:
+        return ParsedPrompt(error=str(err), text=item if isinstance(item, str) else None)
+    except Exception as err:       # the tokenizer failed on this text: this prompt's error, not the call's
+        return ParsedPrompt(error=f"could not encode the prompt ({type(err).__name__}: {err})",
+                            text=item if isinstance(item, str) else None)
+
+
+def _encode(tokenizer: object | None, text: str) -> list[int]:
+    if tokenizer is None:
+        raise RequestError("a text prompt needs a tokenizer; this model has none (pass token ids)")
+    from hybridkv.loaders.tokenizer import encode_prompt
+
+    return encode_prompt(tokenizer, text)
+
+
+def sample_submissions(validate: Callable[[Sequence[int], SamplingParams], None], rid: str, prompt: ParsedPrompt,
+                       params: object, kind: OutputKind) -> list[Submission]:
+    """The engine requests "<rid>.<i>" of ``prompt``'s ``n`` samples, each checked by ``validate``
+    (``RequestError``)."""
     if prompt.error is not None:
         raise RequestError(prompt.error)
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    front.validate(prompt.token_ids, _nth_sample(params, 0))      # (the samples differ in their seeds only)
+    validate(prompt.token_ids, _nth_sample(params, 0))      # (the samples differ in their seeds only)
     return [Submission(request_id=f"{rid}.{i}", token_ids=prompt.token_ids, params=_nth_sample(params, i),
                        prompt=prompt.text, output_kind=kind) for i in range(params.n)]
 

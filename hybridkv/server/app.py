@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over an ``AsyncLLM``: routes, errors, authentication.
+"""The OpenAI-compatible HTTP app (FastAPI) over an engine client: ``EngineCoreClient`` (the engine in its own
+process, as ``hybridkv serve`` runs it) or ``AsyncLLM`` (an in-process engine thread); routes, errors,
+authentication.
 
 Routes, as ``vllm serve`` has them: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` as
 server-sent events, ``stream_options.include_usage``, ``n``, logprobs, vLLM's extra sampling fields),
@@ -36,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
 from hybridkv.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from hybridkv.engine.core_client import EngineCoreClient
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError
 from hybridkv.engine.request import CompletionOutput, RequestOutput, TokenLogprob
@@ -82,7 +85,7 @@ def _error_response(status: int, message: str, *, type: str | None = None, param
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncLLM | EngineCoreClient, settings: ServerSettings) -> FastAPI:
     """The app serving ``engine`` (which the caller starts and shuts down)."""
     server = _Server(engine, settings)
 
@@ -168,7 +171,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 class _Server:
     """The routes' work, over one engine."""
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncLLM | EngineCoreClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.model_name = settings.served_model_names[0]
@@ -210,10 +213,7 @@ class _Server:
         """A token's own text (special tokens kept), for logprobs; ``token_id:N`` without a tokenizer."""
         text = self._token_text.get(token_id)
         if text is None:
-            if self.tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = self.engine.llm.engine.decode([token_id], _KEEP_SPECIAL)
+            text = f"token_id:{token_id}" if self.tokenizer is None else self.engine.decode([token_id], _KEEP_SPECIAL)
             if len(self._token_text) < 1 << 20:
                 self._token_text[token_id] = text
         return text
@@ -238,7 +238,7 @@ class _Server:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                            "token ids", param="messages")
         try:
-            return self.engine.llm.render_chat(messages, chat_template=chat_template,
+            return self.engine.render_chat(messages, chat_template=chat_template,
                                                add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message,
                                                chat_template_kwargs=chat_template_kwargs, tools=tools)
@@ -377,7 +377,7 @@ class _Server:
         return entries
 
     def _decode_prompt(self, stream: RequestStream) -> str:
-        return "" if self.tokenizer is None else self.engine.llm.engine.decode(stream.prompt_token_ids, _KEEP_SPECIAL)
+        return "" if self.tokenizer is None else self.engine.decode(stream.prompt_token_ids, _KEEP_SPECIAL)
 
     def _completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int) -> api.CompletionLogprobs:
         out = api.CompletionLogprobs()
@@ -536,11 +536,11 @@ class _Server:
         self.check_model(body.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        vocab = self.engine.llm.engine.vocab_size
+        vocab = self.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:4]}", param="tokens")
-        return api.DetokenizeResponse(prompt=self.engine.llm.engine.decode(body.tokens, _KEEP_SPECIAL))
+        return api.DetokenizeResponse(prompt=self.engine.decode(body.tokens, _KEEP_SPECIAL))
 
 
 _KEEP_SPECIAL = SamplingParams(skip_special_tokens=False)

@@ -1,11 +1,13 @@
 """``hybridkv serve MODEL``: the OpenAI-compatible server, registered into the ``hybridkv`` command on import.
 
-Loads the model (``LLM`` with an ``EngineConfig`` from the options), starts the engine thread (``AsyncLLM``)
-and serves the app (``server/app.py``) with uvicorn on ``--host`` (127.0.0.1 unless told otherwise) and
+Starts the engine process (``EngineCoreClient``: the model, the KV cache and the step loop, built as ``LLM``
+with an ``EngineConfig`` from the options, in a process of its own so that HTTP work never delays a step) and
+serves the app (``server/app.py``) with uvicorn on ``--host`` (127.0.0.1 unless told otherwise) and
 ``--port``. Logging goes to stderr at ``--log-level`` (info: the KV plan, the backend, CUDA graphs, one
 stats line every ``--stats-interval`` seconds while requests run). SIGTERM or Ctrl-C: no new connections,
-running requests finish (at most ``--shutdown-timeout`` seconds, then they are aborted), the engine thread
-and any tensor-parallel ranks stop, exit code 0. Importing this module imports none of the server's
+running requests finish (at most ``--shutdown-timeout`` seconds, then they are aborted), the engine process
+and any tensor-parallel ranks stop, exit code 0. If the engine process dies, requests get 503 and
+``/health`` fails. Importing this module imports none of the server's
 dependencies (``pip install 'hybridkv[server]'``).
 """
 
@@ -99,16 +101,15 @@ def run_serve(args: argparse.Namespace) -> int:
         from hybridkv.server.app import ServerSettings, build_app
     except ImportError as err:
         raise UsageError(f"hybridkv serve: needs {err.name} (pip install 'hybridkv[server]')") from None
-    from hybridkv import LLM, __version__
-    from hybridkv.engine.async_llm import AsyncLLM
+    from hybridkv import __version__
+    from hybridkv.engine.core_client import EngineCoreClient
 
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = logging.getLogger("hybridkv").handlers
         logging.getLogger(name).propagate = False
     config = engine_config(args)
     logger.info("hybridkv %s: serving %s (%s)", __version__, args.model, config)
-    llm = LLM(args.model, config=config)
-    engine = AsyncLLM(llm, max_waiting=args.max_waiting)
+    engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting, log_level=args.log_level)
     settings = ServerSettings(served_model_names=tuple(args.served_model_name or [args.model]),
                               model_root=str(args.model), api_key=args.api_key, stats_interval=args.stats_interval)
     server = uvicorn.Server(uvicorn.Config(
@@ -129,7 +130,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         engine.shutdown(timeout=args.shutdown_timeout)
-        llm.shutdown()
         logger.info("stopped")
     return 0 if server.started else 1
 

@@ -1,0 +1,195 @@
+"""The engine process of ``hybridkv serve``: the model, the KV cache and the step loop, apart from the API process.
+
+Started by ``EngineCoreClient`` (engine/core_client.py) as a fresh interpreter running ``main`` (``CORE_COMMAND``),
+never a re-import of the caller's ``__main__``.
+
+In one process, the engine thread's steps would share the GIL with the HTTP work (request parsing, chat
+templates, tokenization, writing responses), and every bit of it delays a step. Here the engine runs
+``EngineFront.serve`` in its own interpreter; the API process keeps HTTP, templates, tokenization and incremental
+detokenization, and loads no weights. The two talk over a socket pair (``multiprocessing.connection``, pickled
+messages of plain types):
+
+    API -> engine   a ``CoreJob`` first; then ("add", [(id, token ids, params, output kind), ...]),
+                    ("abort", [ids]), ("snapshot", seq), ("drain",), ("close", reason)
+    engine -> API   ("ready", EngineLimits) or ("failed", message) first; then one ("out", outputs, waiting, adds)
+                    per step with outputs, ("state", waiting, adds) after aborts, ("snapshot", seq, snapshot or
+                    error), ("dead", reason) before exiting on a fatal step error
+
+``waiting`` is ``EngineFront.num_waiting()`` and ``adds`` the submissions received when it was read (the API
+process bounds its queue with them). A streamed request's output of a step travels as (id, new token ids, cached
+prompt tokens); other outputs (final ones, ones with logprobs) whole, without the prompt ids the API holds.
+The process ignores SIGINT and SIGTERM (sent to the whole process group by Ctrl-C or a supervisor: the API
+process handles them and drains the engine) and stops when the API process goes (end of file on the socket:
+every request is aborted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.engine import RequestError
+from hybridkv.engine.front import EngineDeadError, Submission
+from hybridkv.engine.limits import EngineLimits
+from hybridkv.engine.llm import LLM
+from hybridkv.engine.request import OutputKind, RequestOutput
+from hybridkv.models.config import HybridConfig
+
+logger = logging.getLogger("hybridkv.engine")
+
+LLMFactory = Callable[[Any, EngineConfig], LLM]
+"""Builds the engine process's ``LLM`` from (model, config); pickled by reference, so importable by name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreJob:
+    """What the engine process builds: ``factory(model, config)`` (default ``LLM(model, config=config)``);
+    ``log_level``: the ``hybridkv`` loggers' level there (None: logging left unconfigured)."""
+
+    model: str | Path | HybridConfig
+    config: EngineConfig
+    factory: LLMFactory | None = None
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str | Path | HybridConfig):
+            raise TypeError(f"the engine process takes a checkpoint path or a HybridConfig, got "
+                            f"{type(self.model).__name__}")
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+
+    def build(self) -> LLM:
+        if self.factory is None:
+            return LLM(self.model, config=self.config)
+        return self.factory(self.model, self.config)
+
+
+def pack_outputs(outputs: Sequence[RequestOutput]) -> list[tuple | RequestOutput]:
+    """A step's outputs as sent: a streamed output without logprobs as (id, token ids, cached tokens), others
+    without their prompt ids (``unpack`` in the API process puts back what its stream holds)."""
+    packed: list[tuple | RequestOutput] = []
+    for out in outputs:
+        c = out.outputs[0] if out.outputs else None
+        if (not out.finished and c is not None and c.logprobs is None and c.text is None and out.metrics is None
+                and out.prompt_logprobs is None and out.error is None):
+            packed.append((out.request_id, c.token_ids, out.num_cached_tokens))
+        else:
+            packed.append(replace(out, prompt=None, prompt_token_ids=()))
+    return packed
+
+
+class EngineCore:
+    """The engine process's loop: ``llm``'s front served in this (main) thread, ``conn`` read by another."""
+
+    def __init__(self, llm: LLM, conn: Connection) -> None:
+        self.llm = llm
+        self.front = llm.front
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._adds = 0                     # submissions received (read with num_waiting: the API's queue bound)
+
+    def run(self) -> int:
+        """Serve until drained, closed, failed or orphaned; the exit code."""
+        reader = threading.Thread(target=self._read, name="hybridkv-core-reader", daemon=True)
+        reader.start()
+        device = self.llm.engine.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        self.front.serve(self._stop)
+        dead = self.front.dead
+        if dead is not None and not self._stop.is_set():      # a fatal step error (its outputs are sent)
+            self._send(("dead", dead))
+        self.llm.shutdown()
+        return 0
+
+    # Sink: the driving thread, the front's lock held; one call per step
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._send(("out", pack_outputs(outputs), self.front.num_waiting(), self._adds))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock, contextlib.suppress(OSError):    # (API process gone: the reader stops the engine)
+            self.conn.send(message)
+
+    def _send_state(self, engine: object) -> None:
+        self._send(("state", self.front.num_waiting(), self._adds))
+
+    def _read(self) -> None:
+        front = self.front
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                logger.warning("the API process is gone: aborting every request and stopping the engine")
+                front.close("the API process is gone")
+                self._stop.set()
+                front.wake()
+                return
+            kind = message[0]
+            if kind == "add":
+                subs = [Submission(request_id=rid, token_ids=ids, params=params, output_kind=OutputKind(k))
+                        for rid, ids, params, k in message[1]]
+                try:
+                    front.submit(subs, self)
+                except (RequestError, EngineDeadError) as err:
+                    self.deliver([RequestOutput(request_id=s.request_id, prompt=None, prompt_token_ids=(),
+                                                outputs=(), finished=True, error=str(err)) for s in subs])
+                self._adds += len(subs)
+            elif kind == "abort":
+                front.abort(message[1])
+                front.at_step_boundary(self._send_state)        # (after the abort: the inbox is in order)
+            elif kind == "snapshot":
+                seq = message[1]
+
+                def reply(future: Any, seq: int = seq) -> None:
+                    err = future.exception()
+                    self._send(("snapshot", seq, future.result() if err is None else f"{type(err).__name__}: {err}"))
+
+                front.snapshot().add_done_callback(reply)
+            elif kind == "drain":
+                self._stop.set()
+                front.wake()
+            elif kind == "close":
+                front.close(message[1])
+                self._stop.set()
+                front.wake()
+            else:
+                logger.error("engine process: unknown message %r", kind)
+
+
+def main(argv: Sequence[str]) -> int:
+    """The engine process: read the ``CoreJob`` from the socket whose descriptor ``argv[0]`` is, build it, report
+    ready (its ``EngineLimits``) or why it failed, then serve."""
+    # Ctrl-C and a supervisor's SIGTERM to the whole group reach this process too: the API process handles them
+    # (it drains, then tells this one to stop); this one stops by itself only when the API process is gone.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    conn = Connection(int(argv[0]))
+    job: CoreJob = conn.recv()
+    if job.log_level is not None:
+        from hybridkv.commands import configure_logging
+
+        configure_logging(job.log_level)
+    try:
+        llm = job.build()
+    except BaseException as err:        # (a bad checkpoint, out of memory, a failed import, ...)
+        logger.debug("the engine could not start", exc_info=err)
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return 1
+    conn.send(("ready", EngineLimits.of(llm.engine)))
+    return EngineCore(llm, conn).run()
+
+
+CORE_COMMAND: tuple[str, ...] = (
+    "-c", "import sys; from hybridkv.engine.core import main; sys.exit(main(sys.argv[1:]))")
+"""``python <CORE_COMMAND...> <socket fd>`` starts the engine process."""
