@@ -33,7 +33,6 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError
-from hybridkv.engine.limits import EngineLimits
 from tests._server import ENGINE_ARGS, ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
 
 TIMEOUT = 60.0
@@ -121,7 +120,7 @@ def test_an_abort_frees_the_request_in_the_engine_process(client: EngineCoreClie
 
 def test_the_api_side_checks_are_the_engines(client: EngineCoreClient, offline) -> None:
     limits = client.limits
-    assert limits == EngineLimits.of(offline.engine)
+    assert limits == offline.engine.limits
     assert client.max_model_len == offline.max_model_len and client.vocab_size == offline.engine.vocab_size
     ok = [5, 6, 7]
     cases = [([], GREEDY), ([1.5], GREEDY), ([-1], GREEDY), ([300], GREEDY), ([7] * 5000, GREEDY),

@@ -38,7 +38,6 @@ from typing import Any
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError, Submission
-from hybridkv.engine.limits import EngineLimits
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.request import OutputKind, RequestOutput
 from hybridkv.models.config import HybridConfig
@@ -186,7 +185,7 @@ def main(argv: Sequence[str]) -> int:
         logger.debug("the engine could not start", exc_info=err)
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return 1
-    conn.send(("ready", EngineLimits.of(llm.engine)))
+    conn.send(("ready", llm.engine.limits))
     return EngineCore(llm, conn).run()
 
 

@@ -40,9 +40,8 @@ from typing import Any
 from hybridkv.engine.async_llm import LoopWaker, QueueFullError, RequestStream
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core import CORE_COMMAND, CoreJob, LLMFactory
-from hybridkv.engine.engine import RequestError, _takes_skip_special_tokens
 from hybridkv.engine.front import EngineDeadError, EngineSnapshot
-from hybridkv.engine.limits import EngineLimits
+from hybridkv.engine.limits import EngineLimits, RequestError, takes_skip_special_tokens
 from hybridkv.engine.llm import Prompt, parse_prompt, sample_submissions
 from hybridkv.engine.request import CompletionOutput, OutputKind, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
@@ -106,7 +105,7 @@ class EngineCoreClient:
             self._kill()
             self._conn.close()
             raise
-        self._decode_skips = _takes_skip_special_tokens(self.tokenizer)
+        self._decode_skips = takes_skip_special_tokens(self.tokenizer)
         self._reader = threading.Thread(target=self._read, name="hybridkv-core-client", daemon=True)
         self._reader.start()
 

@@ -19,19 +19,18 @@ with nothing to do holds nothing.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hybridkv.engine.config import DEFAULT_MAX_LOGPROBS
 from hybridkv.engine.distributed import TensorParallelError
+from hybridkv.engine.limits import EngineLimits, RequestError
 from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput, StepRunner, StepTables
 from hybridkv.engine.request import (
     PENDING_TOKEN,
@@ -62,10 +61,6 @@ from hybridkv.metadata import host_to_device
 from hybridkv.models.hybrid import HybridModel
 
 logger = logging.getLogger("hybridkv.engine")
-
-
-class RequestError(ValueError):
-    """A request that cannot be served (empty, too long, bad token ids); other requests are unaffected."""
 
 
 NONFINITE_ERROR = "the model produced non-finite logits (NaN or inf) for this request"
@@ -180,7 +175,7 @@ class LLMEngine:
         self._inflight: _Launched | None = None
         self._pinned: list[torch.Tensor] = []        # two alternating host buffers for sampled tokens (CUDA)
         self._undelivered: list[RequestOutput] = []  # error outputs of a step interrupted by a BaseException
-        self._decode_skips = _takes_skip_special_tokens(tokenizer)
+        self.limits = EngineLimits.of(self)           # what a request is checked against (API processes too)
         # Per coordinator row, written when a request takes the row (``_note_admissions``): its owner and what
         # logits processing it needs. Device buffers are made on first use and widened as needed.
         R = max_num_seqs
@@ -203,37 +198,8 @@ class LLMEngine:
 
     def _check_request(self, token_ids: object, params: object) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of ints and the params as the engine runs them (``max_tokens`` resolved), or
-        ``RequestError`` with the first reason the request cannot be served."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = _token_list(token_ids, self.vocab_size)
-        n, limit = len(ids), self.plan.max_model_len
-        if n > limit:
-            raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}")
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= self.vocab_size:
-            raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got min {low} max {high}")
-        if params.n != 1:
-            raise RequestError(f"LLMEngine takes one sequence per request (n={params.n}); LLM splits n samples")
-        for what, values in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            bad = [t for t in values if t >= self.vocab_size]
-            if bad:
-                raise RequestError(f"{what} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
-        for what, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if k is not None and k > self.max_logprobs:
-                raise RequestError(f"{what}={k} is more than max_logprobs={self.max_logprobs} (an engine option)")
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        if not params.skip_special_tokens and self.tokenizer is not None and not self._decode_skips:
-            raise RequestError("skip_special_tokens=False: this tokenizer's decode takes no skip_special_tokens")
-        max_tokens = max(limit - n, 1) if params.max_tokens is None else params.max_tokens
-        final = min(n + max_tokens, limit)
-        if self.plan.attention_groups and self.coordinator.blocks_to_admit(final) > self._capacity_blocks:
-            raise RequestError(f"a {final}-token request needs {self.coordinator.blocks_to_admit(final)} "
-                               f"blocks; the KV cache holds {self._capacity_blocks}: raise kv_cache_memory")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=max_tokens)
-        return ids, params
+        ``RequestError`` with the first reason the request cannot be served (``EngineLimits``)."""
+        return self.limits.check_request(token_ids, params)
 
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                     *, prompt: str | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
@@ -899,7 +865,7 @@ class LLMEngine:
         """Text of ``ids``, special tokens skipped or kept as asked (ours skip by default, transformers' keep: the
         keyword is passed whenever the tokenizer takes it)."""
         assert self.tokenizer is not None
-        if not self._decode_skips:
+        if not self.limits.decode_skips:
             return self.tokenizer.decode(list(ids))
         return self.tokenizer.decode(list(ids), skip_special_tokens=params.skip_special_tokens)
 
@@ -966,35 +932,3 @@ def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return best
 
 
-def _takes_skip_special_tokens(tokenizer: object | None) -> bool:
-    decode = getattr(tokenizer, "decode", None)
-    if decode is None:
-        return False
-    try:
-        parameters = inspect.signature(decode).parameters
-    except (TypeError, ValueError):
-        return True                 # a builtin without a signature: assume the common keyword
-    return "skip_special_tokens" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
-def _token_list(token_ids: object, vocab_size: int) -> list[int]:
-    """A prompt's token ids as Python ints, or ``RequestError``: a sequence (or 1-D integer array) of ints
-    (not bools, not floats), not empty (the caller checks their range)."""
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise RequestError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
-        ids = token_ids.tolist()
-    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
-        raise RequestError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
-    else:
-        ids = list(token_ids)
-        if set(map(type, ids)) != {int}:                   # the common case: one C-speed pass, no Python loop
-            for i, t in enumerate(ids):
-                if not isinstance(t, numbers.Integral) or isinstance(t, bool | np.bool_):
-                    raise RequestError(f"token ids must be integers in [0, {vocab_size}), got {t!r} at "
-                                       f"position {i}")
-            ids = [int(t) for t in ids]
-    if not ids:
-        raise RequestError("empty prompt")
-    return ids

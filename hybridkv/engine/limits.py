@@ -1,19 +1,31 @@
-"""``EngineLimits``: what a request is checked against, read from an engine once, checkable without it.
+"""``EngineLimits``: what a request is checked against -- the one copy of the engine's request checks.
 
-The API process of ``hybridkv serve`` holds no engine (the engine process does: ``engine/core.py``), yet must
-refuse a request it cannot serve before answering (a 400, not a failed stream). The engine process sends these
-limits when it starts; ``check_request`` then applies ``LLMEngine.validate_prompt``'s checks, in its order and
-with its messages (the KV capacity check as a token bound: ``blocks_to_admit`` grows with the length). The
-engine still checks each request it takes, so a request these limits let through by mistake fails alone.
+``LLMEngine`` checks every request it takes with its own (``engine.limits``). The API process of ``hybridkv
+serve`` holds no engine (the engine process does: ``engine/core.py``), yet must refuse a request it cannot serve
+before answering (a 400, not a failed stream): the engine process sends its limits when it starts, and the API
+process checks with them (the KV capacity check as a token bound: ``blocks_to_admit`` grows with the length).
 """
 
 from __future__ import annotations
 
+import inspect
+import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from hybridkv.engine.engine import LLMEngine, RequestError, _token_list
+import numpy as np
+
 from hybridkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import LLMEngine
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (empty, too long, bad token ids); other requests are unaffected."""
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +61,16 @@ class EngineLimits:
             fits = max(lo, 1)
         return cls(vocab_size=engine.vocab_size, max_model_len=limit, max_logprobs=engine.max_logprobs,
                    max_request_tokens=fits, has_tokenizer=engine.tokenizer is not None,
-                   decode_skips=engine._decode_skips, eos_token_ids=tuple(sorted(engine.eos_token_ids)))
+                   decode_skips=takes_skip_special_tokens(engine.tokenizer),
+                   eos_token_ids=tuple(sorted(engine.eos_token_ids)))
 
-    def check_request(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """``RequestError`` with the first reason the engine would refuse this request (one sample: n=1)."""
+    def check_request(self, token_ids: object, params: object) -> tuple[list[int], SamplingParams]:
+        """The prompt as a list of ints and the params as the engine runs them (``max_tokens`` resolved), or
+        ``RequestError`` with the first reason the engine refuses this request (one sample: n=1)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         vocab, limit = self.vocab_size, self.max_model_len
-        ids = _token_list(token_ids, vocab)
+        ids = token_list(token_ids, vocab)
         n = len(ids)
         if n > limit:
             raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}")
@@ -81,3 +95,40 @@ class EngineLimits:
         if final > self.max_request_tokens:
             raise RequestError(f"a {final}-token request needs more blocks than the KV cache holds (at most "
                                f"{self.max_request_tokens} tokens fit): raise kv_cache_memory")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max_tokens)
+        return ids, params
+
+
+def takes_skip_special_tokens(tokenizer: object | None) -> bool:
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        return False
+    try:
+        parameters = inspect.signature(decode).parameters
+    except (TypeError, ValueError):
+        return True                 # a builtin without a signature: assume the common keyword
+    return "skip_special_tokens" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def token_list(token_ids: object, vocab_size: int) -> list[int]:
+    """A prompt's token ids as Python ints, or ``RequestError``: a sequence (or 1-D integer array) of ints
+    (not bools, not floats), not empty (the caller checks their range)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise RequestError(f"token ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}")
+        ids = token_ids.tolist()
+    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise RequestError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
+    else:
+        ids = list(token_ids)
+        if set(map(type, ids)) != {int}:                   # the common case: one C-speed pass, no Python loop
+            for i, t in enumerate(ids):
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool | np.bool_):
+                    raise RequestError(f"token ids must be integers in [0, {vocab_size}), got {t!r} at "
+                                       f"position {i}")
+            ids = [int(t) for t in ids]
+    if not ids:
+        raise RequestError("empty prompt")
+    return ids
