@@ -41,7 +41,7 @@ from hybridkv.engine.async_llm import LoopWaker, QueueFullError, RequestStream
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core import CORE_COMMAND, CoreJob, LLMFactory
 from hybridkv.engine.front import EngineDeadError, EngineSnapshot
-from hybridkv.engine.limits import EngineLimits, RequestError, takes_skip_special_tokens
+from hybridkv.engine.limits import EngineLimits, RequestError, decode_text, takes_skip_special_tokens
 from hybridkv.engine.llm import Prompt, parse_prompt, sample_submissions
 from hybridkv.engine.request import CompletionOutput, OutputKind, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
@@ -141,9 +141,7 @@ class EngineCoreClient:
     def decode(self, ids: Sequence[int], params: SamplingParams) -> str:
         """Text of token ids as a request with ``params`` gets it (as ``LLMEngine.decode``; needs a tokenizer)."""
         assert self.tokenizer is not None
-        if not self._decode_skips:
-            return self.tokenizer.decode(list(ids))
-        return self.tokenizer.decode(list(ids), skip_special_tokens=params.skip_special_tokens)
+        return decode_text(self.tokenizer, ids, params, takes_skip=self._decode_skips)
 
     def render_chat(self, messages: Sequence[Any], *, chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -30,7 +30,7 @@ import torch
 
 from hybridkv.engine.config import DEFAULT_MAX_LOGPROBS
 from hybridkv.engine.distributed import TensorParallelError
-from hybridkv.engine.limits import EngineLimits, RequestError
+from hybridkv.engine.limits import EngineLimits, RequestError, decode_text
 from hybridkv.engine.model_runner import ModelRunner, StepBatch, StepOutput, StepRunner, StepTables
 from hybridkv.engine.request import (
     PENDING_TOKEN,
@@ -850,7 +850,7 @@ class LLMEngine:
             elif tok in self.eos_token_ids and not p.ignore_eos:
                 r.finish_reason = "stop"
             elif p.stop and self.tokenizer is not None:
-                found = _first_stop(self._decode(r.token_ids[r.num_prompt_tokens:known], p), p.stop)
+                found = _first_stop(self.decode(r.token_ids[r.num_prompt_tokens:known], p), p.stop)
                 if found is not None:
                     r.finish_reason, r.stop_reason = "stop", found[1]
         if r.finish_reason is None and (num_out >= p.max_tokens or known >= self.plan.max_model_len):
@@ -859,21 +859,14 @@ class LLMEngine:
 
     def decode(self, ids: Sequence[int], params: SamplingParams) -> str:
         """Text of output token ids as a request with ``params`` gets it (needs a tokenizer)."""
-        return self._decode(ids, params)
-
-    def _decode(self, ids: Sequence[int], params: SamplingParams) -> str:
-        """Text of ``ids``, special tokens skipped or kept as asked (ours skip by default, transformers' keep: the
-        keyword is passed whenever the tokenizer takes it)."""
         assert self.tokenizer is not None
-        if not self.limits.decode_skips:
-            return self.tokenizer.decode(list(ids))
-        return self.tokenizer.decode(list(ids), skip_special_tokens=params.skip_special_tokens)
+        return decode_text(self.tokenizer, ids, params, takes_skip=self.limits.decode_skips)
 
     def make_output(self, r: Request) -> RequestOutput:
         p = r.params
         text = None
         if self.tokenizer is not None:
-            text = self._decode(r.output_token_ids, p)
+            text = self.decode(r.output_token_ids, p)
             found = _first_stop(text, p.stop) if p.stop else None
             if found is not None:
                 cut, s = found

@@ -12,7 +12,7 @@ import inspect
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -132,3 +132,11 @@ def token_list(token_ids: object, vocab_size: int) -> list[int]:
     if not ids:
         raise RequestError("empty prompt")
     return ids
+
+
+def decode_text(tokenizer: Any, ids: Sequence[int], params: SamplingParams, *, takes_skip: bool) -> str:
+    """Text of ``ids``, special tokens skipped or kept as ``params`` asks (ours skip by default, transformers' keep:
+    the keyword is passed whenever the tokenizer takes it, ``takes_skip_special_tokens``)."""
+    if not takes_skip:
+        return tokenizer.decode(list(ids))
+    return tokenizer.decode(list(ids), skip_special_tokens=params.skip_special_tokens)
