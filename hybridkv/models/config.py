@@ -190,7 +190,10 @@ class Attention:
     ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
 
     ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator and carries no
-    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache."""
+    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache.
+
+    ``output_gate`` (Qwen3-Next): q_proj also gives a gate per query head (its rows per head [q | gate], as HF
+    stores them); the attention output is multiplied by sigmoid(gate) before o_proj."""
 
     num_heads: int
     num_kv_heads: int
@@ -209,6 +212,7 @@ class Attention:
     key_multiplier: float = 1.0
     output_multiplier: float = 1.0
     sinks: bool = False
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -450,7 +454,8 @@ class MoE:
     (group score = sum of its two best corrected scores), and with ``latent_size`` the routed experts
     run in a smaller latent space (hidden -> latent projection before, latent -> hidden after). The
     shared expert (``shared_intermediate_size`` > 0) sees the layer input and uses the experts'
-    activation and gating."""
+    activation and gating; with ``shared_gate`` (Qwen2-MoE, Qwen3-Next) its output is scaled by
+    sigmoid(x . w), one learned vector w (``shared_expert_gate``)."""
 
     num_experts: int
     top_k: int
@@ -468,6 +473,7 @@ class MoE:
     bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -487,6 +493,8 @@ class MoE:
                   latent_size=self.latent_size)
         if self.shared_intermediate_size < 0:
             raise ValueError(f"MoE.shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("MoE.shared_gate needs a shared expert (shared_intermediate_size > 0)")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(f"MoE: num_groups={self.num_groups} must divide num_experts={self.num_experts} "
                              f"and be >= topk_groups={self.topk_groups}")
