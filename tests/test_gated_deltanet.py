@@ -3,13 +3,15 @@
 Through ``LayerHarness`` (shuffled state slots, fresh slots NaN): one full prefill, several prefill chunks then
 single-token decodes (every chunk continues from its request's conv and recurrent state), against HF over the
 whole sequence; HF's own cached decode path; a mixed batch equal to each request alone; the tensor-parallel rule
-as data (a clear error where the ranks do not divide the key heads)."""
+as data (a clear error where the ranks do not divide the key heads); on a GPU, the same through the triton and fla
+backends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from _layer_harness import LayerHarness
+from _triton import gpu
 from test_layers_vs_hf import BATCH_STEPS, SCHEDULES, SEQ, assert_close, hidden, load_exact, randomize, same_names
 
 from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
@@ -110,3 +112,18 @@ def test_tensor_parallel_rule_and_state_shapes() -> None:
     assert rank.A_log.shape == (4,) and rank.out_proj.weight.shape[1] == 48
     with pytest.raises(ValueError, match="num_k_heads"):
         GatedDeltaNetLayer(H, cfg, cache_name="gdn", tp=TensorParallel(rank=0, size=8))
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["triton", "fla"])
+@pytest.mark.parametrize("sched", list(SCHEDULES))
+def test_gated_deltanet_on_gpu_matches_hf(sched: str, backend: str) -> None:
+    """On CUDA through the backend's kernels (conv1d and gated delta rule: ours, or fla's when installed)."""
+    if backend == "fla":
+        pytest.importorskip("fla", reason="flash-linear-attention is not installed")
+    ours, hf = build()
+    ours, hf = ours.cuda(), hf.cuda()
+    x = hidden(SEQ, H, seed=2).cuda()
+    out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=4, backend=backend).run(x, SCHEDULES[sched])
+    with torch.no_grad():
+        assert_close(out, hf(x[None])[0], atol=1e-4)
