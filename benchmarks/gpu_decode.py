@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
-    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2] [--batches 1,8,32]
+    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2,qwen3_next]
+                                    [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
 
@@ -11,7 +12,10 @@ Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers), NemotronH
 attention + relu² MLPs) and gpt-oss-like (gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding
 128 / full with sinks, q/k/v/o biases, YaRN, 32 q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with
 the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all) and LFM2 (LFM2-1.2B's shapes: 10 short convs
-and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary). ``triton`` runs decode steps as CUDA
+and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary) and Qwen3-Next-like (Qwen3-Next's layer
+kinds at hidden 2048: 16 layers, 12 Gated DeltaNet (16 q/k heads, 32 v heads of 128) and 4 gated attention (16 q /
+2 kv heads of 256, a quarter rotated), 64 experts of 512 top-8 with a gated shared expert of 512, 151936-token
+vocabulary: ~1B active per token). ``triton`` runs decode steps as CUDA
 graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
 of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
@@ -120,6 +124,20 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.Lfm2Config(**kw)
         cfg.architectures = ["Lfm2ForCausalLM"]
         return cfg, transformers.Lfm2ForCausalLM
+    if family == "qwen3_next":  # Qwen3-Next's layer kinds at ~1B active: 3 Gated DeltaNet : 1 gated attention
+        kw = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=2,
+                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8,
+                  moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=151936,
+                  max_position_embeddings=16384, tie_word_embeddings=False)
+        if tiny:
+            kw.update(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, vocab_size=256)
+        cfg = transformers.Qwen3NextConfig(**kw)
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+        return cfg, transformers.Qwen3NextForCausalLM
     raise ValueError(family)
 
 
@@ -144,6 +162,12 @@ def state_bytes_per_step(config, family: str, batch: int) -> int:
     if family == "lfm2":
         convs = config.layer_types.count("conv")
         return 2 * batch * convs * config.hidden_size * (config.conv_L_cache - 1) * 2
+    if family == "qwen3_next":  # Gated DeltaNet: fp32 (v heads, dk, dv) recurrent state + conv state over q|k|v
+        layers = config.layer_types.count("linear_attention")
+        kd, vd = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * \
+            config.linear_value_head_dim
+        per_layer = vd * config.linear_key_head_dim * 4 + (2 * kd + vd) * (config.linear_conv_kernel_dim - 1) * 2
+        return 2 * batch * layers * per_layer
     if family not in ("mamba2", "nemotronh"):
         return 0
     if family == "mamba2":
@@ -169,7 +193,8 @@ def active_weight_bytes(model: torch.nn.Module, config, batch: int) -> int:
             if getattr(config, "tie_word_embeddings", False):
                 total += nbytes  # read as the lm_head
             continue
-        if ".experts." in name and p.dim() >= 2 and p.shape[0] == getattr(config, "num_local_experts", -1):
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", -1)   # Qwen3-Next
+        if ".experts." in name and p.dim() >= 2 and p.shape[0] == experts:
             e = p.shape[0]                        # stacked experts (and gpt-oss's stacked expert biases)
             total += nbytes * min(batch * top_k, e) // e
             continue
@@ -184,6 +209,9 @@ def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) 
         return 0
     if family == "lfm2":
         per_tok = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * elem
+        return batch * ctx * per_tok * config.layer_types.count("full_attention")
+    if family == "qwen3_next":
+        per_tok = 2 * config.num_key_value_heads * config.head_dim * elem
         return batch * ctx * per_tok * config.layer_types.count("full_attention")
     kv, d = config.num_key_value_heads, config.head_dim
     per_tok = 2 * kv * d * elem

@@ -401,6 +401,52 @@ LFM2_8B_A1B = {
     "vocab_size": 65536,
 }
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct (https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/raw/main/config.json; the
+# -Thinking repo has the same architecture). PARTLY RECONSTRUCTED: the keys from ``architectures`` to
+# ``moe_intermediate_size`` as a public copy of that file shows them; the rest from the model card's facts (48 layers,
+# hybrid layout 12 x (3 Gated DeltaNet + 1 gated attention), attention 16 q / 2 kv heads of 256 with a 64-dim rotary
+# embedding (partial_rotary_factor 0.25), Gated DeltaNet 16 q/k heads / 32 v heads of 128, 512 experts of 512 with 10
+# routed + 1 shared, 262144 native positions) and the Qwen3 tokenizer's ids / vocabulary; rope_theta 1e7 and eps
+# 1e-6 as the public ports read them (neither changes a plan).
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ['Qwen3NextForCausalLM'],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": 'silu',
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "model_type": 'qwen3_next',
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": 'bfloat16',
+    "use_cache": True,
+    "vocab_size": 151936,
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "gpt-oss-20b": GPT_OSS_20B,
@@ -413,4 +459,5 @@ RELEASED = {
     "bamba-9b": BAMBA_9B,
     "lfm2-1.2b": LFM2_1_2B,
     "lfm2-8b-a1b": LFM2_8B_A1B,
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
 }

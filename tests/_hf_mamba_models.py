@@ -7,7 +7,9 @@ MLP adapters and RoPE (Zamba2); single-part layers, relu² MLP, grouped sigmoid 
 bias, a latent space and a shared expert (NemotronH); every µP multiplier set away from 1, with and
 without the gated norm (Falcon-H1); embedding / residual / attention / logit multipliers, MoE + shared
 MLP, NoPE, and a dense RoPE variant (Granite-4.0-H); short convolutions with biases beside q/k-normed attention
-and the SwiGLU width rule (LFM2); dense then sigmoid-routed expert layers with an expert bias (LFM2-MoE).
+and the SwiGLU width rule (LFM2); dense then sigmoid-routed expert layers with an expert bias (LFM2-MoE); Gated
+DeltaNet beside gated attention with partial RoPE, zero-centred norms, softmax experts with a gated shared expert and
+a dense layer (Qwen3-Next).
 
 Weights are re-drawn at a larger scale than HF's init (std 0.02 gives near-uniform logits, where
 greedy decoding is decided by noise), and the SSM parameters are made non-trivial: A_log, D and the
@@ -36,6 +38,8 @@ from transformers import (
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedModel,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     Zamba2Config,
     Zamba2ForCausalLM,
 )
@@ -191,6 +195,27 @@ def lfm2_moe(seed: int = 0) -> PreTrainedModel:
     return _finish(Lfm2MoeForCausalLM(config), seed)
 
 
+def qwen3_next(seed: int = 0) -> PreTrainedModel:
+    """DeltaNet, DeltaNet, attention, DeltaNet, attention: 2 key / 4 value heads of 16 (two value heads per key
+    head), conv width 4; gated attention with biases, 4 heads / 2 kv heads of 16, half of each head rotated; layer 1
+    a dense SwiGLU MLP, the others 8 experts top-2 (renormalised) with a sigmoid-gated shared expert."""
+    config = Qwen3NextConfig(
+        **_COMMON, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, attention_bias=True, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                       "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
+        rope_parameters={**_ROPE, "partial_rotary_factor": 0.5}, tie_word_embeddings=False)
+    model = _finish(Qwen3NextForCausalLM(config), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # zero-centred norms scale by 1 + w: w ~ N(0, 0.1²) keeps them near 1, as HF's init
+        for name, p in model.named_parameters():
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "bamba": bamba,
     "jamba": jamba,
@@ -202,6 +227,7 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "granite_dense_rope": lambda: granite(moe=False),
     "lfm2": lfm2,
     "lfm2_moe": lfm2_moe,
+    "qwen3_next": qwen3_next,
 }
 
 

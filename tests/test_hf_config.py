@@ -81,6 +81,11 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv",
                                                                     "full_attention"], num_dense_layers=2,
         num_experts=4, num_experts_per_tok=2)),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, full_attention_interval=3, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2])),
 }
 MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 
@@ -167,6 +172,9 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "lfm2_moe": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv",
                                      "moe" if hasattr(layer.feed_forward, "experts") else "mlp")
                                     for layer in _layers(model)],
+    "qwen3_next": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "gated_deltanet",
+                                       "moe" if hasattr(layer.mlp, "experts") else "mlp")
+                                      for layer in _layers(model)],
 }
 
 

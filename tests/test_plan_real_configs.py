@@ -25,6 +25,7 @@ from _configs import (
     MAMBA_CODESTRAL_7B,
     MISTRAL_7B,
     NEMOTRON_H_8B,
+    QWEN3_NEXT_80B_A3B,
     RELEASED,
 )
 
@@ -202,6 +203,33 @@ def test_lfm2_1_2b_conv_layers_are_one_small_slot() -> None:
     page = 6 * 16 * (2 * 8 * 64 * 2)                                       # 196608 B
     assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
     assert result.bytes_per_request_max == 32768 // 16 * page + 10 * 2048 * 2 * 2 == 402_735_104
+
+
+def test_qwen3_next_80b_a3b_deltanet_layers_are_one_slot() -> None:
+    """48 layers: gated full attention every 4th (3, 7, ..., 47: 2 kv heads of 256), Gated DeltaNet elsewhere; a
+    DeltaNet layer keeps a bf16 conv state over q|k|v (2 x 16 x 128 + 32 x 128 = 8192 channels x 3) and an fp32
+    recurrent state (32 value heads x 128 x 128) per request: 48 KiB + 2 MiB, in the Mamba state-slot pool. Every
+    layer has 512 experts of 512, top-10, with a gated shared expert of 512."""
+    config = hf_config_to_hybrid(QWEN3_NEXT_80B_A3B)
+    assert (config.dtype, config.norm, config.eos_token_ids) == ("bfloat16", "gemma_rms", (151645,))
+    moe = config.layers[0].ffn
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size, moe.shared_gate) == (
+        512, 10, 512, 512, True)
+    attention = config.layers[3].mixer
+    assert attention.output_gate and attention.rope.partial_rotary_factor == 0.25 and attention.rope.theta == 1e7
+    result = plan(QWEN3_NEXT_80B_A3B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (full,) = kinds["full"]
+    (deltanet,) = kinds["mamba(8192x3 + 32x128x128)"]
+    assert layer_ids(full) == list(range(3, 48, 4))
+    assert layer_ids(deltanet) == [i for i in range(48) if i % 4 != 3]
+    page = 12 * 16 * (2 * 2 * 256 * 2)                                      # 393216 B
+    state = 8192 * 3 * 2 + 32 * 128 * 128 * 4                               # 2146304 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    assert result.bytes_per_request_max == 32768 // 16 * page + 36 * state == 882_573_312
+    assert config.check_tensor_parallel(16) is None                         # 16 key heads: up to 16 ranks
+    with pytest.raises(ValueError, match="num_k_heads"):
+        config.check_tensor_parallel(32)
 
 
 def test_lfm2_8b_a1b_plan_and_experts() -> None:

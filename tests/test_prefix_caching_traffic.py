@@ -21,7 +21,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.front import EngineFront
-from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2, ShortConv
+from hybridkv.models import MLP, Attention, GatedDeltaNet, HybridConfig, Layer, Mamba2, ShortConv
 from hybridkv.models.hybrid import HybridModel, build_model
 
 VOCAB = 61
@@ -35,13 +35,15 @@ def config(mix: str) -> HybridConfig:
     sliding = Attention(num_heads=2, num_kv_heads=1, head_dim=8, sliding_window=7)
     chunked = Attention(num_heads=2, num_kv_heads=1, head_dim=8, attention_chunk_size=16)
     conv = ShortConv(channels=16, bias=True)
+    deltanet = GatedDeltaNet(num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, chunk_size=8)
     mixers = {"mamba": (mamba, full, mamba), "mamba2": (mamba, mamba), "sliding": (sliding, sliding, full),
-              "chunked": (chunked, chunked, full), "short_conv": (conv, full, conv)}[mix]
+              "chunked": (chunked, chunked, full), "short_conv": (conv, full, conv),
+              "gated_deltanet": (deltanet, full, deltanet)}[mix]
     return HybridConfig(vocab_size=VOCAB, hidden_size=16, max_position_embeddings=256, dtype="float32",
                         layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=24)) for m in mixers), eos_token_ids=(0,))
 
 
-MIXES = ("mamba", "mamba2", "sliding", "chunked", "short_conv")
+MIXES = ("mamba", "mamba2", "sliding", "chunked", "short_conv", "gated_deltanet")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,8 @@ WORKLOADS: dict[str, Callable[[LLM, np.random.Generator], Run]] = {
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 @pytest.mark.parametrize("mix", ["mamba", "sliding", "short_conv", *(pytest.param(m, marks=pytest.mark.slow)
-                                                                       for m in ("mamba2", "chunked"))])
+                                                                       for m in ("mamba2", "chunked",
+                                                                                 "gated_deltanet"))])
 def test_traffic_hits_and_equals_caching_off(models, mix: str, workload: str) -> None:
     runs = {caching: WORKLOADS[workload](make_llm(models[mix], caching), np.random.default_rng(7))
             for caching in (True, False)}

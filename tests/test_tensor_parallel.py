@@ -72,8 +72,10 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-# gpt-oss ~11 s; LFM2-MoE's sharded experts are those of the other MoE families, its short convs LFM2's (quick)
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("gpt_oss", "lfm2_moe") else f
+# gpt-oss ~11 s, Qwen3-Next ~16 s; LFM2-MoE's sharded experts are those of the other MoE families, its short convs
+# LFM2's (quick)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
+                                    if f in ("gpt_oss", "lfm2_moe", "qwen3_next") else f
                                     for f in HF_FAMILIES])
 def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
     """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks

@@ -13,6 +13,8 @@ parallelism like q), passed to the attention op; YaRN's attention factor m scale
 Zamba2 runs one set of attention weights at several depths, each with its own KV cache: every use is an
 ``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
 ``AttentionLayer``'s weights without registering them, so the weights keep exactly one owner.
+
+Qwen3-Next gates the output: q_proj gives [q | gate] per head and o_proj reads out * sigmoid(gate).
 """
 
 from __future__ import annotations
@@ -41,19 +43,22 @@ class AttentionLayer(nn.Module):
         d = cfg.head_dim
         # Tensor parallel: q heads split; kv heads split, or replicated when fewer than ranks (each rank keeps
         # the kv head its q heads read); o_proj sums the heads' partial outputs.
-        self.q_sections = (Split(cfg.num_heads * d, cfg.num_heads, what=f"{cache_name} Attention.num_heads"),)
+        # Qwen3-Next's output gate: q_proj rows per head are [q | gate], so the heads still split whole.
+        q_rows = cfg.num_heads * d * (2 if cfg.output_gate else 1)
+        self.q_sections = (Split(q_rows, cfg.num_heads, what=f"{cache_name} Attention.num_heads"),)
+        o_sections = (Split(cfg.num_heads * d, cfg.num_heads, what=f"{cache_name} Attention.num_heads"),)
         self.kv_sections = (Split(cfg.num_kv_heads * d, cfg.num_kv_heads, replicate=True,
                                   what=f"{cache_name} Attention.num_kv_heads"),)
-        self.num_heads = self.q_sections[0].local_size(tp.size) // d
+        self.num_heads = o_sections[0].local_size(tp.size) // d
         self.num_kv_heads = self.kv_sections[0].local_size(tp.size) // d
-        self.q_proj = ColumnParallelLinear(hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias, tp=tp,
+        self.q_proj = ColumnParallelLinear(hidden_size, q_rows, bias=cfg.qkv_bias, tp=tp,
                                            sections=self.q_sections)
         self.k_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
                                            sections=self.kv_sections)
         self.v_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
                                            sections=self.kv_sections)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias, tp=tp,
-                                        sections=self.q_sections)
+                                        sections=o_sections)
         self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
@@ -100,6 +105,10 @@ class AttentionLayer(nn.Module):
             q, k, v = q + use.q_adapter(x), k + use.k_adapter(x), v + use.v_adapter(x)
         if cfg.key_multiplier != 1.0:       # Falcon-H1: on the projected keys, before RoPE
             k = k * cfg.key_multiplier
+        gate = None
+        if cfg.output_gate:
+            q, gate = q.view(n, self.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(n, self.num_heads * cfg.head_dim)
         q = q.view(n, self.num_heads, cfg.head_dim)
         k = k.view(n, self.num_kv_heads, cfg.head_dim)
         v = v.view(n, self.num_kv_heads, cfg.head_dim)
@@ -118,7 +127,10 @@ class AttentionLayer(nn.Module):
         else:                                   # prefill: the backend's own attention (flash-attn's if asked for)
             q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
             out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
-        out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))      # (num_tokens, out_size)
+        out = out.reshape(n, self.num_heads * cfg.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.o_proj(out)                                              # (num_tokens, out_size)
         return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 
 

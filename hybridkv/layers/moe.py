@@ -307,6 +307,8 @@ class MoEFeedForward(nn.Module):
                                 if cfg.router == "sigmoid_bias" else None)
         self.shared = (DenseMLP(hidden_size, cfg.shared_intermediate_size, activation=cfg.activation,
                                 gated=cfg.gated, tp=tp, reduce=False) if cfg.shared_intermediate_size else None)
+        # Replicated (one output): sigmoid(x . w) scales this rank's partial sum, so the all-reduce sums it right.
+        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if cfg.shared_gate else None
         self.tp_shards = {"gate_proj": Shard(1, channels), "up_proj": Shard(1, channels),
                           "down_proj": Shard(2, channels), "gate_bias": Shard(1, channels),
                           "up_bias": Shard(1, channels)}
@@ -377,6 +379,8 @@ class MoEFeedForward(nn.Module):
         # x: (num_tokens, hidden_size)
         ids, weights = self.route(x)
         shared = self.shared(x) if self.shared is not None else None
+        if self.shared_gate is not None:
+            shared = shared * torch.sigmoid(current_ops().linear(x, self.shared_gate.weight, None))
         if self.fc1_latent_proj is None:       # the shared expert's output joins in the experts' last store
             return self.tp.all_reduce(run_experts(x, ids, weights, self.experts(), impl=self.impl, addend=shared))
         out = run_experts(self.fc1_latent_proj(x), ids, weights, self.experts(), impl=self.impl)

@@ -25,6 +25,7 @@ from hybridkv.models.config import (
     MAX_LAYERS,
     MLP,
     Attention,
+    GatedDeltaNet,
     HybridConfig,
     Layer,
     Mamba1,
@@ -57,6 +58,7 @@ MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -944,3 +946,60 @@ def lfm2_moe(config: Mapping[str, Any]) -> HybridConfig:
     layers = [Layer(mixer=m, ffn=dense if i < cfg["num_dense_layers"] else moe)
               for i, m in enumerate(_lfm2_mixers(cfg, types))]
     return _model(cfg, layers, norm_eps=cfg["norm_eps"])
+
+
+_QWEN3_NEXT_DEFAULTS = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, head_dim=256, linear_conv_kernel_dim=4,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=10,
+    num_experts=512, norm_topk_prob=True, mlp_only_layers=None, layer_types=None, full_attention_interval=4,
+    partial_rotary_factor=0.25)
+_QWEN3_NEXT_TYPES = ("linear_attention", "full_attention")
+
+
+@register("Qwen3NextForCausalLM")
+def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
+    """Gated DeltaNet (``linear_attention``) and gated full attention per ``layer_types`` (else full attention
+    every ``full_attention_interval``-th layer, as HF's ``Qwen3NextConfig``). Attention: q_proj with a sigmoid
+    output gate per head, zero-centred RMS q/k norms before a partial RoPE (``partial_rotary_factor``, 0.25 by
+    default), ``attention_bias`` on all four projections. Every RMS norm but the DeltaNet's gated one scales by
+    (1 + w) (``gemma_rms``). Feed-forward: routed experts (softmax top-k, renormalised when ``norm_topk_prob``) with
+    a sigmoid-gated shared expert on layers i with (i + 1) % ``decoder_sparse_step`` == 0 outside
+    ``mlp_only_layers``, a SwiGLU MLP of ``intermediate_size`` elsewhere. ``hidden_act`` is also the DeltaNet conv's
+    activation in HF, so only "silu" is accepted; the multi-token-prediction head (``mtp.*``) is not served."""
+    cfg = _Fields("Qwen3NextForCausalLM", config, _QWEN3_NEXT_DEFAULTS)
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise ValueError(f"{cfg.arch}: hidden_act {cfg['hidden_act']!r} is not supported (the DeltaNet conv and "
+                         f"the experts use it; released checkpoints use 'silu')")
+    n = cfg["num_hidden_layers"]
+    if cfg["layer_types"] is not None:
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES)
+        if len(types) != n:
+            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    else:
+        interval = cfg["full_attention_interval"]
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{cfg.arch}: full_attention_interval must be a positive integer, got {interval!r}")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    heads, bias = cfg["num_attention_heads"], bool(cfg["attention_bias"])
+    rope = _rope(_rope_params(cfg), theta=10000.0, partial_rotary_factor=cfg["partial_rotary_factor"])
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                          head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rope=rope, qk_norm="rms",
+                          qkv_bias=bias, o_bias=bias, output_gate=True)
+    deltanet = GatedDeltaNet(num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
+                             head_k_dim=cfg["linear_key_head_dim"], head_v_dim=cfg["linear_value_head_dim"],
+                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=cfg["rms_norm_eps"])
+    dense = MLP(intermediate_size=cfg["intermediate_size"])
+    experts, step = cfg["num_experts"], cfg["decoder_sparse_step"]
+    if experts and (not isinstance(step, int) or step < 1):
+        raise ValueError(f"{cfg.arch}: decoder_sparse_step must be a positive integer, got {step!r}")
+    moe = MoE(num_experts=experts, top_k=cfg["num_experts_per_tok"], intermediate_size=cfg["moe_intermediate_size"],
+              renormalize=bool(cfg["norm_topk_prob"]), shared_intermediate_size=cfg["shared_expert_intermediate_size"],
+              shared_gate=True) if experts else None
+    dense_only = set(cfg["mlp_only_layers"] or ())
+    layers = [Layer(mixer=attention if kind == "full_attention" else deltanet,
+                    ffn=moe if moe is not None and i not in dense_only and (i + 1) % step == 0 else dense)
+              for i, kind in enumerate(types)]
+    return _model(cfg, layers, norm="gemma_rms")

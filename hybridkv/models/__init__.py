@@ -3,6 +3,7 @@
 from hybridkv.models.config import (
     MLP,
     Attention,
+    GatedDeltaNet,
     HybridConfig,
     Layer,
     Mamba1,
@@ -13,5 +14,5 @@ from hybridkv.models.config import (
     ShortConv,
 )
 
-__all__ = ["MLP", "Attention", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope", "SharedBlock",
-           "ShortConv"]
+__all__ = ["MLP", "Attention", "GatedDeltaNet", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope",
+           "SharedBlock", "ShortConv"]

@@ -190,7 +190,10 @@ class Attention:
     ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
 
     ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator and carries no
-    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache."""
+    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache.
+
+    ``output_gate`` (Qwen3-Next): q_proj also gives a gate per query head (its rows per head [q | gate], as HF
+    stores them); the attention output is multiplied by sigmoid(gate) before o_proj."""
 
     num_heads: int
     num_kv_heads: int
@@ -209,6 +212,7 @@ class Attention:
     key_multiplier: float = 1.0
     output_multiplier: float = 1.0
     sinks: bool = False
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -355,6 +359,62 @@ class ShortConv:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatedDeltaNet:
+    """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkvz`` gives q, k (``num_k_heads`` x
+    ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``), grouped per key head as HF stores
+    them; ``in_proj_ba`` gives b, a per value head. A depthwise causal conv (width ``conv_kernel``, SiLU, no bias)
+    runs over q|k|v; then the gated delta rule (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k, the log
+    decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is
+    ``out_proj(norm(o) * silu(z))``, an RMS norm per value head (weight (head_v_dim,), eps ``norm_eps``).
+
+    State per request: the conv state (2 * key dim + value dim, conv_kernel - 1) and the recurrent state
+    (num_v_heads, head_k_dim, head_v_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _positive("GatedDeltaNet", num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
+                  head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, conv_kernel=self.conv_kernel,
+                  norm_eps=self.norm_eps, chunk_size=self.chunk_size)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"GatedDeltaNet.num_k_heads={self.num_k_heads} must divide "
+                             f"num_v_heads={self.num_v_heads}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"GatedDeltaNet.conv_kernel must be at least 2, got {self.conv_kernel}")
+
+    @property
+    def kind(self) -> str:
+        return "gated_deltanet"
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, recurrent state) shapes on one tensor-parallel rank: its key heads and the value heads
+        they serve (the ranks must divide the key heads)."""
+        k_heads = local_units(self.num_k_heads, tensor_parallel_size, "num_k_heads")
+        v_heads = k_heads * (self.num_v_heads // self.num_k_heads)
+        conv_dim = 2 * k_heads * self.head_k_dim + v_heads * self.head_v_dim
+        return (conv_dim, self.conv_kernel - 1), (v_heads, self.head_k_dim, self.head_v_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MLP:
     """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH).
 
@@ -394,7 +454,8 @@ class MoE:
     (group score = sum of its two best corrected scores), and with ``latent_size`` the routed experts
     run in a smaller latent space (hidden -> latent projection before, latent -> hidden after). The
     shared expert (``shared_intermediate_size`` > 0) sees the layer input and uses the experts'
-    activation and gating."""
+    activation and gating; with ``shared_gate`` (Qwen2-MoE, Qwen3-Next) its output is scaled by
+    sigmoid(x . w), one learned vector w (``shared_expert_gate``)."""
 
     num_experts: int
     top_k: int
@@ -412,6 +473,7 @@ class MoE:
     bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -431,6 +493,8 @@ class MoE:
                   latent_size=self.latent_size)
         if self.shared_intermediate_size < 0:
             raise ValueError(f"MoE.shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("MoE.shared_gate needs a shared expert (shared_intermediate_size > 0)")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(f"MoE: num_groups={self.num_groups} must divide num_experts={self.num_experts} "
                              f"and be >= topk_groups={self.topk_groups}")
@@ -466,7 +530,7 @@ class SharedBlock:
             raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
-Mixer = Attention | Mamba2 | Mamba1 | ShortConv
+Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet
 FeedForward = MLP | MoE
 
 
@@ -488,7 +552,7 @@ class Layer:
         _check_fields(self)
         if self.mixer is None and self.ffn is None:
             raise ValueError("Layer needs a mixer, a feed-forward, or both")
-        if self.mixer is not None and not isinstance(self.mixer, Attention | Mamba2 | Mamba1 | ShortConv):
+        if self.mixer is not None and not isinstance(self.mixer, Mixer):
             raise ValueError(f"Layer.mixer: unknown kind {type(self.mixer).__name__}")
         if self.parallel_mixer is not None and not isinstance(self.mixer, Attention):
             raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
@@ -606,6 +670,8 @@ class HybridConfig:
                 check(where, mixer.n_groups, "n_groups", replicate=True)
             elif isinstance(mixer, ShortConv):
                 check(where, mixer.channels, "channels")
+            elif isinstance(mixer, GatedDeltaNet):
+                check(where, mixer.num_k_heads, "num_k_heads")
             else:
                 check(where, mixer.intermediate_size, "intermediate_size")
         for i, layer in enumerate(self.layers):
@@ -668,8 +734,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, MLP, MoE, SharedBlock,
-                                         Layer, HybridConfig)}
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet, MLP, MoE,
+                                         SharedBlock, Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:
             if isinstance(obj, dict) and "type" in obj:

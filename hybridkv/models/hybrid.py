@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
+from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
 from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallelEmbedding
 from hybridkv.layers.mamba1 import Mamba1Layer
 from hybridkv.layers.mamba2 import Mamba2Layer
@@ -35,7 +36,18 @@ from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
 from hybridkv.layers.short_conv import ShortConvLayer
-from hybridkv.models.config import MLP, Attention, HybridConfig, Layer, Mamba1, Mamba2, MoE, SharedBlock, ShortConv
+from hybridkv.models.config import (
+    MLP,
+    Attention,
+    GatedDeltaNet,
+    HybridConfig,
+    Layer,
+    Mamba1,
+    Mamba2,
+    MoE,
+    SharedBlock,
+    ShortConv,
+)
 from hybridkv.models.memory import check_device, check_fits, parameter_lower_bound
 from hybridkv.models.safetensors_file import CheckpointError, TensorReader, read_header
 
@@ -53,6 +65,8 @@ def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: Tensor
         return Mamba1Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     if isinstance(mixer, ShortConv):
         return ShortConvLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
+    if isinstance(mixer, GatedDeltaNet):
+        return GatedDeltaNetLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     raise NotImplementedError(f"{cache_name}: mixer kind {type(mixer).__name__} is not built yet")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models.config import Attention, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
+from hybridkv.models.config import Attention, GatedDeltaNet, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
 from hybridkv.utils import format_bytes
 
 
@@ -90,6 +90,9 @@ def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
         return inner * (3 * hidden + mixer.conv_kernel + 2 * mixer.dt_rank + 3 * mixer.state_size)
     if isinstance(mixer, ShortConv):
         return mixer.channels * (4 * hidden + mixer.conv_kernel)
+    if isinstance(mixer, GatedDeltaNet):      # qkvz, ba, conv, out_proj
+        return (hidden * (2 * mixer.conv_dim - 2 * mixer.key_dim + 2 * mixer.num_v_heads)
+                + mixer.conv_dim * mixer.conv_kernel + mixer.value_dim * hidden)
     return 0
 
 

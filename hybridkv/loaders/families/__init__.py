@@ -16,5 +16,6 @@ from hybridkv.loaders.families import (  # noqa: F401
     mamba2,
     mistral,
     nemotron_h,
+    qwen3_next,
     zamba2,
 )

@@ -1,0 +1,52 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet and gated attention layers, each followed by routed experts
+with a gated shared expert (or a dense SwiGLU MLP).
+
+Hub names (which ``save_pretrained`` writes too): ``model.layers.{i}.linear_attn.{in_proj_qkvz, in_proj_ba, conv1d,
+dt_bias, A_log, norm, out_proj}`` (ours: ``mixer.*``, the same names), ``self_attn.{q,k,v,o}_proj`` and
+``self_attn.{q,k}_norm``, ``input_layernorm`` / ``post_attention_layernorm``; experts: ``mlp.gate`` (the router),
+``mlp.experts.{e}.{gate,up,down}_proj`` (or the stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` of
+transformers 5.x in memory), ``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``; dense layers
+``mlp.{gate,up,down}_proj``. The multi-token-prediction head (``mtp.*``) is read past, as HF's model does."""
+
+from __future__ import annotations
+
+from hybridkv.loaders.families.bamba import fused_gate_up
+from hybridkv.loaders.families.mistral import LLAMA_ATTENTION, LLAMA_MLP, LLAMA_NORMS, decoder_map
+from hybridkv.loaders.weights import Target, register_weight_map, rename_module
+from hybridkv.models.config import HybridConfig
+
+_PROJ = ("gate", "up", "down")
+_LAYER_MODULES = {
+    **LLAMA_ATTENTION, **LLAMA_MLP, **LLAMA_NORMS,
+    "self_attn.q_norm": "mixer.q_norm", "self_attn.k_norm": "mixer.k_norm",
+    **{f"mlp.shared_expert.{p}_proj": f"ffn.shared.{p}_proj" for p in _PROJ},
+    "mlp.shared_expert_gate": "ffn.shared_gate", "mlp.gate": "ffn.router",
+}
+
+
+def _experts(rest: str, ours: str) -> list[Target] | None:
+    if rest == "gate_up_proj":
+        return fused_gate_up(ours)
+    if rest == "down_proj":
+        return [Target(name=f"{ours}.down_proj")]
+    expert, _, weight = rest.partition(".")
+    proj = weight.removesuffix("_proj.weight")
+    if expert.isdigit() and weight.endswith("_proj.weight") and proj in _PROJ:
+        return [Target(name=f"{ours}.{proj}_proj", index=(int(expert),))]
+    return None
+
+
+def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
+    if rest.startswith("mlp.experts."):
+        return _experts(rest.removeprefix("mlp.experts."), f"layers.{i}.ffn")
+    if rest.startswith("linear_attn."):                    # our GatedDeltaNetLayer keeps HF's names
+        return [Target(name=f"layers.{i}.mixer.{rest.removeprefix('linear_attn.')}")]
+    return rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}.")
+
+
+_decoder = decoder_map(layer=_layer)
+
+
+@register_weight_map("Qwen3NextForCausalLM")
+def qwen3_next(name: str, config: HybridConfig) -> list[Target] | None:
+    return [] if name.startswith("mtp.") else _decoder(name, config)
