@@ -36,6 +36,8 @@ def attn(**kw) -> Attention:
      "HybridConfig.norm must be one of"),
     (lambda: HybridConfig(vocab_size=10, hidden_size=8, norm="layer", layers=(Layer(mixer=attn(qk_norm="rms")),)),
      "no q/k norm flavour"),
+    (lambda: HybridConfig(vocab_size=10, hidden_size=8, residual_in_fp32=True,
+                          layers=(Layer(mixer=attn(), sandwich_norm=True, pre_norm=False),)), "needs pre-norms"),
     (lambda: HybridConfig(vocab_size=10, hidden_size=8, layers=()), "layers is empty"),
 ])
 def test_bad_layer_descriptions(make, match):

@@ -549,6 +549,9 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.norm must be one of {NORMS}, got {self.norm!r}")
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
             raise ValueError(f"HybridConfig.dtype: unknown torch dtype {self.dtype!r}")
+        if self.residual_in_fp32 and not all(layer.pre_norm for layer in self.layers):
+            raise ValueError("HybridConfig.residual_in_fp32 needs pre-norms (Layer.pre_norm): a post-norm-only layer "
+                             "reads the residual stream itself")
         if self.norm == "layer" and any(isinstance(m, Attention) and m.qk_norm == "rms"
                                         for _, m in self.stateful_mixers()):
             raise ValueError("HybridConfig.norm='layer' has no q/k norm flavour (Attention.qk_norm='rms')")
