@@ -447,8 +447,75 @@ QWEN3_NEXT_80B_A3B = {
     "vocab_size": 151936,
 }
 
+# CohereLabs/c4ai-command-r7b-12-2024 (https://huggingface.co/CohereLabs/c4ai-command-r7b-12-2024/raw/main/config.json).
+# RECONSTRUCTED (no verbatim copy found offline): 32 layers, 32 heads / 8 KV heads of 128 (hidden 4096), sliding window
+# 4096 with every 4th layer global (``sliding_window_pattern`` 4) and 132096 positions as public config audits quote
+# them; intermediate 14336, vocab 256000, rope_theta 50000, logit_scale 0.25, LayerNorm eps 1e-5, tied embeddings,
+# bos 5 / eos 255001 / pad 0 and bf16 from the model card and transformers' Cohere2 docs and defaults. Keys the
+# converter does not read (Cohere's own ``use_qk_norm``, ``position_embedding_type``, ...) are left out.
+COMMAND_R7B = {
+    "architectures": ["Cohere2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 5,
+    "eos_token_id": 255001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "layer_norm_eps": 1e-05,
+    "logit_scale": 0.25,
+    "max_position_embeddings": 132096,
+    "model_type": "cohere2",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "rope_theta": 50000.0,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 4,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+
+# LGAI-EXAONE/EXAONE-4.0-32B (https://huggingface.co/LGAI-EXAONE/EXAONE-4.0-32B/raw/main/config.json). RECONSTRUCTED
+# (no verbatim copy found offline): 64 layers repeating "LLLG" (3 sliding of window 4096, 1 global NoPE), hidden 5120,
+# 40 heads / 8 KV heads of 128, untied head, bf16 as public config audits quote them; intermediate 27392, vocab
+# 102400, 131072 positions, llama3 RoPE (factor 16 over 8192, theta 1e6) and RMS eps 1e-5 from the model card and
+# public ports. ``layer_types`` is written out (transformers 5.x reads it; it cannot expand the string pattern); the
+# special token ids are left out (planning does not read them).
+EXAONE4_32B = {
+    "architectures": ["Exaone4ForCausalLM"],
+    "attention_dropout": 0.0,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 27392,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 16,
+    "max_position_embeddings": 131072,
+    "model_type": "exaone4",
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 1000000.0,
+    "sliding_window": 4096,
+    "sliding_window_pattern": "LLLG",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 102400,
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
+    "command-r7b": COMMAND_R7B,
+    "exaone4-32b": EXAONE4_32B,
     "gpt-oss-20b": GPT_OSS_20B,
     "gpt-oss-120b": GPT_OSS_120B,
     "llama4-scout": LLAMA4_SCOUT,

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -24,6 +28,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteSWAConfig,
+    GraniteSWAForCausalLM,
     Llama4Config,
     Llama4ForCausalLM,
     Llama4ForConditionalGeneration,
@@ -185,9 +191,57 @@ def gpt_oss(seed: int = 0) -> PreTrainedModel:
     return model
 
 
+@torch.no_grad()
+def _random_sinks(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """Sinks drawn at magnitudes 1-3 with random signs (HF's init, zeros or std 0.02, would leave them inert)."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for layer in model.model.layers:
+        sinks = layer.self_attn.sinks
+        sign = torch.randint(0, 2, sinks.shape, generator=gen) * 2 - 1
+        sinks.copy_(sign * (1 + 2 * torch.rand(sinks.shape, generator=gen)))
+    return model
+
+
+def cohere2(seed: int = 0) -> PreTrainedModel:
+    """Sliding (window 4, interleaved RoPE), sliding, sliding, global NoPE (pattern 4); biased attention; the
+    parallel block under one bias-free LayerNorm; logit_scale 0.5; untied (tied random embeddings collapse
+    greedy decoding into one repeated token, see ``gemma2``)."""
+    config = Cohere2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4, sliding_window_pattern=4,
+                           attention_bias=True, logit_scale=0.5, max_position_embeddings=4096,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _finish(Cohere2ForCausalLM(_eager(config)), seed)
+
+
+def exaone4(seed: int = 0) -> PreTrainedModel:
+    """Pattern "LLLG" as layer types: sliding (window 4) x3 with RoPE, global NoPE; q/k norms; post-norms only."""
+    config = Exaone4Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                           sliding_window_pattern=4, max_position_embeddings=4096, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _finish(Exaone4ForCausalLM(_eager(config)), seed)
+
+
+def granite_swa(seed: int = 0) -> PreTrainedModel:
+    """Global (NoPE: theta 0), sliding (window 4) x2, global; two RoPE bases; sinks; µP multipliers."""
+    config = GraniteSWAConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                              layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                           "full_attention"],
+                              layer_rope_theta=[0, 1000.0, 100.0, 1000.0], attention_bias=True, mlp_bias=True,
+                              embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                              logits_scaling=2.0, max_position_embeddings=4096, tie_word_embeddings=False,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _random_sinks(_finish(GraniteSWAForCausalLM(_eager(config)), seed), seed)
+
+
 FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
+    "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa,
 }
 
 

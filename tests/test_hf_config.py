@@ -86,6 +86,20 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, head_dim=16, full_attention_interval=3, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2])),
+    "cohere2": ("Cohere2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, sliding_window_pattern=3, logit_scale=0.25, attention_bias=True,
+        rope_theta=500.0)),
+    "exaone4": ("Exaone4Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, sliding_window_pattern=4,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}, rope_theta=1000.0)),
+    "granite_swa": ("GraniteSWAConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, layer_rope_theta=[0, 100.0, 100.0, 0, 5000.0, 5000.0],
+        attention_multiplier=0.25, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=4.0,
+        mlp_bias=True)),
 }
 MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 
@@ -167,6 +181,10 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "granitemoehybrid": _hf_granite,
     "gpt_oss": lambda model, cfg: [("sliding_window" if layer.self_attn.sliding_window else "full", "moe")
                                    for layer in _layers(model)],
+    "cohere2": _hf_gemma,
+    "exaone4": lambda model, cfg: [("sliding_window" if layer.self_attn.is_sliding else "full", "mlp")
+                                   for layer in _layers(model)],
+    "granite_swa": _hf_gemma,
     "lfm2": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv", "mlp")
                                 for layer in _layers(model)],
     "lfm2_moe": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv",
@@ -347,6 +365,50 @@ def test_granite_multipliers_and_nope() -> None:
     assert ours.layers[0].ffn.shared_intermediate_size == 64
     dense = hf_config_to_hybrid(raw_config("granitemoehybrid") | {"num_local_experts": 0})
     assert dense.layers[0].ffn == MLP(intermediate_size=64)
+
+
+def test_cohere2_parallel_block_layer_norm_and_rope_on_sliding_layers_only() -> None:
+    """Every third layer global and NoPE (HF applies RoPE only where ``sliding_window`` is set), interleaved
+    rotary, head_dim hidden / heads even when ``head_dim`` says otherwise, logit_scale on the logits."""
+    ours = hf_config_to_hybrid(raw_config("cohere2") | {"head_dim": 99})
+    assert (ours.norm, ours.logits_multiplier, ours.tie_word_embeddings) == ("layer", 0.25, True)
+    for i, layer in enumerate(ours.layers):
+        attn = layer.mixer
+        assert layer.parallel_ffn and not layer.sandwich_norm and attn.head_dim == 16
+        assert attn.qkv_bias and attn.o_bias
+        if i % 3 == 2:
+            assert (attn.kind, attn.rope) == ("full", None)
+        else:
+            assert attn.sliding_window == 8 and attn.rope.interleaved and attn.rope.theta == 500.0
+
+
+def test_exaone4_post_norms_qk_norms_and_nope_global_layers() -> None:
+    ours = hf_config_to_hybrid(raw_config("exaone4"))
+    kinds = [(layer.mixer.kind, layer.mixer.rope is not None) for layer in ours.layers]
+    assert kinds == [("sliding_window", True)] * 3 + [("full", False)] + [("sliding_window", True)] * 3 + [
+        ("full", False)]
+    layer = ours.layers[0]
+    assert (layer.pre_norm, layer.sandwich_norm, layer.mixer.qk_norm) == (False, True, "rms")
+    assert layer.mixer.rope.scaling == "llama3" and layer.mixer.rope.theta == 1000.0
+    # The released configs spell the pattern as a string; an int pattern and the string agree.
+    assert hf_config_to_hybrid(raw_config("exaone4") | {"sliding_window_pattern": "LLLG"}) == ours
+    # Without a window every layer is global with RoPE (EXAONE-4.0-1.2B).
+    full = hf_config_to_hybrid(raw_config("exaone4") | {"sliding_window": None})
+    assert all(lay.mixer.kind == "full" and lay.mixer.rope is not None for lay in full.layers)
+    with pytest.raises(ValueError, match="sliding_window_pattern 'LLXG'"):
+        hf_config_to_hybrid(raw_config("exaone4") | {"sliding_window_pattern": "LLXG"})
+
+
+def test_granite_swa_sinks_rope_per_layer_and_multipliers() -> None:
+    ours = hf_config_to_hybrid(raw_config("granite_swa"))
+    attn = [layer.mixer for layer in ours.layers]
+    assert [a.kind for a in attn] == ["full"] + ["sliding_window"] * 3 + ["full", "sliding_window"]  # i % 4: global
+    assert [a.rope.theta if a.rope else 0 for a in attn] == [0, 100.0, 100.0, 0, 5000.0, 5000.0]
+    assert all(a.sinks and a.scale == 0.25 for a in attn)
+    assert ours.layers[0].ffn.bias
+    assert (ours.embedding_multiplier, ours.residual_multiplier, ours.logits_multiplier) == (12.0, 0.22, 0.25)
+    with pytest.raises(ValueError, match="layer_rope_theta has 2 entries for 6 layers"):
+        hf_config_to_hybrid(raw_config("granite_swa") | {"layer_rope_theta": [0, 1.0]})
 
 
 def test_gpt_oss_attention_moe_and_yarn_follow_hf() -> None:

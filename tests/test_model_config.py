@@ -29,6 +29,15 @@ def attn(**kw) -> Attention:
     (lambda: MLP(intermediate_size=8, activation="swish3"), "MLP.activation"),
     (lambda: Layer(mixer="mamba3"), "unknown kind"),
     (lambda: Layer(), "needs a mixer, a feed-forward, or both"),
+    (lambda: Layer(mixer=attn(), parallel_ffn=True), "parallel_ffn needs a mixer and a feed-forward"),
+    (lambda: Layer(mixer=attn(), ffn=MLP(intermediate_size=8), parallel_ffn=True, sandwich_norm=True),
+     "pre-norm only"),
+    (lambda: HybridConfig(vocab_size=10, hidden_size=8, norm="layer_rms", layers=(Layer(mixer=attn()),)),
+     "HybridConfig.norm must be one of"),
+    (lambda: HybridConfig(vocab_size=10, hidden_size=8, norm="layer", layers=(Layer(mixer=attn(qk_norm="rms")),)),
+     "no q/k norm flavour"),
+    (lambda: HybridConfig(vocab_size=10, hidden_size=8, residual_in_fp32=True,
+                          layers=(Layer(mixer=attn(), sandwich_norm=True, pre_norm=False),)), "needs pre-norms"),
     (lambda: HybridConfig(vocab_size=10, hidden_size=8, layers=()), "layers is empty"),
 ])
 def test_bad_layer_descriptions(make, match):

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from _configs import (
     BAMBA_9B,
+    COMMAND_R7B,
+    EXAONE4_32B,
     GEMMA3_27B,
     GPT_OSS_20B,
     GPT_OSS_120B,
@@ -141,6 +143,53 @@ def test_gpt_oss_layers() -> None:
                     moe.swiglu_limit, moe.bias, moe.router_bias) == (experts, 4, 2880, "topk_softmax", "swiglu_oai",
                                                                       7.0, True, True)
         assert config.eos_token_ids == (200002,) and not config.tie_word_embeddings
+
+
+@pytest.mark.parametrize(("released", "layers", "kv_heads"), [(COMMAND_R7B, 32, 8), (EXAONE4_32B, 64, 8)])
+def test_sliding_hybrids_at_128k(released: dict[str, Any], layers: int, kv_heads: int) -> None:
+    """Command-R7B and EXAONE-4.0-32B: three sliding layers (window 4096) per global one, so 3/4 of the layers
+    hold 4096 + 16 tokens and 1/4 the whole context: 3 sliding groups + 1 full group of layers / 4 each."""
+    result = plan(released, max_model_len=131072, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert len(kinds["sliding_window(4096)"]) == 3 and len(kinds["full"]) == 1
+    assert layer_ids(kinds["full"][0]) == list(range(3, layers, 4))
+    page = layers // 4 * 16 * (2 * kv_heads * 128 * 2)
+    assert result.page_bytes == page
+    sliding, full = (4096 // 16 + 1) * page, 131072 // 16 * page
+    assert result.bytes_per_request_max == 3 * sliding + full
+    assert result.bytes_per_request_if_all_full_attention == 4 * full
+    assert result.padding_bytes == 0
+    assert (result.max_concurrent_requests, round(result.concurrency_vs_all_full, 2)) == (    # the README's table
+        {32: (146, 3.74), 64: (73, 3.84)}[layers])
+
+
+def test_command_r7b_layers() -> None:
+    """Sliding layers rotate (interleaved pairs), the global ones are NoPE; one LayerNorm feeds attention and MLP
+    side by side; logits scaled by 0.25; tied embeddings."""
+    config = hf_config_to_hybrid(COMMAND_R7B)
+    assert (config.norm, config.logits_multiplier, config.tie_word_embeddings, config.eos_token_ids) == (
+        "layer", 0.25, True, (255001,))
+    for i, layer in enumerate(config.layers):
+        attention = layer.mixer
+        assert layer.parallel_ffn and (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (32, 8, 128)
+        if i % 4 == 3:
+            assert attention.sliding_window is None and attention.rope is None
+        else:
+            assert attention.sliding_window == 4096 and attention.rope.interleaved and attention.rope.theta == 50000.0
+
+
+def test_exaone4_32b_layers() -> None:
+    """Post-norms only, q/k norms, llama3 RoPE on the sliding layers and none on the global ones; the string
+    pattern alone gives the same layers as the written-out ``layer_types``."""
+    config = hf_config_to_hybrid(EXAONE4_32B)
+    for i, layer in enumerate(config.layers):
+        attention = layer.mixer
+        assert (layer.pre_norm, layer.sandwich_norm, attention.qk_norm) == (False, True, "rms")
+        if i % 4 == 3:
+            assert attention.sliding_window is None and attention.rope is None
+        else:
+            assert (attention.sliding_window, attention.rope.scaling, attention.rope.factor) == (4096, "llama3", 16.0)
+    assert hf_config_to_hybrid({k: v for k, v in EXAONE4_32B.items() if k != "layer_types"}) == config
 
 
 def test_mistral_7b_at_32k() -> None:

@@ -57,7 +57,7 @@ def test_tp2_matches_tp1(mix: str) -> None:
 
 # Every supported family as a tiny HF checkpoint (seeds as in the parity tests: non-degenerate greedy output).
 _ATTENTION_SEEDS = {"llama4": 2, "llama4_multimodal": 0, "mistral": 0, "gemma2": 1, "gemma3": 0,
-                    "gemma3_multimodal": 0, "mamba2": 0, "gpt_oss": 0}
+                    "gemma3_multimodal": 0, "mamba2": 0, "gpt_oss": 0, "cohere2": 1, "exaone4": 0, "granite_swa": 0}
 HF_FAMILIES = [*_ATTENTION_SEEDS, *hf_mamba.BUILDERS]
 
 

@@ -54,26 +54,28 @@ def _close(out: torch.Tensor, ref_fn, args: tuple, kwargs: dict, dtype: torch.dt
     assert err <= 2 * ref_err + 1e-3 * truth.abs().max(), (err, ref_err)
 
 
-NORM_CASES = [  # (residual in fp32, post-norm on the branch, scale, next norm, gemma)
-    (False, False, 1.0, True, False),
-    (False, False, 1.0, False, False),
-    (True, False, 1.0, True, False),
-    (False, True, 1.0, True, True),
-    (False, True, 0.5, False, True),
-    (False, False, 2.0, True, False),
+NORM_CASES = [  # (residual in fp32, post-norm on the branch, scale, next norm, gemma, centered)
+    (False, False, 1.0, True, False, False),
+    (False, False, 1.0, False, False, False),
+    (True, False, 1.0, True, False, False),
+    (False, True, 1.0, True, True, False),
+    (False, True, 0.5, False, True, False),
+    (False, False, 2.0, True, False, False),
+    (False, False, 1.0, True, False, True),
+    (False, True, 1.0, True, False, True),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("res_fp32", "post", "scale", "has_norm", "gemma"), NORM_CASES)
-def test_add_rms_norm(dtype, res_fp32, post, scale, has_norm, gemma) -> None:
+@pytest.mark.parametrize(("res_fp32", "post", "scale", "has_norm", "gemma", "centered"), NORM_CASES)
+def test_add_rms_norm(dtype, res_fp32, post, scale, has_norm, gemma, centered) -> None:
     g = torch.Generator().manual_seed(0)
     rows, n = 5, 48
-    delta = _strided(torch.randn(rows, n, generator=g).to(DEVICE, dtype))
+    delta = _strided((torch.randn(rows, n, generator=g) + 1.5).to(DEVICE, dtype))    # off-centre: the mean matters
     residual = torch.randn(rows, n, generator=g).to(DEVICE, torch.float32 if res_fp32 else dtype)
     w = (torch.randn(n, generator=g) * 0.3 + (0 if gemma else 1)).to(DEVICE, dtype) if has_norm else None
     dw = (torch.randn(n, generator=g) * 0.3).to(DEVICE, dtype) if post else None
-    kw = dict(weight=w, eps=1e-6, gemma=gemma, delta_weight=dw, scale=scale)
+    kw = dict(weight=w, eps=1e-6, gemma=gemma, delta_weight=dw, scale=scale, centered=centered)
     normed, res = tf.add_rms_norm_triton(delta, residual, **kw)
     ref_normed, ref_res = add_rms_norm_ref(delta, residual, **kw)
     assert res.dtype == ref_res.dtype
@@ -86,14 +88,23 @@ def test_add_rms_norm(dtype, res_fp32, post, scale, has_norm, gemma) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize(("gemma", "centered"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("n", [16, 100])
-def test_rms_norm(dtype, gemma, n) -> None:
+def test_rms_norm(dtype, gemma, centered, n) -> None:
     g = torch.Generator().manual_seed(1)
-    x = _strided(torch.randn(7, n, generator=g).to(DEVICE, dtype))
+    x = _strided((torch.randn(7, n, generator=g) + 2.0).to(DEVICE, dtype))
     w = (torch.randn(n, generator=g) * 0.3 + 1).to(DEVICE, dtype)
-    out = tf.rms_norm_triton(x, w, eps=1e-5, gemma=gemma)
-    _close(out, rms_norm_ref, (x, w), dict(eps=1e-5, gemma=gemma), dtype)
+    out = tf.rms_norm_triton(x, w, eps=1e-5, gemma=gemma, centered=centered)
+    assert out.dtype == rms_norm_ref(x, w, eps=1e-5, gemma=gemma, centered=centered).dtype
+    _close(out, rms_norm_ref, (x, w), dict(eps=1e-5, gemma=gemma, centered=centered), dtype)
+
+
+def test_centered_norm_is_layer_norm_without_bias() -> None:
+    """The reference's centered flavour is torch's LayerNorm with no bias (HF ``CohereLayerNorm``)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(6, 40, generator=g) * 3 + 1, torch.randn(40, generator=g)
+    want = torch.nn.functional.layer_norm(x, (40,), w, None, eps=1e-5)
+    torch.testing.assert_close(rms_norm_ref(x, w, eps=1e-5, centered=True), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,15 +239,37 @@ def _every_variant(residual_in_fp32: bool, norm: str):
                         norm=norm, residual_multiplier=0.7, residual_in_fp32=residual_in_fp32)
 
 
-@pytest.mark.parametrize(("residual_in_fp32", "norm"), [(False, "gemma_rms"), (True, "rms")])
-def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm) -> None:
+def _sliding_hybrid(norm: str):
+    """The sliding-window hybrids' layer shapes: with ``norm="layer"`` Cohere2's (a bias-free LayerNorm feeding
+    attention and MLP side by side, interleaved RoPE on the sliding layer, the global one NoPE), else Exaone-4's
+    (post-norms only, q/k norms, the global layer NoPE) and a Granite-SWA layer (sinks, residual multiplier)."""
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Rope
+
+    attn = dict(num_heads=4, num_kv_heads=2, head_dim=8)
+    mlp = MLP(intermediate_size=24)
+    if norm == "layer":
+        layers = (Layer(mixer=Attention(sliding_window=4, rope=Rope(interleaved=True), qkv_bias=True, o_bias=True,
+                                        **attn), ffn=mlp, parallel_ffn=True),
+                  Layer(mixer=Attention(rope=None, **attn), ffn=mlp, parallel_ffn=True))
+    else:
+        layers = (Layer(mixer=Attention(sliding_window=4, qk_norm="rms", **attn), ffn=mlp, sandwich_norm=True,
+                        pre_norm=False),
+                  Layer(mixer=Attention(rope=None, qk_norm="rms", **attn), ffn=mlp, sandwich_norm=True, pre_norm=False),
+                  Layer(mixer=Attention(sliding_window=4, sinks=True, **attn), ffn=mlp))
+    return HybridConfig(vocab_size=61, hidden_size=32, layers=layers, max_position_embeddings=64, dtype="float32",
+                        norm=norm, residual_multiplier=0.7 if norm == "rms" else 1.0)
+
+
+@pytest.mark.parametrize(("residual_in_fp32", "norm", "variant"), [
+    (False, "gemma_rms", "every"), (True, "rms", "every"), (False, "layer", "sliding"), (False, "rms", "sliding")])
+def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm, variant) -> None:
     """Prefill logits (reference_logits) and greedy decode through the engine on the fused ops == the torch
     references, with the projections packed (the runner packs them)."""
     from hybridkv import LLM, SamplingParams
     from hybridkv.engine.model_runner import reference_logits
     from hybridkv.models.hybrid import build_model
 
-    config = _every_variant(residual_in_fp32, norm)
+    config = _every_variant(residual_in_fp32, norm) if variant == "every" else _sliding_hybrid(norm)
     model = build_model(config, seed=5).to(DEVICE)
     ids = torch.randint(0, 61, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = reference_logits(model, ids, backend="torch")

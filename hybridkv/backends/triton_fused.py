@@ -3,7 +3,8 @@
 such launches, so their number, not their bytes, sets the step time.
 
 - ``add_rms_norm`` / ``rms_norm``: one program per row: optional post-norm of the branch output, residual
-  multiplier, residual add, the next pre-norm; fp32 math with the reference's rounding points.
+  multiplier, residual add, the next pre-norm (RMS, Gemma's or a bias-free LayerNorm); fp32 math with the
+  reference's rounding points.
 - ``act_mul``: ``act(gate) * up`` over the packed gate|up projection (silu, gelu, gelu_tanh, relu2).
 - ``qk_rope_write_kv``: one program per token, all its heads as one (heads, head_dim) tile: q/k norm, RoPE
   (rotate-half or interleaved, partial), post-RoPE norm or NoPE temperature, then q out and K/V into the
@@ -39,19 +40,26 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
-def _normalize(x, mask, n, eps):
-    """x / rms(x) over the valid (``mask``) entries of a 1-D fp32 block of n values."""
+def _normalize(x, mask, n, eps, CENTER: tl.constexpr = False):
+    """x / rms(x) over the valid (``mask``) entries of a 1-D fp32 block of n values; CENTER: (x - mean) / std
+    (a LayerNorm without bias)."""
+    if CENTER:
+        x = tl.where(mask, x - tl.sum(tl.where(mask, x, 0.0), 0) / n, 0.0)
     ms = tl.sum(tl.where(mask, x * x, 0.0), 0) / n
     return x * (1.0 / tl.sqrt(ms + eps))
 
 
 @triton.jit
-def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, IN_TY: tl.constexpr, OUT_TY: tl.constexpr):
+def _scale_weight(normed, w_ptr, offs, mask, GEMMA: tl.constexpr, IN_TY: tl.constexpr, OUT_TY: tl.constexpr,
+                  CENTER: tl.constexpr = False):
     """The RMSNorm weight step, rounded as ``rms_norm_ref`` for an input of dtype IN_TY: Gemma
-    (normed * (1 + w)).to(IN_TY), plain w * normed.to(IN_TY) in OUT_TY (the promotion of IN_TY and w's)."""
+    (normed * (1 + w)).to(IN_TY), centered (normed * w).to(IN_TY), plain w * normed.to(IN_TY) in OUT_TY (the
+    promotion of IN_TY and w's)."""
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:
         return (normed * (1.0 + w)).to(IN_TY)
+    if CENTER:
+        return (normed * w).to(IN_TY)
     return (normed.to(IN_TY).to(tl.float32) * w).to(OUT_TY)
 
 
@@ -61,7 +69,7 @@ def _add_rms_norm_kernel(
     stride_d, stride_r, stride_ro, stride_o,
     HAS_DELTA: tl.constexpr, HAS_DELTA_W: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
     GEMMA: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, CENTER: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -73,7 +81,8 @@ def _add_rms_norm_kernel(
         d_ty = delta_ptr.dtype.element_ty
         d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA_W:
-            d = _scale_weight(_normalize(d, mask, n, eps), dw_ptr, offs, mask, GEMMA, d_ty, d_ty).to(tl.float32)
+            d = _scale_weight(_normalize(d, mask, n, eps, CENTER), dw_ptr, offs, mask, GEMMA, d_ty, d_ty,
+                              CENTER).to(tl.float32)
         if HAS_SCALE:
             d = (d * scale).to(d_ty).to(tl.float32)
         r = (r + d).to(res_ty)
@@ -85,7 +94,7 @@ def _add_rms_norm_kernel(
         else:
             in_ty = res_ptr.dtype.element_ty
         x = r.to(in_ty).to(tl.float32)
-        y = _scale_weight(_normalize(x, mask, n, eps), w_ptr, offs, mask, GEMMA, in_ty, out_ty)
+        y = _scale_weight(_normalize(x, mask, n, eps, CENTER), w_ptr, offs, mask, GEMMA, in_ty, out_ty, CENTER)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
@@ -97,8 +106,8 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
-                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                        gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
+                        centered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Same contract as ``add_rms_norm_ref``."""
     _rows(delta, "add_rms_norm delta")
     _rows(residual, "add_rms_norm residual")
@@ -117,23 +126,24 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, *, weight: 
             delta_weight if delta_weight is not None else residual, n, eps, scale,
             delta.stride(0), residual.stride(0), res_out.stride(0), out.stride(0),
             HAS_DELTA=True, HAS_DELTA_W=delta_weight is not None, HAS_SCALE=scale != 1.0,
-            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block),
+            HAS_NORM=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_warps(block), CENTER=centered,
             **pdl_kwargs(delta.device))
     return (out if weight is not None else None), res_out
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False,
+                    centered: bool = False) -> torch.Tensor:
     """Same contract as ``rms_norm_ref`` for (num_tokens, hidden) inputs."""
     _rows(x, "rms_norm x")
     rows, n = x.shape
-    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if gemma or centered else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows:
         block = _pow2(n)
         _add_rms_norm_kernel[(rows,)](
             x, x, x, out, weight, weight, n, eps, 1.0, x.stride(0), x.stride(0), x.stride(0), out.stride(0),
             HAS_DELTA=False, HAS_DELTA_W=False, HAS_SCALE=False, HAS_NORM=True, GEMMA=gemma, BLOCK=block,
-            num_warps=_warps(block), **pdl_kwargs(x.device))
+            num_warps=_warps(block), CENTER=centered, **pdl_kwargs(x.device))
     return out
 
 

@@ -1,5 +1,6 @@
-"""RMS norms: the plain and Gemma ((1 + w) scaling) kinds, weightless RMS, and Mamba2's gated
-group norm. All compute in fp32 and return the input dtype, like the HF references."""
+"""RMS norms: the plain and Gemma ((1 + w) scaling) kinds, Cohere's bias-free LayerNorm (``centered``),
+weightless RMS, and Mamba2's gated group norm. All compute in fp32 and return the input dtype, like the HF
+references."""
 
 from __future__ import annotations
 
@@ -13,16 +14,20 @@ __all__ = ["GatedGroupRMSNorm", "RMSNorm", "rms_normalize"]
 
 
 class RMSNorm(nn.Module):
-    """``gemma=True`` scales by (1 + w) with w initialised at 0, and casts after scaling, as Gemma does."""
+    """``gemma=True`` scales by (1 + w) with w initialised at 0, and casts after scaling, as Gemma does;
+    ``centered=True`` subtracts the mean first (a LayerNorm without bias, Cohere) and casts after scaling."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, gemma: bool = False) -> None:
+    def __init__(self, dim: int, *, eps: float = 1e-6, gemma: bool = False, centered: bool = False) -> None:
         super().__init__()
+        if gemma and centered:
+            raise ValueError("RMSNorm: gemma and centered are exclusive")
         self.eps = eps
         self.gemma = gemma
+        self.centered = centered
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_ref(x, self.weight, eps=self.eps, gemma=self.gemma)
+        return rms_norm_ref(x, self.weight, eps=self.eps, gemma=self.gemma, centered=self.centered)
 
 
 class GatedGroupRMSNorm(nn.Module):

@@ -49,6 +49,9 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "cohere2": "Cohere2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
@@ -103,7 +106,7 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings")
 _PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "no_rope_layers", "moe_layers",
-                   "attn_layer_indices", "full_attn_idxs")
+                   "attn_layer_indices", "full_attn_idxs", "layer_rope_theta")
 
 
 def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
@@ -468,6 +471,134 @@ def gemma3(config: Mapping[str, Any]) -> HybridConfig:
     outer = config if cfg.raw is not config else None
     tie = config.get("tie_word_embeddings", True) if outer is not None else None
     return _gemma(cfg, types, ropes, qk_norm="rms", outer=outer, tie=tie)
+
+
+# -- Sliding-window hybrids: Cohere2 (Command-R7B), Exaone-4, Granite-SWA ------------------------------------
+_SLIDING_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _sliding_types(cfg: _Fields, default: Callable[[int], str]) -> list[str]:
+    """``layer_types`` (one per layer, checked), else ``default(i)`` for each layer i."""
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"] or [default(i) for i in range(n)]
+    if len(types) < n:
+        raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    return _check_layer_types(cfg.arch, types[:n], _SLIDING_LAYER_TYPES)
+
+
+_COHERE2_DEFAULTS = dict(
+    vocab_size=256000, hidden_size=8192, intermediate_size=22528, logit_scale=0.0625, num_hidden_layers=40,
+    num_attention_heads=64, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=8192,
+    layer_norm_eps=1e-5, bos_token_id=5, eos_token_id=255001, tie_word_embeddings=True, attention_bias=False,
+    sliding_window=4096, sliding_window_pattern=4, layer_types=None)
+
+
+@register("Cohere2ForCausalLM")
+def cohere2(config: Mapping[str, Any]) -> HybridConfig:
+    """Command-R7B: every ``sliding_window_pattern``-th layer global (``layer_types`` when given); sliding layers
+    rotate (interleaved pairs, as GPT-J), global ones are NoPE; one bias-free LayerNorm feeds attention and MLP
+    side by side (``parallel_ffn``); head_dim is always hidden / heads (HF ignores ``head_dim``); logits scaled by
+    ``logit_scale``; ``attention_bias`` biases q, k, v and o."""
+    cfg = _Fields("Cohere2ForCausalLM", config, _COHERE2_DEFAULTS)
+    pattern = cfg["sliding_window_pattern"]
+    types = _sliding_types(cfg, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention")
+    rope = _rope(_rope_params(cfg), theta=10000.0, interleaved=True)
+    heads, bias = cfg["num_attention_heads"], cfg["attention_bias"]
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch))
+    layers = []
+    for kind in types:
+        sliding = kind == "sliding_attention"
+        attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=cfg["hidden_size"] // heads,
+                              sliding_window=cfg["sliding_window"] if sliding else None,
+                              rope=rope if sliding else None, qkv_bias=bias, o_bias=bias)
+        layers.append(Layer(mixer=attention, ffn=mlp, parallel_ffn=True))
+    return _model(cfg, layers, norm="layer", norm_eps=cfg["layer_norm_eps"],
+                  logits_multiplier=float(cfg["logit_scale"]))
+
+
+_EXAONE4_DEFAULTS = dict(
+    vocab_size=102400, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, head_dim=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-5,
+    bos_token_id=0, eos_token_id=2, tie_word_embeddings=False, sliding_window=4096, sliding_window_pattern=4,
+    layer_types=None)
+
+
+def _exaone4_sliding(cfg: _Fields) -> Callable[[int], str]:
+    """The default layer type of layer i: every ``sliding_window_pattern``-th global when an int, or the
+    pattern string repeated ("LLLG": L sliding, G global), as the released configs spell it."""
+    pattern = cfg["sliding_window_pattern"]
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ValueError(f"{cfg.arch}: sliding_window_pattern {pattern!r} must be a string of L and G")
+        return lambda i: "sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise ValueError(f"{cfg.arch}: sliding_window_pattern must be a positive int or an L/G string, "
+                         f"got {pattern!r}")
+    return lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention"
+
+
+@register("Exaone4ForCausalLM")
+def exaone4(config: Mapping[str, Any]) -> HybridConfig:
+    """EXAONE-4.0: post-norms only (Olmo-2's layer: ``x += norm(attn(x)); x += norm(mlp(x))``), per-head q/k
+    RMSNorms before RoPE; with a ``sliding_window`` the layers follow ``layer_types`` / the pattern and only the
+    sliding ones rotate (global layers NoPE); without one every layer is global with RoPE (EXAONE-4.0-1.2B)."""
+    cfg = _Fields("Exaone4ForCausalLM", config, _EXAONE4_DEFAULTS)
+    window = cfg["sliding_window"]
+    if window is None:
+        types = ["full_attention"] * cfg["num_hidden_layers"]
+    else:
+        types = _sliding_types(cfg, _exaone4_sliding(cfg))
+    rope = _rope(_rope_params(cfg), theta=10000.0)
+    heads = cfg["num_attention_heads"]
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch))
+    layers = []
+    for kind in types:
+        sliding = kind == "sliding_attention"
+        attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(),
+                              head_dim=cfg["head_dim"] or cfg["hidden_size"] // heads,
+                              sliding_window=window if sliding else None,
+                              rope=rope if sliding or window is None else None, qk_norm="rms")
+        layers.append(Layer(mixer=attention, ffn=mlp, sandwich_norm=True, pre_norm=False))
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"])
+
+
+_GRANITE_SWA_DEFAULTS = dict(
+    vocab_size=100352, hidden_size=2560, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=20,
+    num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
+    bos_token_id=100257, eos_token_id=100257, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+    embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
+    sliding_window=128, layer_types=None, layer_rope_theta=None)
+
+
+@register("GraniteSWAForCausalLM")
+def granite_swa(config: Mapping[str, Any]) -> HybridConfig:
+    """Granite (µP multipliers: embeddings, residual branches, 1 / ``logits_scaling`` on the logits, softmax scale
+    ``attention_multiplier``) with sliding-window layers (``layer_types``, else every fourth layer from layer 0
+    global) and a learned sink logit per head (gpt-oss's); ``layer_rope_theta`` gives each layer its RoPE base,
+    0 for NoPE."""
+    cfg = _Fields("GraniteSWAForCausalLM", config, _GRANITE_SWA_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    types = _sliding_types(cfg, lambda i: "full_attention" if i % 4 == 0 else "sliding_attention")
+    params = _rope_params(cfg)
+    thetas = cfg["layer_rope_theta"] or [params.get("rope_theta", 10000.0)] * n
+    if len(thetas) < n:
+        raise ValueError(f"{cfg.arch}: layer_rope_theta has {len(thetas)} entries for {n} layers")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    bias = cfg["attention_bias"]
+    mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch),
+              bias=cfg["mlp_bias"])
+    layers = []
+    for kind, theta in zip(types, thetas[:n], strict=True):
+        attention = Attention(
+            num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=cfg["head_dim"] or hidden // heads,
+            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None,
+            rope=_rope({**params, "rope_theta": theta}, theta=10000.0) if theta else None,
+            scale=float(cfg["attention_multiplier"]), qkv_bias=bias, o_bias=bias, sinks=True)
+        layers.append(Layer(mixer=attention, ffn=mlp))
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["embedding_multiplier"]),
+                  residual_multiplier=float(cfg["residual_multiplier"]),
+                  logits_multiplier=1.0 / float(cfg["logits_scaling"]))
 
 
 # -- Mamba2 (Mamba-Codestral) ------------------------------------------------------------------------------

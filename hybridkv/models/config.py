@@ -41,6 +41,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 # Gated activations that are not ``act(gate) * up``: gpt-oss's clamped SwiGLU (``MoE.activation``).
 GATED_ONLY_ACTIVATIONS = ("swiglu_oai",)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
+NORMS = ("rms", "gemma_rms", "layer")
 MOE_ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
 # Sanity bounds: far beyond any released model, low enough that a config.json typo (hidden_size=10**9,
@@ -539,14 +540,18 @@ class Layer:
     """One decoder layer: ``x += mixer(norm(x)); x += ffn(norm(x))``. Either part may be absent
     (NemotronH layers are one of mamba / attention / mlp / moe). ``parallel_mixer`` runs beside the
     mixer on the same normed input and their outputs are added (Falcon-H1: attention + Mamba2).
-    ``sandwich_norm`` adds the Gemma-2/3 post-norms. ``shared_block`` (Zamba2) runs first and feeds
-    the mixer's input (see ``SharedBlock``)."""
+    ``sandwich_norm`` adds the Gemma-2/3 post-norms; with ``pre_norm=False`` the pre-norms go, leaving
+    post-norms only, ``x += norm(mixer(x))`` (Olmo-2, Exaone-4). ``parallel_ffn``: the feed-forward reads
+    the mixer's normed input and both join the residual at once, ``x += mixer(norm(x)) + ffn(norm(x))``
+    (Cohere). ``shared_block`` (Zamba2) runs first and feeds the mixer's input (see ``SharedBlock``)."""
 
     mixer: Mixer | None = None
     parallel_mixer: Mamba2 | None = None
     ffn: FeedForward | None = None
     sandwich_norm: bool = False
     shared_block: SharedBlock | None = None
+    pre_norm: bool = True
+    parallel_ffn: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -560,11 +565,17 @@ class Layer:
             raise ValueError(f"Layer.ffn: unknown kind {type(self.ffn).__name__}")
         if self.shared_block is not None and self.mixer is None:
             raise ValueError("Layer.shared_block needs a mixer to feed")
+        if self.parallel_ffn and (self.mixer is None or self.ffn is None or self.sandwich_norm
+                                  or not self.pre_norm):
+            raise ValueError("Layer.parallel_ffn needs a mixer and a feed-forward, pre-norm only")
+        if not self.pre_norm and self.shared_block is not None:
+            raise ValueError("Layer.pre_norm=False does not combine with a shared block")
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig:
-    """The whole decoder. ``norm``: "rms" or "gemma_rms" ((1 + w) scaling).
+    """The whole decoder. ``norm``: "rms", "gemma_rms" ((1 + w) scaling) or "layer" (LayerNorm without bias,
+    Cohere); it is every norm of the model (q/k norms: "rms" and "gemma_rms" only).
 
     ``embedding_multiplier`` scales the token embeddings (Gemma: sqrt(hidden), which HF rounds to the
     weight dtype first; Falcon-H1, Granite: µP), ``residual_multiplier`` every block output before it
@@ -598,10 +609,16 @@ class HybridConfig:
                   max_position_embeddings=self.max_position_embeddings, norm_eps=self.norm_eps)
         if not self.layers:
             raise ValueError("HybridConfig.layers is empty")
-        if self.norm not in ("rms", "gemma_rms"):
-            raise ValueError(f"HybridConfig.norm must be 'rms' or 'gemma_rms', got {self.norm!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"HybridConfig.norm must be one of {NORMS}, got {self.norm!r}")
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
             raise ValueError(f"HybridConfig.dtype: unknown torch dtype {self.dtype!r}")
+        if self.residual_in_fp32 and not all(layer.pre_norm for layer in self.layers):
+            raise ValueError("HybridConfig.residual_in_fp32 needs pre-norms (Layer.pre_norm): a post-norm-only layer "
+                             "reads the residual stream itself")
+        if self.norm == "layer" and any(isinstance(m, Attention) and m.qk_norm == "rms"
+                                        for _, m in self.stateful_mixers()):
+            raise ValueError("HybridConfig.norm='layer' has no q/k norm flavour (Attention.qk_norm='rms')")
         shared: dict[int, SharedBlock] = {}
         for i, layer in enumerate(self.layers):
             block = layer.shared_block

@@ -83,15 +83,20 @@ def _make_ffn(config: HybridConfig, ffn: object, tp: TensorParallel) -> nn.Modul
 
 
 def _norm(config: HybridConfig, dim: int | None = None) -> RMSNorm:
-    return RMSNorm(dim or config.hidden_size, eps=config.norm_eps, gemma=config.norm == "gemma_rms")
+    return RMSNorm(dim or config.hidden_size, eps=config.norm_eps, gemma=config.norm == "gemma_rms",
+                   centered=config.norm == "layer")
 
 
-def _normed(norm: RMSNorm, x: torch.Tensor, ops: KernelBackend | None = None) -> torch.Tensor:
+def _normed(norm: RMSNorm | None, x: torch.Tensor, ops: KernelBackend | None = None) -> torch.Tensor:
     """``norm(x)`` on the input cast to the norm's dtype: a no-op unless the residual stream is kept in
     fp32 (``residual_in_fp32``), where HF rounds to the model dtype before each norm too. With ``ops``, the
-    backend's ``rms_norm`` runs it (one fused kernel on triton)."""
+    backend's ``rms_norm`` runs it (one fused kernel on triton). No norm (a post-norm-only layer): x."""
+    if norm is None:
+        return x
     x = x.to(norm.weight.dtype)
-    return ops.rms_norm(x, norm.weight, eps=norm.eps, gemma=norm.gemma) if ops is not None else norm(x)
+    if ops is None:
+        return norm(x)
+    return ops.rms_norm(x, norm.weight, eps=norm.eps, gemma=norm.gemma, centered=norm.centered)
 
 
 class SharedTransformerBlock(nn.Module):
@@ -138,8 +143,9 @@ class SharedBlockUse(nn.Module):
 
 class DecoderLayer(nn.Module):
     """``h = x + m * mixer(norm(x)); out = h + m * ffn(norm(h))`` (m: residual multiplier), with the
-    Gemma post-norms when ``sandwich_norm``, a parallel mixer summed with the mixer, and a shared block
-    whose output t feeds the mixer: ``h = x + m * mixer(norm(x + t))``."""
+    Gemma post-norms when ``sandwich_norm`` (and no pre-norms without ``pre_norm``), a parallel mixer summed
+    with the mixer, a parallel feed-forward (``out = x + m * (mixer(n) + ffn(n))``, n = norm(x)), and a shared
+    block whose output t feeds the mixer: ``h = x + m * mixer(norm(x + t))``."""
 
     def __init__(self, config: HybridConfig, layer: Layer, index: int,
                  shared_blocks: Mapping[str, SharedTransformerBlock], *, tp: TensorParallel = SINGLE) -> None:
@@ -149,14 +155,16 @@ class DecoderLayer(nn.Module):
             SharedBlockUse(config, layer.shared_block, shared_blocks[str(layer.shared_block.block_id)],
                            config.layer_cache_name(index, shared=True), tp=tp)
             if layer.shared_block is not None else None)
-        self.input_norm = _norm(config) if layer.mixer is not None else None
+        self.parallel_ffn = layer.parallel_ffn
+        self.input_norm = _norm(config) if layer.mixer is not None and layer.pre_norm else None
         self.mixer = (_make_mixer(config, layer.mixer, config.layer_cache_name(index), tp)
                       if layer.mixer else None)
         self.parallel_mixer = (
             _make_mixer(config, layer.parallel_mixer, config.layer_cache_name(index, parallel=True), tp)
             if layer.parallel_mixer is not None else None)
         self.post_mixer_norm = _norm(config) if layer.sandwich_norm and layer.mixer is not None else None
-        self.ffn_norm = _norm(config) if layer.ffn is not None else None
+        self.ffn_norm = (_norm(config) if layer.ffn is not None and layer.pre_norm and not layer.parallel_ffn
+                         else None)
         self.ffn = _make_ffn(config, layer.ffn, tp) if layer.ffn is not None else None
         self.post_ffn_norm = _norm(config) if layer.sandwich_norm and layer.ffn is not None else None
 
@@ -168,7 +176,7 @@ class DecoderLayer(nn.Module):
     def entry_norm(self) -> RMSNorm | None:
         """The norm this layer first applies to its incoming residual stream, which the previous layer's last
         residual add computes in the same kernel (``forward``'s ``normed``). None with a shared block, whose
-        output joins the stream before that norm."""
+        output joins the stream before that norm, and without pre-norms."""
         if self.shared is not None:
             return None
         return self.input_norm if self.mixer is not None else self.ffn_norm
@@ -190,9 +198,11 @@ class DecoderLayer(nn.Module):
             out = self.mixer(normed, positions)
             if self.parallel_mixer is not None:
                 out = out + self.parallel_mixer(normed, positions)
-            after = self.ffn_norm if self.ffn is not None else next_norm
+            if self.parallel_ffn:       # HF adds (x + attn) + mlp; one add of attn + mlp saves a launch
+                out = out + self.ffn(normed)
+            after = self.ffn_norm if self.ffn is not None and not self.parallel_ffn else next_norm
             normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_mixer_norm, after))
-        if self.ffn is not None:
+        if self.ffn is not None and not self.parallel_ffn:
             if normed is None:
                 normed = _normed(self.ffn_norm, x, ops)
             normed, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, next_norm))
@@ -202,9 +212,12 @@ class DecoderLayer(nn.Module):
 
     def _add_norm(self, post: RMSNorm | None, nxt: RMSNorm | None) -> dict:
         """``add_rms_norm`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
-        eps, gemma = next((n.eps, n.gemma) for n in (post, nxt, self.input_norm, self.ffn_norm) if n is not None)
-        return dict(weight=nxt.weight if nxt is not None else None, eps=eps, gemma=gemma,
-                    delta_weight=post.weight if post is not None else None, scale=self.residual_multiplier)
+        norm = next((n for n in (post, nxt, self.input_norm, self.ffn_norm) if n is not None), None)
+        if norm is None:            # a residual add with no norm around it
+            return dict(weight=None, eps=1e-6, delta_weight=None, scale=self.residual_multiplier)
+        return dict(weight=nxt.weight if nxt is not None else None, eps=norm.eps, gemma=norm.gemma,
+                    centered=norm.centered, delta_weight=post.weight if post is not None else None,
+                    scale=self.residual_multiplier)
 
 
 class HybridModel(nn.Module):
@@ -266,7 +279,8 @@ class HybridModel(nn.Module):
             x, normed = layer(x, positions, embeddings, normed=normed, next_norm=next_norm)
         if final is not None and normed is not None:
             return normed
-        return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma)
+        return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma,
+                                      centered=self.norm.centered)
 
     def fuse_projections(self) -> None:
         """Pack the projections that read one input (q|k|v, gate|up) into one GEMM each, in place; the

@@ -39,9 +39,20 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False) -> torch.Tensor:
+def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / std over the last dim, in fp32 (Cohere's bias-free LayerNorm before its weight)."""
+    xf = x.float()
+    centered = xf - xf.mean(-1, keepdim=True)
+    return centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False,
+                 centered: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim. Plain: ``w * normed.to(dtype)`` (cast, then scale, as Llama); Gemma:
-    ``(normed * (1 + w)).to(dtype)`` (scale in fp32, then cast)."""
+    ``(normed * (1 + w)).to(dtype)`` (scale in fp32, then cast). ``centered``: a LayerNorm without bias
+    (the mean subtracted first; Cohere), ``(normed * w).to(dtype)`` (scale in fp32, then cast)."""
+    if centered:
+        return (layer_normalize(x, eps) * weight.float()).to(x.dtype)
     normed = rms_normalize(x, eps)
     if gemma:
         return (normed * (1.0 + weight.float())).to(x.dtype)
@@ -49,8 +60,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bo
 
 
 def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
-                     gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0
-                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
+                     centered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``residual + scale * post_norm(delta)``, then the next pre-norm of it.
 
     delta: (num_tokens, hidden) a branch output in the model dtype; residual: (num_tokens, hidden), the model
@@ -58,13 +69,13 @@ def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: tor
     norms); ``weight``: the next norm, None for none. Returns (normed in ``weight``'s dtype or None, the new
     residual in the residual's dtype). The norm reads the residual rounded to the model dtype, as HF does."""
     if delta_weight is not None:
-        delta = rms_norm_ref(delta, delta_weight, eps=eps, gemma=gemma)
+        delta = rms_norm_ref(delta, delta_weight, eps=eps, gemma=gemma, centered=centered)
     if scale != 1.0:
         delta = delta * scale
     residual = residual + delta
     if weight is None:
         return None, residual
-    return rms_norm_ref(residual.to(weight.dtype), weight, eps=eps, gemma=gemma), residual
+    return rms_norm_ref(residual.to(weight.dtype), weight, eps=eps, gemma=gemma, centered=centered), residual
 
 
 def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0

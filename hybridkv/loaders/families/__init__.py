@@ -6,10 +6,13 @@ Keep this an import list (one module a line, sorted): each module registers its 
 
 from hybridkv.loaders.families import (  # noqa: F401
     bamba,
+    cohere2,
+    exaone4,
     falcon_h1,
     gemma,
     gpt_oss,
     granite_moe_hybrid,
+    granite_swa,
     jamba,
     lfm2,
     llama4,
