@@ -73,9 +73,9 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # gpt-oss ~11 s, Qwen3-Next ~16 s; LFM2-MoE's sharded experts are those of the other MoE families, its short convs
-# LFM2's (quick)
+# LFM2's (quick); Jamba's, Zamba2's and Bamba's Mamba and attention shards are NemotronH's and Falcon-H1's (quick)
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
-                                    if f in ("gpt_oss", "lfm2_moe", "qwen3_next") else f
+                                    if f in ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba") else f
                                     for f in HF_FAMILIES])
 def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
     """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks
@@ -462,6 +462,7 @@ def test_spawned_rank_exits_when_rank_0_dies_mid_step(tmp_path: Path) -> None:
             os.kill(rank1, signal.SIGKILL)                # never leave a stuck rank behind
 
 
+@pytest.mark.slow                   # ~14 s: the benchmark script end to end, not a sharding rule
 def test_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/tp_decode.py at tiny dims on the CPU: tp 1 vs tp 2 (identical in fp32), decode speed rows, and
     the in-forward failure case through the script's own harness."""
