@@ -19,13 +19,12 @@ from pathlib import Path
 import _hf_models as hf_models
 import pytest
 import torch
+from _parity import TOL, check_engine_matches_hf, check_prompt_logprobs
 from transformers import PreTrainedModel
 
-from hybridkv import LLM, SamplingParams
 from hybridkv.engine.model_runner import reference_logits
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
-TOL = 1e-4
 NEW_TOKENS = 32
 SEED = 0           # greedy output stays diverse (no single-token attractor) for these prompts
 
@@ -49,48 +48,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedMode
     return hf, path, expected
 
 
-def _check_logprobs(out, prompt: list[int], tokens: list[int], full: torch.Tensor, where: str) -> None:
-    logsm = full.log_softmax(-1)
-    for i, lp in enumerate(out.outputs[0].logprobs):
-        pos = len(prompt) - 1 + i
-        assert lp.token_id == tokens[i], where
-        assert abs(lp.logprob - logsm[pos, tokens[i]].item()) <= TOL, f"{where}: token {i}"
-        for tok, value in lp.top:
-            assert abs(value - logsm[pos, tok].item()) <= TOL, f"{where}: token {i}, top token {tok}"
-
-
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_engine_matches_hf(checkpoint: tuple[PreTrainedModel, Path, dict], prefix_caching: bool) -> None:
-    hf, path, expected = checkpoint
-    llm = LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cpu", kv_cache_memory="8MiB",
-              enable_prefix_caching=prefix_caching)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    prompts = _prompts()
-    for rerun in range(2):          # the second pass finds every prompt's full blocks cached (when caching)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        for prompt, out in zip(prompts, outs, strict=True):
-            where = f"prompt of {len(prompt)}, pass {rerun}, prefix caching {prefix_caching}"
-            assert out.error is None, out.error
-            tokens, full = expected[tuple(prompt)]
-            assert list(out.outputs[0].token_ids) == tokens, where
-            _check_logprobs(out, prompt, tokens, full, where)
-    assert len(set(expected[tuple(prompts[1])][0])) >= 5, "degenerate greedy output"
-    hits = llm.stats().prefix_hit_tokens
-    assert hits > 0 if prefix_caching else hits == 0
-    sequence = prompts[2] + expected[tuple(prompts[2])][0]
-    assert (reference_logits(llm.model, sequence) - expected[tuple(prompts[2])][1]).abs().max().item() <= TOL
+    _, path, expected = checkpoint
+    check_engine_matches_hf(path, _prompts(), expected, new_tokens=NEW_TOKENS, prefix_caching=prefix_caching)
 
 
 def test_prompt_logprobs_match_hf(checkpoint: tuple[PreTrainedModel, Path, dict]) -> None:
     """Every prompt token's log-probability (a prefill's every row, through the chunked prefill)."""
-    hf, path, expected = checkpoint
-    llm = LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cpu", kv_cache_memory="8MiB")
-    prompt = _prompts()[1]
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)
-    logsm = expected[tuple(prompt)][1].log_softmax(-1)
-    assert out.prompt_logprobs[0] is None
-    for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
-        assert abs(lp.logprob - logsm[i - 1, prompt[i]].item()) <= TOL, f"prompt token {i}"
+    _, path, expected = checkpoint
+    check_prompt_logprobs(path, _prompts()[1], expected)
 
 
 def test_reference_forward_matches_hf(checkpoint: tuple[PreTrainedModel, Path, dict]) -> None:

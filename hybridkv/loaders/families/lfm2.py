@@ -10,7 +10,7 @@ in-memory stacked ``experts.gate_up_proj`` (E, 2I, H) / ``experts.down_proj`` (E
 
 from __future__ import annotations
 
-from hybridkv.loaders.families.bamba import fused_gate_up
+from hybridkv.loaders.families.jamba import routed_experts
 from hybridkv.loaders.families.mistral import decoder_map
 from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
@@ -28,14 +28,10 @@ _TOP = {"embed_tokens.weight": "embed_tokens.weight", "embedding_norm.weight": "
 
 
 def _experts(rest: str, ours: str) -> list[Target] | None:
-    if rest == "gate_up_proj":
-        return fused_gate_up(ours)
-    if rest == "down_proj":
-        return [Target(name=f"{ours}.down_proj")]
     expert, _, weight = rest.partition(".")
-    if expert.isdigit() and weight in _EXPERT:
-        return [Target(name=f"{ours}.{_EXPERT[weight]}", index=(int(expert),))]
-    return None
+    if expert.isdigit() and weight in _EXPERT:          # the hub's per-expert w1 / w3 / w2
+        rest = f"{expert}.{_EXPERT[weight]}.weight"
+    return routed_experts(rest, ours)
 
 
 def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:

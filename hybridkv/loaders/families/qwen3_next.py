@@ -10,35 +10,23 @@ transformers 5.x in memory), ``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.sh
 
 from __future__ import annotations
 
-from hybridkv.loaders.families.bamba import fused_gate_up
+from hybridkv.loaders.families.bamba import GATED_MLP
+from hybridkv.loaders.families.jamba import routed_experts
 from hybridkv.loaders.families.mistral import LLAMA_ATTENTION, LLAMA_MLP, LLAMA_NORMS, decoder_map
 from hybridkv.loaders.weights import Target, register_weight_map, rename_module
 from hybridkv.models.config import HybridConfig
 
-_PROJ = ("gate", "up", "down")
 _LAYER_MODULES = {
     **LLAMA_ATTENTION, **LLAMA_MLP, **LLAMA_NORMS,
     "self_attn.q_norm": "mixer.q_norm", "self_attn.k_norm": "mixer.k_norm",
-    **{f"mlp.shared_expert.{p}_proj": f"ffn.shared.{p}_proj" for p in _PROJ},
+    **{f"mlp.shared_expert.{p}_proj": f"ffn.shared.{p}_proj" for p in GATED_MLP},
     "mlp.shared_expert_gate": "ffn.shared_gate", "mlp.gate": "ffn.router",
 }
 
 
-def _experts(rest: str, ours: str) -> list[Target] | None:
-    if rest == "gate_up_proj":
-        return fused_gate_up(ours)
-    if rest == "down_proj":
-        return [Target(name=f"{ours}.down_proj")]
-    expert, _, weight = rest.partition(".")
-    proj = weight.removesuffix("_proj.weight")
-    if expert.isdigit() and weight.endswith("_proj.weight") and proj in _PROJ:
-        return [Target(name=f"{ours}.{proj}_proj", index=(int(expert),))]
-    return None
-
-
 def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     if rest.startswith("mlp.experts."):
-        return _experts(rest.removeprefix("mlp.experts."), f"layers.{i}.ffn")
+        return routed_experts(rest.removeprefix("mlp.experts."), f"layers.{i}.ffn")
     if rest.startswith("linear_attn."):                    # our GatedDeltaNetLayer keeps HF's names
         return [Target(name=f"layers.{i}.mixer.{rest.removeprefix('linear_attn.')}")]
     return rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}.")
