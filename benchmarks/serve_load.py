@@ -8,14 +8,15 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
 1. **Offline**: ``LLM.chat`` on all ``--num-prompts`` conversations at once (prompts of ``--input-len``
    tokens, ``--output-len`` new tokens, greedy, ``ignore_eos``): output tok/s and requests/s (the capacity
    C); and the batch-32 decode step (32 short prompts decoding together: mean time between tokens).
-2. **HTTP**, the same engine behind ``hybridkv serve``'s app as the server runs it (the engine in its own
-   process, ``EngineCoreClient``; FastAPI + uvicorn in a thread of this process whose main thread only waits;
-   the load generator is a separate process, so it shares no GIL with the server): the same conversations all
-   at once, streamed and not (throughput vs offline), then
-   Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C): TTFT, TPOT (per request:
-   time after the first token / tokens after it), ITL (time between streamed chunks, as a client sees it)
-   p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests,
-   at most ``--max-requests-per-rate``), then waits for them to finish (bounded).
+2. **HTTP**: ``hybridkv serve`` started as users start it (a subprocess; prefix caching off, as the runs repeat
+   the conversations), once per ``--api-server-counts`` value (API processes over the one engine process; the
+   load generator is a process of its own): the same conversations all at once, streamed and not (throughput
+   vs offline); then, on the last count, Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0,
+   1.25 x C): TTFT, TPOT (per request: time after the first token / tokens after it), ITL (time between
+   streamed chunks, as a client sees it) p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate``
+   of arrivals (at least 16 requests, at most ``--max-requests-per-rate``), then waits for them to finish
+   (bounded). The half-rate point runs again on a server with ``--max-num-batched-tokens
+   --itl-batched-tokens`` (shorter steps while prefills run).
 3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
    (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
    best rate (up while it keeps p99 TTFT <= 2 s, else down once).
@@ -302,6 +303,41 @@ class InProcessServer:
         self.engine.shutdown(timeout=30)
 
 
+class CLIServer:
+    """``hybridkv serve CHECKPOINT ...`` as users start it (a subprocess: the launcher, ``api_servers`` API
+    processes, the engine process), on a free port of 127.0.0.1; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, checkpoint: Path, name: str, flags: list[str], *, log: Path) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        command = [sys.executable, "-m", "hybridkv.cli", "serve", str(checkpoint), "--host", "127.0.0.1", "--port",
+                   str(port), "--served-model-name", name, "--disable-access-log", "--stats-interval", "0",
+                   "--log-level", "warning", *flags]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hybridkv serve exited:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"hybridkv serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
 class PeerServer:
     """``transformers serve`` on ``checkpoint`` (a subprocess; flags as its version has them: the model as
     ``--force-model`` or as the argument), with its continuous batching or without."""
@@ -361,7 +397,6 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
     import torch
 
     from hybridkv import LLM, EngineConfig, SamplingParams
-    from hybridkv.engine.core_client import EngineCoreClient
 
     result: dict[str, Any] = {"family": family}
     with tempfile.TemporaryDirectory() as tmp:
@@ -397,52 +432,73 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
               f"{result['offline']['requests_s']:.2f} req/s; batch-32 step {1e3 * result['decode_step_b32_s']:.2f} ms",
               flush=True)
 
-        # The server as ``hybridkv serve`` runs it: the engine in its own process (this one's freed first)
+        # The server as users start it: ``hybridkv serve`` (this process's engine freed first)
         del llm
         import gc
 
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        server = InProcessServer(EngineCoreClient(ckpt, config), name)
-        try:
-            extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
-            run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
-                     extra=extra)
-            throughput = _throughput(server.url, name, convs, args)
-            result["http"] = throughput
-            capacity = result["offline"]["requests_s"]
-            rates = ([float(r) for r in args.rates.split(",")] if args.rates != "auto"
-                     else [round(capacity * f, 3) for f in args.rate_fractions])
-            points = []
-            for rate in rates:
-                point = run_load(server.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args),
+        flags = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--backend", args.backend,
+                 "--kv-memory", args.kv_memory, "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching"]
+        extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        log = Path(tmp) / "server.log"
+        result["http_by_api_servers"] = {}
+        for count in args.api_server_counts:
+            server = CLIServer(ckpt, name, [*flags, "--api-server-count", str(count)], log=log)
+            try:
+                run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
+                         extra=extra)
+                throughput = _throughput(server.url, name, convs, args)
+                result["http_by_api_servers"][str(count)] = throughput
+                print(f"  {count} API process(es): HTTP streamed {throughput['stream']['output_tok_s']:.0f} tok/s, "
+                      f"not streamed {throughput['no_stream']['output_tok_s']:.0f} tok/s", flush=True)
+                if count != args.api_server_counts[-1]:
+                    continue
+                result["api_servers"] = count
+                result["http"] = throughput
+                capacity = result["offline"]["requests_s"]
+                rates = ([float(r) for r in args.rates.split(",")] if args.rates != "auto"
+                         else [round(capacity * f, 3) for f in args.rate_fractions])
+                points = []
+                for rate in rates:
+                    point = run_load(server.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args),
+                                     output_len=args.output_len, extra=extra)
+                    points.append(point)
+                    _print_point("hybridkv", family, point)
+                    if not _passes(point):
+                        break
+                ok = [p["rate"] for p in points if _passes(p)]
+                best = max(ok) if ok else None
+                half = None
+                if best is not None:
+                    half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
+                    if half is None:
+                        half = run_load(server.url, name, convs, rate=best / 2,
+                                        num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
+                                        extra=extra)
+                        _print_point("hybridkv", family, half)
+                        points.append(half)
+                result.update(rates=points, best_rate=best,
+                              best_rate_is_lower_bound=bool(points) and _passes(points[-1]),
+                              itl_p99_at_half=half["itl_p99"] if half else None)
+            finally:
+                server.stop()
+        best = result.get("best_rate")
+        if best is not None and args.itl_batched_tokens:
+            # the same half-rate load on a server whose steps hold at most --itl-batched-tokens tokens: shorter
+            # steps while prefills run, so decoding requests wait less between tokens (TTFT pays)
+            server = CLIServer(ckpt, name, [*flags, "--api-server-count", str(args.api_server_counts[-1]),
+                                            "--max-num-batched-tokens", str(args.itl_batched_tokens)], log=log)
+            try:
+                run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
+                         extra=extra)
+                point = run_load(server.url, name, convs, rate=best / 2, num_requests=_points_per_rate(best / 2, args),
                                  output_len=args.output_len, extra=extra)
-                points.append(point)
-                _print_point("hybridkv", family, point)
-                if not _passes(point):
-                    break
-            ok = [p["rate"] for p in points if _passes(p)]
-            best = max(ok) if ok else None
-            half = None
-            if best is not None:
-                half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
-                if half is None:
-                    half = run_load(server.url, name, convs, rate=best / 2,
-                                    num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
-                                    extra=extra)
-                    _print_point("hybridkv", family, half)
-                    points.append(half)
-            result.update(rates=points, best_rate=best, best_rate_is_lower_bound=bool(points) and _passes(points[-1]),
-                          itl_p99_at_half=half["itl_p99"] if half else None)
-        finally:
-            server.stop()
-            del server
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                print(f"  (GPU memory still allocated before the peer: {torch.cuda.memory_allocated() / 2**30:.2f} "
-                      "GiB)", flush=True)
+                _print_point(f"hybridkv (<= {args.itl_batched_tokens} tokens/step)", family, point)
+                result["half_rate_small_steps"] = {"max_num_batched_tokens": args.itl_batched_tokens, **point}
+            finally:
+                server.stop()
 
         if not args.no_peer:
             result["peer"] = _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"))
@@ -530,13 +586,19 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
         else:
             rate_ratio = "-"
         itl = r.get("itl_p99_at_half")
+        small = (r.get("half_rate_small_steps") or {}).get("itl_p99")
         step = r["decode_step_b32_s"]
-        rows.append([r["family"], f"{offline:.0f}", f"{http:.0f} / {plain:.0f}",
+        single = r.get("http_by_api_servers", {}).get("1")
+        rows.append([r["family"], f"{offline:.0f}",
+                     "-" if single is None else f"{single['stream']['output_tok_s']:.0f} / "
+                     f"{single['no_stream']['output_tok_s']:.0f}",
+                     f"{r.get('api_servers', 1)}: {http:.0f} / {plain:.0f}",
                      f"{100 * http / offline:.0f}% / {100 * plain / offline:.0f}%",
                      "-" if best is None else f"{'>=' if r.get('best_rate_is_lower_bound') else ''}{best:.2f}",
                      "-" if peer_best is None else f"{peer_best:.3f}", rate_ratio,
-                     "-" if itl is None else f"{1e3 * itl:.2f}", f"{1e3 * step:.2f}",
-                     "-" if itl is None else f"{itl / step:.2f}x"])
+                     "-" if itl is None else f"{1e3 * itl:.2f}", "-" if small is None else f"{1e3 * small:.2f}",
+                     f"{1e3 * step:.2f}",
+                     "-" if itl is None else f"{min(itl, small or math.inf) / step:.2f}x"])
     return rows
 
 
@@ -558,7 +620,12 @@ def main() -> None:
     ap.add_argument("--rates", default="auto", help="requests/s, comma-separated (auto: 0.5, 0.8, 1.0, 1.25 x the "
                     "offline capacity)")
     ap.add_argument("--seconds-per-rate", type=float, default=6.0, help="seconds of arrivals per rate point")
-    ap.add_argument("--max-requests-per-rate", type=int, default=512,
+    ap.add_argument("--api-server-counts", default="1,4",
+                    help="hybridkv serve --api-server-count values, comma-separated: each gets the all-at-once "
+                    "throughput runs; the last also gets the rate points (default 1,4)")
+    ap.add_argument("--itl-batched-tokens", type=int, default=256,
+                    help="also run the half-rate point on a server with --max-num-batched-tokens this (0: skip)")
+    ap.add_argument("--max-requests-per-rate", type=int, default=2048,
                     help="at most this many requests per rate point (the conversations are reused in turn)")
     ap.add_argument("--peer-points", type=int, default=3, help="rate points for transformers serve (default 3)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers serve")
@@ -568,6 +635,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     add_output_args(ap, "serve_load")
     args = ap.parse_args()
+    args.api_server_counts = [int(c) for c in args.api_server_counts.split(",")]
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     args.rate_fractions = (0.5, 0.8, 1.0, 1.25)
@@ -591,9 +659,10 @@ def main() -> None:
     write_json(args, "serve_load", {"meta": meta, "results": results})
     print_table(f"serve_load on {meta['device']} ({meta['commit']}; {args.num_prompts} prompts of ~{args.input_len} "
                 f"tokens, {args.output_len} new; {meta['seconds']:.0f} s)",
-                ["model", "offline tok/s", "HTTP tok/s streamed / not", "HTTP/offline (>=90%)",
-                 "best rate, p99 TTFT<=2s", "peer best rate", "ratio (>=10x)", "p99 ITL at half, ms", "b32 step, ms",
-                 "ITL/step (<=2x)"],
+                ["model", "offline tok/s", "1 API process: HTTP tok/s streamed / not",
+                 "API processes: HTTP tok/s streamed / not", "HTTP/offline (>=90%)", "best rate, p99 TTFT<=2s",
+                 "peer best rate", "ratio (>=10x)", "p99 ITL at half, ms",
+                 f"same, <= {args.itl_batched_tokens} tokens/step", "b32 step, ms", "ITL/step (<=2x)"],
                 summary_rows(results))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["VARIABLES", "EnvVar", "benchmark_commit", "child_environment", "debug", "hf_cache_dirs", "master_address",
-           "torchrun_world", "triton_interpret"]
+           "prometheus_multiproc_dir", "torchrun_world", "triton_interpret"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +51,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(name="HF_HUB_CACHE", type="str", default="$HF_HOME/hub", meaning="Hugging Face's hub cache"),
     EnvVar(name="PYTHONPATH", type="str", default="",
            meaning="Python's own; the engine process of hybridkv serve gets it with hybridkv's root put first"),
+    EnvVar(name="PROMETHEUS_MULTIPROC_DIR", type="str", default="",
+           meaning="prometheus-client's own: where the API processes of hybridkv serve --api-server-count N "
+                   "(N > 1) keep their metrics; set by the launcher, read by /metrics to add them up"),
 )
 
 _TRUE = ("1", "true", "yes", "on")
@@ -116,9 +119,17 @@ def benchmark_commit() -> str | None:
     return os.environ.get("HYBRIDKV_COMMIT") or None
 
 
-def child_environment(*, path_first: str) -> dict[str, str]:
-    """This process's environment for a fresh interpreter that must import this hybridkv (the engine process):
-    a copy, with ``path_first`` put ahead on ``PYTHONPATH``."""
+def child_environment(*, path_first: str, metrics_dir: str | None = None) -> dict[str, str]:
+    """This process's environment for a fresh interpreter that must import this hybridkv (the engine process,
+    an API process): a copy, with ``path_first`` put ahead on ``PYTHONPATH`` and ``metrics_dir`` (if given) as
+    ``PROMETHEUS_MULTIPROC_DIR``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, env.get("PYTHONPATH")) if p)
+    if metrics_dir is not None:
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     return env
+
+
+def prometheus_multiproc_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR``: the directory the API processes share their metrics in (None: one process)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

@@ -5,22 +5,25 @@ never a re-import of the caller's ``__main__``.
 
 In one process, the engine thread's steps would share the GIL with the HTTP work (request parsing, chat
 templates, tokenization, writing responses), and every bit of it delays a step. Here the engine runs
-``EngineFront.serve`` in its own interpreter; the API process keeps HTTP, templates, tokenization and incremental
-detokenization, and loads no weights. The two talk over a socket pair (``multiprocessing.connection``, pickled
-messages of plain types):
+``EngineFront.serve`` in its own interpreter; API processes keep HTTP, templates, tokenization and incremental
+detokenization, and load no weights. Each API process talks to it over a socket pair of its own (a *channel*:
+``multiprocessing.connection``, pickled messages of plain types); ``hybridkv serve --api-server-count N`` runs N
+API processes over one engine process:
 
-    API -> engine   a ``CoreJob`` first; then ("add", [(id, token ids, params, output kind), ...]),
-                    ("abort", [ids]), ("snapshot", seq), ("drain",), ("close", reason)
-    engine -> API   ("ready", EngineLimits) or ("failed", message) first; then one ("out", outputs, waiting, adds)
-                    per step with outputs, ("state", waiting, adds) after aborts, ("snapshot", seq, snapshot or
-                    error), ("dead", reason) before exiting on a fatal step error
+    API -> engine   a ``CoreJob`` first (on channel 0 only); then ("add", [(id, token ids, params, output kind),
+                    ...]), ("abort", [ids]), ("snapshot", seq), ("drain",), ("close", reason)
+    engine -> API   ("ready", EngineLimits) or ("failed", message) first (on every channel); then one ("out",
+                    outputs, waiting, adds) per step with outputs of the channel's requests, ("state", waiting,
+                    adds) after aborts, ("snapshot", seq, snapshot or error), ("dead", reason) before exiting on a
+                    fatal step error
 
-``waiting`` is ``EngineFront.num_waiting()`` and ``adds`` the submissions received when it was read (the API
-process bounds its queue with them). A streamed request's output of a step travels as (id, new token ids, cached
-prompt tokens); other outputs (final ones, ones with logprobs) whole, without the prompt ids the API holds.
-The process ignores SIGINT and SIGTERM (sent to the whole process group by Ctrl-C or a supervisor: the API
-process handles them and drains the engine) and stops when the API process goes (end of file on the socket:
-every request is aborted).
+``waiting`` is ``EngineFront.num_waiting()`` and ``adds`` the submissions the channel had sent when it was read
+(each API process bounds its queue with them). A streamed request's output of a step travels as (id, new token
+ids, cached prompt tokens); other outputs (final ones, ones with logprobs) whole, without the prompt ids the API
+process holds. ``drain``: the channel sends nothing more; once every channel drains, the engine finishes what
+runs and exits. ``close`` (or end of file: the API process is gone): the channel's requests are aborted; once
+every channel is closed, the engine exits. The process ignores SIGINT and SIGTERM (sent to the whole process group
+by Ctrl-C or a supervisor: the API processes handle them and drain the engine).
 """
 
 from __future__ import annotations
@@ -85,54 +88,38 @@ def pack_outputs(outputs: Sequence[RequestOutput]) -> list[tuple | RequestOutput
     return packed
 
 
-class EngineCore:
-    """The engine process's loop: ``llm``'s front served in this (main) thread, ``conn`` read by another."""
+class _Channel:
+    """One API process's socket: its reader thread, and the sink of the requests it submitted."""
 
-    def __init__(self, llm: LLM, conn: Connection) -> None:
-        self.llm = llm
-        self.front = llm.front
+    def __init__(self, core: EngineCore, index: int, conn: Connection) -> None:
+        self.core = core
+        self.index = index
         self.conn = conn
+        self.adds = 0                      # submissions received (read with num_waiting: the API's queue bound)
+        self.draining = False              # sends no more requests
+        self.closed = False                # gone, its requests aborted
         self._send_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._adds = 0                     # submissions received (read with num_waiting: the API's queue bound)
-
-    def run(self) -> int:
-        """Serve until drained, closed, failed or orphaned; the exit code."""
-        reader = threading.Thread(target=self._read, name="hybridkv-core-reader", daemon=True)
-        reader.start()
-        device = self.llm.engine.device
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(device)
-        self.front.serve(self._stop)
-        dead = self.front.dead
-        if dead is not None and not self._stop.is_set():      # a fatal step error (its outputs are sent)
-            self._send(("dead", dead))
-        self.llm.shutdown()
-        return 0
 
     # Sink: the driving thread, the front's lock held; one call per step
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        self._send(("out", pack_outputs(outputs), self.front.num_waiting(), self._adds))
+        self.send(("out", pack_outputs(outputs), self.core.front.num_waiting(), self.adds))
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock, contextlib.suppress(OSError):    # (API process gone: the reader stops the engine)
+    def send(self, message: tuple) -> None:
+        with self._send_lock, contextlib.suppress(OSError):    # (API process gone: its reader closes the channel)
             self.conn.send(message)
 
-    def _send_state(self, engine: object) -> None:
-        self._send(("state", self.front.num_waiting(), self._adds))
+    def send_state(self, engine: object) -> None:
+        self.send(("state", self.core.front.num_waiting(), self.adds))
 
-    def _read(self) -> None:
-        front = self.front
+    def read(self) -> None:
+        front = self.core.front
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                logger.warning("the API process is gone: aborting every request and stopping the engine")
-                front.close("the API process is gone")
-                self._stop.set()
-                front.wake()
+                if not self.closed:
+                    logger.warning("API process %d is gone: aborting its requests", self.index)
+                    self.core.close_channel(self, "the API process is gone")
                 return
             kind = message[0]
             if kind == "add":
@@ -143,38 +130,89 @@ class EngineCore:
                 except (RequestError, EngineDeadError) as err:
                     self.deliver([RequestOutput(request_id=s.request_id, prompt=None, prompt_token_ids=(),
                                                 outputs=(), finished=True, error=str(err)) for s in subs])
-                self._adds += len(subs)
+                self.adds += len(subs)
             elif kind == "abort":
                 front.abort(message[1])
-                front.at_step_boundary(self._send_state)        # (after the abort: the inbox is in order)
+                front.at_step_boundary(self.send_state)         # (after the abort: the inbox is in order)
             elif kind == "snapshot":
                 seq = message[1]
 
                 def reply(future: Any, seq: int = seq) -> None:
                     err = future.exception()
-                    self._send(("snapshot", seq, future.result() if err is None else f"{type(err).__name__}: {err}"))
+                    self.send(("snapshot", seq, future.result() if err is None else f"{type(err).__name__}: {err}"))
 
                 front.snapshot().add_done_callback(reply)
             elif kind == "drain":
-                self._stop.set()
-                front.wake()
+                self.core.drain_channel(self)
             elif kind == "close":
-                front.close(message[1])
-                self._stop.set()
-                front.wake()
+                self.core.close_channel(self, message[1])
+                with self._send_lock:           # (after the aborted requests' outputs: the API side reads EOF)
+                    self.conn.close()
+                return
             else:
                 logger.error("engine process: unknown message %r", kind)
 
 
+class EngineCore:
+    """The engine process's loop: ``llm``'s front served in this (main) thread, each channel read by a thread of
+    its own."""
+
+    def __init__(self, llm: LLM, conns: Sequence[Connection]) -> None:
+        self.llm = llm
+        self.front = llm.front
+        self.channels = [_Channel(self, i, conn) for i, conn in enumerate(conns)]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def run(self) -> int:
+        """Serve until every channel drained or closed, or a step failed; the exit code."""
+        for channel in self.channels:
+            threading.Thread(target=channel.read, name=f"hybridkv-core-reader-{channel.index}", daemon=True).start()
+        device = self.llm.engine.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        self.front.serve(self._stop)
+        dead = self.front.dead
+        if dead is not None and not self._stop.is_set():      # a fatal step error (its outputs are sent)
+            for channel in self.channels:
+                channel.send(("dead", dead))
+        self.llm.shutdown()
+        return 0
+
+    def drain_channel(self, channel: _Channel) -> None:
+        with self._lock:
+            channel.draining = True
+            self._stop_when_done()
+
+    def close_channel(self, channel: _Channel, reason: str) -> None:
+        with self._lock:
+            channel.closed = channel.draining = True
+            last = all(c.closed for c in self.channels)
+        if last:
+            self.front.close(reason)        # (every request aborted, with an error output naming the reason)
+        else:
+            self.front.abort(self.front.requests_of(channel))
+        with self._lock:
+            self._stop_when_done()
+
+    def _stop_when_done(self) -> None:
+        """(lock held) Stop once no channel can send requests any more."""
+        if all(c.draining for c in self.channels):
+            self._stop.set()
+            self.front.wake()
+
+
 def main(argv: Sequence[str]) -> int:
-    """The engine process: read the ``CoreJob`` from the socket whose descriptor ``argv[0]`` is, build it, report
-    ready (its ``EngineLimits``) or why it failed, then serve."""
-    # Ctrl-C and a supervisor's SIGTERM to the whole group reach this process too: the API process handles them
-    # (it drains, then tells this one to stop); this one stops by itself only when the API process is gone.
+    """The engine process: read the ``CoreJob`` from the first of the sockets whose descriptors ``argv`` holds
+    (one per API process), build it, report ready (its ``EngineLimits``) or why it failed on each, then serve."""
+    # Ctrl-C and a supervisor's SIGTERM to the whole group reach this process too: the API processes handle them
+    # (they drain, then tell this one to stop); this one stops by itself only when every API process is gone.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
-    job: CoreJob = conn.recv()
+    conns = [Connection(int(fd)) for fd in argv]
+    job: CoreJob = conns[0].recv()
     if job.log_level is not None:
         from hybridkv.commands import configure_logging
 
@@ -183,12 +221,17 @@ def main(argv: Sequence[str]) -> int:
         llm = job.build()
     except BaseException as err:        # (a bad checkpoint, out of memory, a failed import, ...)
         logger.debug("the engine could not start", exc_info=err)
-        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(("failed", f"{type(err).__name__}: {err}"))
         return 1
-    conn.send(("ready", llm.engine.limits))
-    return EngineCore(llm, conn).run()
+    for conn in conns:
+        with contextlib.suppress(OSError):      # (an API process that died meanwhile: its reader sees it)
+            conn.send(("ready", llm.engine.limits))
+    return EngineCore(llm, conns).run()
 
 
 CORE_COMMAND: tuple[str, ...] = (
     "-c", "import sys; from hybridkv.engine.core import main; sys.exit(main(sys.argv[1:]))")
-"""``python <CORE_COMMAND...> <socket fd>`` starts the engine process."""
+"""``python <CORE_COMMAND...> <socket fd> [<socket fd> ...]`` starts the engine process (one socket per API
+process)."""

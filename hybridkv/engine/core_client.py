@@ -32,7 +32,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from hybridkv.models.config import HybridConfig
 
 logger = logging.getLogger("hybridkv.engine")
 
-__all__ = ["EngineCoreClient", "EngineStartError"]
+__all__ = ["EngineChannel", "EngineCoreClient", "EngineStartError", "await_ready", "start_engine_process"]
 
 SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -59,17 +59,27 @@ class EngineStartError(RuntimeError):
     """The engine process could not start (its reason in the message)."""
 
 
+@dataclass(frozen=True)
+class EngineChannel:
+    """An API process's channel to an engine process started by someone else (``hybridkv serve
+    --api-server-count``), and the limits the engine reported on it when it was ready."""
+
+    conn: Connection
+    limits: EngineLimits
+
+
 class EngineCoreClient:
     """The engine of ``model`` (a checkpoint directory, or a ``HybridConfig``: random weights, no tokenizer)
     with ``config``, in a process this constructor starts and waits for. ``max_waiting``: as ``AsyncLLM``'s;
     ``factory``: builds the engine process's ``LLM`` from (model, config) instead of ``LLM(model, config=...)``
-    (importable by name); ``log_level``: the engine process's ``hybridkv`` log level (None: unconfigured)."""
+    (importable by name); ``log_level``: the engine process's ``hybridkv`` log level (None: unconfigured);
+    ``channel``: use this channel of an engine process started elsewhere instead of starting one."""
 
     def __init__(self, model: str | Path | HybridConfig, config: EngineConfig, *, max_waiting: int | None = None,
-                 factory: LLMFactory | None = None, log_level: str | None = None) -> None:
+                 factory: LLMFactory | None = None, log_level: str | None = None,
+                 channel: EngineChannel | None = None) -> None:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive int or None, got {max_waiting!r}")
-        job = CoreJob(model=model, config=config, factory=factory, log_level=log_level)
         self.max_waiting = max_waiting
         # Two locks: a sender may block on a full socket until the engine process reads; the reader thread takes
         # only ``_lock`` (never held across a send), so it always drains the engine's outputs meanwhile, and the
@@ -84,20 +94,18 @@ class EngineCoreClient:
         self._core_adds = 0                                 # ... and the submissions it had received then
         self._closing: str | None = None
         self._dead: str | None = None
+        self._idle = threading.Condition(self._lock)        # notified when the last owned request ends
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
-        ours, theirs = socket.socketpair()
-        for sock in (ours, theirs):         # room for a burst of long prompts (capped by the kernel's limits)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        self.process: subprocess.Popen | None
+        if channel is None:
+            job = CoreJob(model=model, config=config, factory=factory, log_level=log_level)
+            self.process, (self._conn,) = start_engine_process(job, channels=1)
+        elif factory is not None or log_level is not None:
+            raise ValueError("factory and log_level belong to whoever starts the engine process, not to a channel")
+        else:
+            self.process, self._conn = None, channel.conn
         try:
-            self.process = subprocess.Popen([sys.executable, *CORE_COMMAND, str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_core_env())
-        finally:
-            theirs.close()
-        self._conn = Connection(ours.detach())
-        try:
-            self._conn.send(job)
-            self.limits: EngineLimits = self._await_ready()
+            self.limits: EngineLimits = await_ready(self._conn, self.process) if channel is None else channel.limits
             self.tokenizer = _api_tokenizer(model, config) if self.limits.has_tokenizer else None
             if self.limits.has_tokenizer and self.tokenizer is None:
                 raise EngineStartError(f"the engine has a tokenizer, but none was found for {model!s} here")
@@ -108,21 +116,6 @@ class EngineCoreClient:
         self._decode_skips = takes_skip_special_tokens(self.tokenizer)
         self._reader = threading.Thread(target=self._read, name="hybridkv-core-client", daemon=True)
         self._reader.start()
-
-    def _await_ready(self) -> EngineLimits:
-        while not self._conn.poll(0.2):
-            code = self.process.poll()
-            if code is not None:
-                raise EngineStartError(f"the engine process exited with code {code} before it was ready (its "
-                                       f"log above says why)")
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            code = self.process.wait(30)
-            raise EngineStartError(f"the engine process exited with code {code} before it was ready") from None
-        if message[0] == "failed":
-            raise EngineStartError(f"the engine process could not start: {message[1]}")
-        return message[1]
 
     # -- what the app reads --------------------------------------------------------------------------
     @property
@@ -234,6 +227,8 @@ class EngineCoreClient:
             with self._lock:
                 for rid in request_ids:
                     self._owners.pop(rid, None)
+                if not self._owners:
+                    self._idle.notify_all()
                 dead = self._dead is not None
             if not dead:
                 with contextlib.suppress(OSError):      # (gone: the reader ends every stream)
@@ -265,10 +260,10 @@ class EngineCoreClient:
                         future.set_result(result)
             elif kind == "dead":
                 failure = message[1]
-        try:
-            code = self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = None
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(10)
         reason = self._closing or failure or f"the engine process died (exit code {code})"
         if self._closing is None:
             logger.critical("the engine can serve no more requests: %s", reason)
@@ -294,6 +289,8 @@ class EngineCoreClient:
                         continue
                     if item.finished:
                         del owners[item.request_id]
+                        if not owners:
+                            self._idle.notify_all()
                     out = replace(item, prompt=stream.prompt, prompt_token_ids=stream.prompt_token_ids)
                 outs = by_stream.get(stream)
                 if outs is None:
@@ -309,6 +306,7 @@ class EngineCoreClient:
             self._dead = reason
             owners, self._owners = self._owners, {}
             calls, self._calls = self._calls, {}
+            self._idle.notify_all()
         for future in calls.values():
             future.set_exception(EngineDeadError(reason))
         by_stream: dict[RequestStream, list[RequestOutput]] = {}
@@ -322,19 +320,27 @@ class EngineCoreClient:
     # -- life cycle -----------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
         """Take no more requests; let the running ones finish for up to ``timeout`` seconds, then abort what is
-        left (its streams end with an error); stop the engine process."""
+        left (its streams end with an error); stop the engine process (one this client started: it exits; one
+        shared by several API processes: it exits when the last of them closes its channel)."""
         if self._closing is None:
             self._closing = "the server is shutting down"
         self._send_quietly(("drain",))
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("shutdown: requests still running after %.0f s are aborted", timeout)
-            self._send_quietly(("close", self._closing))
+        if self.process is not None:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self._kill()
+                logger.warning("shutdown: requests still running after %.0f s are aborted", timeout)
+                self._send_quietly(("close", self._closing))
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self._kill()
+        else:
+            with self._idle:
+                if not self._idle.wait_for(lambda: not self._owners, timeout):
+                    logger.warning("shutdown: requests still running after %.0f s are aborted", timeout)
+            self._send_quietly(("close", self._closing))
+            # (the engine sends the aborted requests' outputs, then closes its end: the reader ends there)
         self._reader.join(timeout)
         self._conn.close()
 
@@ -343,9 +349,52 @@ class EngineCoreClient:
             self._conn.send(message)
 
     def _kill(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
+
+
+def start_engine_process(job: CoreJob, *, channels: int) -> tuple[subprocess.Popen, list[Connection]]:
+    """The engine process building ``job``, and this end of its ``channels`` sockets (one per API process; the
+    job is sent on the first). Wait for each with ``await_ready``."""
+    pairs = [socket.socketpair() for _ in range(channels)]
+    for pair in pairs:
+        for sock in pair:               # room for a burst of long prompts (capped by the kernel's limits)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    fds = [theirs.fileno() for _, theirs in pairs]
+    try:
+        process = subprocess.Popen([sys.executable, *CORE_COMMAND, *map(str, fds)], pass_fds=fds,
+                                   stdin=subprocess.DEVNULL, env=_core_env())
+    except BaseException:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+        raise
+    for _, theirs in pairs:
+        theirs.close()
+    conns = [Connection(ours.detach()) for ours, _ in pairs]
+    with contextlib.suppress(OSError):  # (exited already: await_ready says why)
+        conns[0].send(job)
+    return process, conns
+
+
+def await_ready(conn: Connection, process: subprocess.Popen | None) -> EngineLimits:
+    """The engine's limits once it is ready on ``conn``; ``EngineStartError`` with its reason if it could not
+    start (``process``: the engine process, when this one started it)."""
+    while not conn.poll(0.2):
+        code = process.poll() if process is not None else None
+        if code is not None:
+            raise EngineStartError(f"the engine process exited with code {code} before it was ready (its "
+                                   f"log above says why)")
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        code = process.wait(30) if process is not None else None
+        raise EngineStartError(f"the engine process exited with code {code} before it was ready") from None
+    if message[0] == "failed":
+        raise EngineStartError(f"the engine process could not start: {message[1]}")
+    return message[1]
 
 
 def _core_env() -> dict[str, str]:

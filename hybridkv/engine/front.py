@@ -131,6 +131,11 @@ class EngineFront:
         if claimed:
             self._release()
 
+    def requests_of(self, sink: Sink) -> list[str]:
+        """The live requests whose outputs go to ``sink``."""
+        with self._cond:
+            return [rid for rid, owner in self._owners.items() if owner is sink]
+
     def drive(self, done: Callable[[], bool]) -> None:
         """Return once ``done()`` (evaluated with the lock held, after each delivery); meanwhile step the engine
         in this thread whenever no other thread does. Raises what a step it drove raised."""

@@ -63,6 +63,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                       help="on SIGTERM, seconds running requests get to finish before they are aborted (default 30)")
     http.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    http.add_argument("--api-server-count", type=positive_int, default=1,
+                      help="API processes (HTTP, chat templates, tokenization, streaming) over the one engine "
+                      "process, sharing the port; more than one when one process's event loop cannot keep up "
+                      "with the engine (default 1)")
     model = parser.add_argument_group("engine")
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     model.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on CUDA, float32 on the CPU), "
@@ -96,22 +100,39 @@ def engine_config(args: argparse.Namespace) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from hybridkv.server.app import ServerSettings, build_app
+        import hybridkv.server.app  # noqa: F401
     except ImportError as err:
         raise UsageError(f"hybridkv serve: needs {err.name} (pip install 'hybridkv[server]')") from None
     from hybridkv import __version__
+
+    config = engine_config(args)
+    logger.info("hybridkv %s: serving %s (%s)", __version__, args.model, config)
+    if args.api_server_count > 1:
+        from hybridkv.server.launcher import serve_processes
+
+        return serve_processes(args, config)
     from hybridkv.engine.core_client import EngineCoreClient
+
+    engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting, log_level=args.log_level)
+    return serve_app(args, engine)
+
+
+def serve_app(args: argparse.Namespace, engine: Any, sockets: list[Any] | None = None, *,
+              stats: bool = True) -> int:
+    """Serve the app over ``engine`` (an ``EngineCoreClient``, shut down on the way out) with uvicorn on
+    ``--host``/``--port``, or on ``sockets`` (listening already); ``stats``: this process logs the stats line."""
+    import uvicorn
+
+    from hybridkv.server.app import ServerSettings, build_app
 
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = logging.getLogger("hybridkv").handlers
         logging.getLogger(name).propagate = False
-    config = engine_config(args)
-    logger.info("hybridkv %s: serving %s (%s)", __version__, args.model, config)
-    engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting, log_level=args.log_level)
     settings = ServerSettings(served_model_names=tuple(args.served_model_name or [args.model]),
-                              model_root=str(args.model), api_key=args.api_key, stats_interval=args.stats_interval)
+                              model_root=str(args.model), api_key=args.api_key,
+                              stats_interval=args.stats_interval if stats else 0.0)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, settings), host=args.host, port=args.port, log_config=None, log_level=args.log_level,
         access_log=not args.disable_access_log, timeout_graceful_shutdown=math.ceil(args.shutdown_timeout),
@@ -125,7 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_terminate) if main_thread else None
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -5,7 +5,9 @@ preemptions, steps, tokens computed) is read at a step boundary when scraped (``
 exported as gauges and counters; request latencies are observed by the request handlers: time to first token,
 end-to-end and queue time and time per output token when a request finishes, inter-token latency per
 streamed delta (as the handler receives it: what a streaming client sees). Names follow vLLM's with the
-``hybridkv:`` prefix. Each app has its own registry (several servers may share a process).
+``hybridkv:`` prefix. Each app has its own registry (several servers may share a process). With several API
+processes (``--api-server-count``), prometheus-client's multiprocess mode keeps each process's request metrics
+in files of ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any process adds them all up.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from hybridkv.engine.async_llm import RequestStream
 from hybridkv.engine.front import EngineSnapshot
+from hybridkv.envs import prometheus_multiproc_dir
 
 logger = logging.getLogger("hybridkv.server")
 
@@ -92,6 +95,14 @@ class ServerMetrics:
         self.itl = Histogram("hybridkv:inter_token_latency_seconds", "Time between streamed tokens.", labels,
                              buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self._model_name = model_name
+        self._exported = r
+        shared = prometheus_multiproc_dir()
+        if shared is not None:                  # every API process's request metrics, and this engine's state
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._exported = CollectorRegistry()
+            MultiProcessCollector(self._exported, path=shared)
+            self._exported.register(self.engine)
 
     def finished(self, stream: RequestStream) -> None:
         """A request whose samples all finished."""
@@ -117,7 +128,7 @@ class ServerMetrics:
     def render(self, snapshot: EngineSnapshot | None) -> bytes:
         if snapshot is not None:
             self.engine.snapshot = snapshot
-        return generate_latest(self.registry)
+        return generate_latest(self._exported)
 
 
 class TokenTimer:
