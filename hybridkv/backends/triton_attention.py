@@ -441,7 +441,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
+def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
     """Tile shapes, the best of sweeps on an H100 (tiles, warps, stages, segments, each checked against the
     reference): decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
     and 64-key tiles, 16 at d = 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
@@ -450,7 +450,8 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str,
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192); each with the same error against fp32 SDPA as the shape
-    it replaced."""
+    it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256 with prefills: 64 rows x 32 keys, as 128 x 64
+    needs 288 KiB of shared memory (an H100 / H200 SM has 227 KiB)."""
     hd_p = max(16, _next_pow2(head_dim))
     g_p = _next_pow2(group)
     stages = 2
@@ -462,6 +463,8 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int) -> dict[str,
             stages = 4
     elif hd_p <= 64:
         block_m, tile, warps = max(128, g_p), 128, 4
+    elif hd_p >= 256 and elem_bytes > 2:
+        block_m, tile, warps = max(64, g_p), 32, 8
     else:
         block_m = max(64, g_p) if hd_p <= 128 else max(128, g_p)
         tile = 64
@@ -575,7 +578,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
         raise ValueError(f"out: shape {tuple(out.shape)} / strides {out.stride()} do not fit q {tuple(q.shape)}")
     if num_tokens == 0 or cam.num_reqs == 0:
         return out
-    cfg = launch_config(head_dim=head_dim, group=group, max_query_len=cam.max_query_len)
+    cfg = launch_config(head_dim=head_dim, group=group, max_query_len=cam.max_query_len,
+                        elem_bytes=k_cache.element_size())
     hd_p = max(16, _next_pow2(head_dim))
     decode = cam.max_query_len <= 1        # one q-block per request: no search for a program's request
     n_qblocks = cam.num_reqs if decode else num_tokens // cfg["BLOCK_Q"] + cam.num_reqs
