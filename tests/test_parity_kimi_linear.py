@@ -26,6 +26,7 @@ import torch
 from _hf_mamba_models import _COMMON, VOCAB, _finish
 from _hf_models import full_logits, hf_greedy
 from _parity import TOL, check_engine_matches_hf, check_prompt_logprobs
+from _tp_helpers import max_logit_diff, prompts, run
 from test_layers_vs_hf import assert_close, hidden, randomize
 from test_parity_lfm2 import GREEDY, generate_with_logits, make_llm
 from transformers import KimiLinearConfig, KimiLinearForCausalLM, PreTrainedModel
@@ -34,6 +35,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from hybridkv.engine.model_runner import reference_logits
 from hybridkv.kv_groups.specs import MambaSpec, MLAAttentionSpec
 from hybridkv.layers.moe import MoEFeedForward
+from hybridkv.layers.parallel import TensorParallel
 from hybridkv.loaders import hf_config_to_hybrid
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
 from hybridkv.loaders.hf_config import load_config
@@ -72,11 +74,18 @@ def _shared_prefix_prompts() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path, dict]:
-    """The HF model, its checkpoint, and HF's greedy tokens and full-sequence logits per prompt."""
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
+    """The HF model and the checkpoint ``save_pretrained`` wrote."""
     hf = kimi_linear()
     path = tmp_path_factory.mktemp("kimi_linear")
     hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def ckpt(written: tuple[PreTrainedModel, Path]) -> tuple[PreTrainedModel, Path, dict]:
+    """The HF model, its checkpoint, and HF's greedy tokens and full-sequence logits per prompt (~17 s)."""
+    hf, path = written
     expected = {}
     with torch.no_grad():
         for prompt in _prompts() + list(_shared_prefix_prompts().values()):
@@ -120,6 +129,28 @@ def test_state_checkpoint_inside_shared_prefix(ckpt: tuple[PreTrainedModel, Path
     assert (min(o.num_cached_tokens for o in outs) > 0) == caching
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "torch", "fla"])
+def test_gpu_backend_matches_hf(ckpt: tuple[PreTrainedModel, Path, dict], backend: str) -> None:
+    """On CUDA (triton: its conv1d, KDA and paged-attention kernels over the latent cache; fla: its KDA kernels):
+    eager synchronous steps give HF's tokens and logits; with decode steps captured as CUDA graphs, a batch with
+    prefix caching gives the same tokens."""
+    if backend == "fla":
+        pytest.importorskip("fla", reason="flash-linear-attention is not installed")
+    _, path, expected = ckpt
+    eager = make_llm(path, True, device="cuda", backend=backend, cuda_graphs=False, async_scheduling=False)
+    prompts = _shared_prefix_prompts()
+    for key, prompt in prompts.items():
+        want_tokens, full = expected[tuple(prompt)]
+        tokens, logits, _ = generate_with_logits(eager, prompt)
+        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
+        assert (logits.cpu() - full[len(prompt) - 1:len(prompt) - 1 + NEW_TOKENS]).abs().max().item() <= TOL
+    if backend == "triton":
+        graphs = make_llm(path, True, device="cuda", backend=backend, cuda_graphs=True)
+        outs = graphs.generate(list(prompts.values()), GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [expected[tuple(p)][0] for p in prompts.values()]
+
+
 @pytest.mark.slow
 def test_prompt_logprobs_match_hf(ckpt: tuple[PreTrainedModel, Path, dict]) -> None:
     """Every prompt token's log-probability (a prefill's every row, through the chunked prefill)."""
@@ -142,6 +173,36 @@ def test_reference_forward_matches_hf(tmp_path: Path) -> None:
     with torch.no_grad():
         want = full_logits(hf, seq)
     assert (reference_logits(model, seq) - want).abs().max().item() <= TOL
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------------------
+def test_hf_loading_gives_each_rank_its_shard(written: tuple[PreTrainedModel, Path]) -> None:
+    """No processes: rank 0 and rank 1 of 2 read exactly their shards of the hub tensors (the per-projection
+    q/k/v convs into the stacked conv by heads, A_log / dt_bias by heads, MLA's kv_b_proj by heads with the latent
+    path whole, per-expert w1 / w3 / w2)."""
+    _, path = written
+    full = load_hf_checkpoint(path, dtype=torch.float32)
+    params = dict(full.named_parameters())
+    for rank in range(2):
+        shard = load_hf_checkpoint(path, dtype=torch.float32, tp=TensorParallel(rank=rank, size=2))
+        rules = shard.parameter_shards()
+        assert "layers.0.mixer.conv1d.weight" in rules and "layers.2.mixer.kv_b_proj.weight" in rules
+        for name, p in shard.named_parameters():
+            want = rules[name].take(params[name], shard.tp) if name in rules else params[name]
+            assert torch.equal(p, want), f"rank {rank}: {name}"
+
+
+@pytest.mark.slow            # two gloo processes on 2 cores
+def test_tp2_matches_tp1(written: tuple[PreTrainedModel, Path]) -> None:
+    """The checkpoint served at tensor_parallel_size=2 gives tp 1's greedy tokens with logits within 1e-5 (KDA and
+    MLA heads split, KDA state copies on prefix hits)."""
+    _, path = written
+    batch = prompts(VOCAB, n=3, seed=3)
+    one = run(path, 1, batch, max_model_len=128)
+    two = run(path, 2, batch, max_model_len=128)
+    assert two.tokens == one.tokens
+    assert max_logit_diff(one, two) <= 1e-5
+    assert two.copies, "prefix hits should have copied KDA states"
 
 
 # -- config translation, against HF's own config class ----------------------------------------------------------
