@@ -512,6 +512,78 @@ EXAONE4_32B = {
     "vocab_size": 102400,
 }
 
+# moonshotai/Kimi-Linear-48B-A3B-Instruct. Reconstructed without the hub: the sizes are transformers 5.24's
+# ``KimiLinearConfig`` defaults (whose docstring names this checkpoint); the 1-indexed layer lists and the remaining
+# keys (mla_use_nope, the router activation, first_k_dense_replace, dtype, ...) as several public repositories quote
+# the released config.json verbatim, all alike. ``_source`` in the bundled file says which key came from where.
+KIMI_LINEAR_48B_A3B = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 72,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "attention_bias": False,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "head_dim": 128,
+        "num_heads": 32,
+        "short_conv_kernel_size": 4,
+    },
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 1,
+    "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.446,
+    "use_grouped_topk": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 0,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "model_max_length": 1048576,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "pad_token_id": 163839,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "_source": {
+        "transformers 5.24 KimiLinearConfig defaults (configuration_kimi_linear.py; its docstring names this "
+        "checkpoint), equal to the released config.json":
+            "vocab_size, hidden_size, intermediate_size, moe_intermediate_size, num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, kv_lora_rank, q_lora_rank, qk_nope_head_dim, "
+            "qk_rope_head_dim, v_head_dim, attention_bias, num_experts, num_experts_per_token, "
+            "num_shared_experts, moe_renormalize, routed_scaling_factor, num_expert_group, topk_group, "
+            "hidden_act, rms_norm_eps, model_max_length, bos_token_id, eos_token_id, pad_token_id, "
+            "tie_word_embeddings, use_cache, linear_attn_config.head_dim (HF: linear_head_dim), "
+            "linear_attn_config.num_heads (HF: linear_num_heads), linear_attn_config.short_conv_kernel_size "
+            "(HF: linear_conv_kernel_dim)",
+        "the released config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as quoted verbatim by several "
+        "public repositories (the hub itself was not read)":
+            "architectures, model_type, head_dim (unused: HF sets head_dim = qk_rope_head_dim), mla_use_nope, "
+            "linear_attn_config.full_attn_layers, kda_layers (1-indexed; HF's own default would put full "
+            "attention on 0-indexed layers 4, 8, ..., 24 instead), moe_router_activation_func, "
+            "use_grouped_topk, first_k_dense_replace, moe_layer_freq (HF ignores it), num_nextn_predict_layers,"
+            " rope_theta (unused: MLA is NoPE), torch_dtype",
+    },
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "command-r7b": COMMAND_R7B,
@@ -527,4 +599,5 @@ RELEASED = {
     "lfm2-1.2b": LFM2_1_2B,
     "lfm2-8b-a1b": LFM2_8B_A1B,
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
+    "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
 }

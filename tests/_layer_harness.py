@@ -31,16 +31,20 @@ from hybridkv.kv_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from hybridkv.metadata import CommonAttentionMetadata
-from hybridkv.models.config import Attention
+from hybridkv.models.config import Attention, MultiLatentAttention
 from hybridkv.utils import cdiv
 
 
 def spec_for(layer: nn.Module, *, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
     """The KV-cache spec of one cache layer, from its config (as ``HybridConfig.kv_specs`` derives it)."""
     cfg = layer.cfg
+    if isinstance(cfg, MultiLatentAttention):
+        return MLAAttentionSpec(block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
+                                qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
     if isinstance(cfg, Attention):
         common = dict(block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=cfg.head_dim,
                       dtype=dtype)
@@ -56,7 +60,7 @@ def spec_for(layer: nn.Module, *, block_size: int, dtype: torch.dtype) -> KVCach
 class _Group:
     spec: KVCacheSpec
     layers: list[nn.Module]
-    tensors: list[tuple[torch.Tensor, ...]]          # per layer: (k, v) caches or (conv, ssm) slot pools
+    tensors: list[tuple[torch.Tensor, ...]]          # per layer: (k, v) caches (MLA: the latent one) or slot pools
     free: list[int]                                  # free block ids / slots, handed out in this order
     tables: dict[Any, list[int]] = field(default_factory=dict)   # request -> block ids (0 = freed) / [slot]
 
@@ -92,7 +96,8 @@ class LayerHarness:
         if spec.is_attention:
             n = 1 + max_reqs * cdiv(self.max_len, self.block_size) + spare
             shape = (n, self.block_size, spec.num_kv_heads, spec.head_size)
-            tensors = [tuple(torch.full(shape, dtype=spec.dtype, **nan) for _ in "kv") for _ in layers]
+            tensors = [tuple(torch.full(shape, dtype=spec.dtype, **nan) for _ in range(spec.kv_planes))
+                       for _ in layers]
         else:
             n = 1 + max_reqs + spare
             pairs = list(zip(spec.shapes, spec.dtypes, strict=True))

@@ -86,6 +86,12 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, head_dim=16, full_attention_interval=3, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2])),
+    "kimi_linear": ("KimiLinearConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        linear_num_heads=2, linear_head_dim=16, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_group=2, topk_group=1, norm_topk_prob=False, max_position_embeddings=2048, first_k_dense_replace=2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "cohere2": ("Cohere2Config", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, sliding_window_pattern=3, logit_scale=0.25, attention_bias=True,
@@ -193,6 +199,9 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "qwen3_next": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "gated_deltanet",
                                        "moe" if hasattr(layer.mlp, "experts") else "mlp")
                                       for layer in _layers(model)],
+    "kimi_linear": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "kda",
+                                        "moe" if hasattr(layer.mlp, "experts") else "mlp")
+                                       for layer in _layers(model)],
 }
 
 

@@ -21,6 +21,7 @@ from _configs import (
     GEMMA3_27B,
     GPT_OSS_20B,
     GPT_OSS_120B,
+    KIMI_LINEAR_48B_A3B,
     LFM2_1_2B,
     LFM2_8B_A1B,
     LLAMA4_SCOUT,
@@ -279,6 +280,34 @@ def test_qwen3_next_80b_a3b_deltanet_layers_are_one_slot() -> None:
     assert config.check_tensor_parallel(16) is None                         # 16 key heads: up to 16 ranks
     with pytest.raises(ValueError, match="num_k_heads"):
         config.check_tensor_parallel(32)
+
+
+def test_kimi_linear_48b_a3b_latent_cache_and_kda_slots() -> None:
+    """27 layers: MLA on 3, 7, ..., 23 and 26 (the hub's 1-indexed 4, 8, ..., 24, 27), KDA elsewhere. An MLA layer
+    caches one latent row per token, kv_lora_rank 512 + rope key 64 = 576 bf16 values (1152 B, where per-head K and
+    V would be 32 x (192 + 128) x 2 B = 20480 B); a KDA layer keeps a bf16 conv state over q|k|v (3 x 32 x 128 =
+    12288 channels x 3) and an fp32 recurrent state (32 heads x 128 x 128): 72 KiB + 2 MiB. Layer 0 is a dense
+    MLP, the others 256 experts of 1024, top-8 by sigmoid score + correction bias, with a shared expert."""
+    config = hf_config_to_hybrid(KIMI_LINEAR_48B_A3B)
+    assert (config.dtype, config.norm, config.eos_token_ids, config.max_position_embeddings) == (
+        "bfloat16", "rms", (163586,), 1048576)
+    moe = config.layers[1].ffn
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size, moe.router,
+            moe.routed_scaling_factor) == (256, 8, 1024, 1024, "sigmoid_bias", 2.446)
+    assert config.layers[0].ffn.intermediate_size == 9216
+    result = plan(KIMI_LINEAR_48B_A3B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (mla,) = kinds["mla(512+64)"]
+    (kda,) = kinds["mamba(12288x3 + 32x128x128)"]
+    assert layer_ids(mla) == [3, 7, 11, 15, 19, 23, 26]
+    assert layer_ids(kda) == [i for i in range(27) if i not in (3, 7, 11, 15, 19, 23, 26)]
+    page = 7 * 16 * 576 * 2                                                 # 129024 B
+    state = 12288 * 3 * 2 + 32 * 128 * 128 * 4                              # 2170880 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    assert result.bytes_per_request_max == 32768 // 16 * page + 20 * state == 307_658_752
+    assert config.check_tensor_parallel(32) is None                         # 32 KDA and 32 MLA heads
+    with pytest.raises(ValueError, match="num_heads"):
+        config.check_tensor_parallel(64)
 
 
 def test_lfm2_8b_a1b_plan_and_experts() -> None:

@@ -28,6 +28,7 @@ from hybridkv.kv_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from hybridkv.metadata import CommonAttentionMetadata, host_to_device
@@ -107,6 +108,7 @@ def build_mamba_inputs(*, query_start_loc: torch.Tensor, query_start_loc_cpu: np
 
 _BUILDERS: dict[type[KVCacheSpec], Callable] = {
     FullAttentionSpec: _build_full,
+    MLAAttentionSpec: _build_full,          # full attention over a latent cache: the same metadata
     SlidingWindowSpec: _build_sliding,
     ChunkedLocalAttentionSpec: _build_chunked,
     MambaSpec: _build_mamba,
@@ -164,6 +166,7 @@ def _decode_chunked(spec: ChunkedLocalAttentionSpec, seq_lens: np.ndarray, key_s
 
 _DECODE_RULES: dict[type[KVCacheSpec], Callable] = {
     FullAttentionSpec: _decode_full,
+    MLAAttentionSpec: _decode_full,
     SlidingWindowSpec: _decode_sliding,
     ChunkedLocalAttentionSpec: _decode_chunked,
 }

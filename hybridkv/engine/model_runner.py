@@ -174,8 +174,9 @@ class ModelRunner:
         attention = {name for g in plan.attention_groups for name in g.layer_names}
         for name, module in layers.items():
             tensors = self.caches[name]
-            if name in attention:                     # (num_blocks, 2, block_size, kv_heads, dim)
-                module.bind_cache(tensors[0][:, 0], tensors[0][:, 1])
+            if name in attention:                     # (num_blocks, planes, block_size, kv_heads, dim): K and V, or
+                # MLA's one latent plane
+                module.bind_cache(*tensors[0].unbind(1))
             else:                                     # state slots: one tensor per state
                 module.bind_cache(*tensors)
         self._decode_constants = _DecodeConstants()

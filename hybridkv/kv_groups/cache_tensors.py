@@ -2,7 +2,8 @@
 
 A pool page is ``layers_per_block`` layers x ``block_size`` tokens. Position ``i`` of the page is one
 tensor of (num_blocks, bytes per layer-block) bytes; the ``i``-th layer of *every* attention group views
-it as (num_blocks, 2, block_size, num_kv_heads, head_size) in its spec's dtype. A block id belongs to one
+it as (num_blocks, kv_planes, block_size, num_kv_heads, head_size) in its spec's dtype (2 planes, K and V; MLA's
+latent cache 1). A block id belongs to one
 group at a time, so the groups never touch the same bytes, and one block id addresses the same page in
 all of its group's layers. Mamba layers get their own (num_state_slots, *shape) tensors per state.
 
@@ -25,7 +26,7 @@ def layer_pool_positions(plan: KVCachePlan) -> dict[str, int]:
 
 def allocate_kv_cache(plan: KVCachePlan, *,
                       device: torch.device | str = "cpu") -> dict[str, tuple[torch.Tensor, ...]]:
-    """Layer name -> its cache tensors: ``(kv,)`` with kv (num_blocks, 2, block_size, num_kv_heads,
+    """Layer name -> its cache tensors: ``(kv,)`` with kv (num_blocks, kv_planes, block_size, num_kv_heads,
     head_size) for attention; one (num_state_slots, *shape) tensor per state for Mamba."""
     out: dict[str, tuple[torch.Tensor, ...]] = {}
     attention = plan.attention_groups
@@ -42,7 +43,7 @@ def allocate_kv_cache(plan: KVCachePlan, *,
                                  f"{spec.dtype} elements; use one KV dtype per model")
             for i, name in enumerate(group.layer_names):
                 raw = pool[i][:, :spec.bytes_per_block]                       # (num_blocks, bytes_per_block)
-                out[name] = (raw.view(spec.dtype).view(plan.num_blocks, 2, spec.block_size,
+                out[name] = (raw.view(spec.dtype).view(plan.num_blocks, spec.kv_planes, spec.block_size,
                                                        spec.num_kv_heads, spec.head_size),)
     for group in plan.mamba_groups:
         spec = group.spec

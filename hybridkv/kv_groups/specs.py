@@ -91,8 +91,10 @@ class KVCacheSpec(ABC):
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec, ABC):
-    """Paged K and V: ``block_size`` tokens x ``num_kv_heads`` x ``head_size`` each, per layer."""
+    """Paged K and V: ``block_size`` tokens x ``num_kv_heads`` x ``head_size`` each, per layer. ``kv_planes``:
+    how many such planes a block holds (K and V: 2; MLA's one latent row: 1)."""
 
+    kv_planes: ClassVar[int] = 2
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype = torch.bfloat16
@@ -106,7 +108,7 @@ class AttentionSpec(KVCacheSpec, ABC):
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token, one layer."""
-        return 2 * self.num_kv_heads * self.head_size * _itemsize(self.dtype)
+        return self.kv_planes * self.num_kv_heads * self.head_size * _itemsize(self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -127,6 +129,37 @@ class FullAttentionSpec(AttentionSpec):
 
     def max_blocks_per_request(self, *, num_tokens: int, step_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2, Kimi-Linear): full attention whose cache holds, per token, one row
+    shared by every head, [latent (``kv_lora_rank``) | rope key (``qk_rope_head_dim``)], instead of per-head K and
+    V: one plane of ``num_kv_heads=1`` x ``head_size=kv_lora_rank + qk_rope_head_dim``. The layer reads it as both
+    the keys and (its first ``kv_lora_rank`` channels) the values of the absorbed form (``layers/mla.py``)."""
+
+    kind: ClassVar[str] = "full"
+    kv_planes: ClassVar[int] = 1
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    num_kv_heads: int = 1
+    head_size: int = 0          # derived: kv_lora_rank + qk_rope_head_dim
+
+    def __post_init__(self) -> None:
+        _check_positive("MLAAttentionSpec", kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+        row = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.head_size not in (0, row) or self.num_kv_heads != 1:
+            raise ValueError(f"MLAAttentionSpec: one row of kv_lora_rank + qk_rope_head_dim = {row} per token "
+                             f"(num_kv_heads=1, head_size={row}), got num_kv_heads={self.num_kv_heads}, "
+                             f"head_size={self.head_size}")
+        object.__setattr__(self, "head_size", row)
+        super().__post_init__()
+
+    def as_full_attention(self) -> FullAttentionSpec:
+        return self                 # already full attention, at its own (latent) size
+
+    def describe(self) -> str:
+        return f"mla({self.kv_lora_rank}+{self.qk_rope_head_dim})"
 
 
 @dataclass(frozen=True, kw_only=True)

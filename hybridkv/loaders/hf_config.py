@@ -27,10 +27,12 @@ from hybridkv.models.config import (
     Attention,
     GatedDeltaNet,
     HybridConfig,
+    KimiDeltaAttention,
     Layer,
     Mamba1,
     Mamba2,
     MoE,
+    MultiLatentAttention,
     Rope,
     SharedBlock,
     ShortConv,
@@ -62,6 +64,7 @@ MODEL_TYPES: dict[str, str] = {
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -1134,3 +1137,108 @@ def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
                     ffn=moe if moe is not None and i not in dense_only and (i + 1) % step == 0 else dense)
               for i, kind in enumerate(types)]
     return _model(cfg, layers, norm="gemma_rms")
+
+
+# -- Kimi-Linear ---------------------------------------------------------------------------------------------------
+# HF's ``KimiLinearConfig`` defaults, under the hub's spellings (which its ``attribute_map`` and ``to_dict`` use).
+_KIMI_LINEAR_DEFAULTS = dict(
+    vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=None, num_shared_experts=1, routed_scaling_factor=2.446,
+    kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    num_expert_group=1, topk_group=1, num_experts_per_token=8, moe_renormalize=True, hidden_act="silu",
+    model_max_length=1048576, rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163586, tie_word_embeddings=False,
+    attention_bias=False, num_experts=256, mlp_layer_types=None, layer_types=None, linear_head_dim=128,
+    linear_num_heads=32, linear_conv_kernel_dim=4, first_k_dense_replace=1,
+    max_position_embeddings=None)             # read as model_max_length (see alias)
+_KIMI_LINEAR_TYPES = ("linear_attention", "full_attention")
+_KIMI_LINEAR_MLP_TYPES = ("dense", "sparse")
+
+
+def _kimi_linear_layer_types(cfg: _Fields, linear: Mapping[str, Any]) -> list[str]:
+    """HF's precedence: ``layer_types``, else the hub's 1-indexed ``linear_attn_config`` lists (``full_attn_layers``
+    and ``kda_layers``, together covering every layer), else full attention on layers i > 0 with i % 4 == 0."""
+    n = cfg["num_hidden_layers"]
+    if cfg["layer_types"] is not None:
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _KIMI_LINEAR_TYPES)
+    elif "full_attn_layers" in linear and "kda_layers" in linear:
+        types = [None] * n
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for number in linear[key]:
+                if not isinstance(number, int) or not 1 <= number <= n:
+                    raise ValueError(f"{cfg.arch}: linear_attn_config.{key} holds {number!r}, not a layer number "
+                                     f"in 1..{n} (they count from 1)")
+                types[number - 1] = kind
+        missing = [i + 1 for i, kind in enumerate(types) if kind is None]
+        if missing:
+            raise ValueError(f"{cfg.arch}: linear_attn_config names no kind for layers {missing} (1-indexed)")
+    else:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    return types
+
+
+@register("KimiLinearForCausalLM")
+def kimi_linear(config: Mapping[str, Any]) -> HybridConfig:
+    """Kimi Delta Attention (``linear_attention``) and NoPE multi-head latent attention (``full_attention``) per
+    ``layer_types`` (or the hub's ``linear_attn_config``, see ``_kimi_linear_layer_types``); KDA's heads, head dim
+    and conv width from ``linear_attn_config`` (``num_heads``, ``head_dim``, ``short_conv_kernel_size``) over the
+    flat ``linear_*`` keys, as HF reads them. Feed-forward per ``mlp_layer_types`` (else dense on the first
+    ``first_k_dense_replace`` layers): a SwiGLU MLP of ``intermediate_size``, or routed experts with a sigmoid router
+    and correction bias (the ``sigmoid_bias`` router: group-limited selection, renormalised when
+    ``moe_renormalize``, scaled by ``routed_scaling_factor``) plus an ungated shared expert of
+    ``moe_intermediate_size * num_shared_experts``. Refused: an activation other than silu (it is also the KDA conv's
+    in HF), a router other than sigmoid, MLA with RoPE (``mla_use_nope=false``: HF runs NoPE whatever the key says,
+    which would silently differ from such a checkpoint) and num_key_value_heads != num_attention_heads (HF's MLA
+    makes one key/value head per query head)."""
+    cfg = _Fields("KimiLinearForCausalLM", config, _KIMI_LINEAR_DEFAULTS)
+
+    def alias(hub: str, hf: str) -> Any:         # HF's attribute_map: either spelling, the hub's first
+        return config[hub] if config.get(hub) is not None else config.get(hf, _KIMI_LINEAR_DEFAULTS[hub])
+
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise ValueError(f"{cfg.arch}: hidden_act {cfg['hidden_act']!r} is not supported (the KDA conv and the "
+                         f"MLPs use it; released checkpoints use 'silu')")
+    if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"{cfg.arch}: moe_router_activation_func {cfg['moe_router_activation_func']!r} is not "
+                         f"supported (HF's router is a sigmoid)")
+    if cfg.get("mla_use_nope", True) is False:
+        raise ValueError(f"{cfg.arch}: mla_use_nope=false (MLA with RoPE) is not supported; HF's KimiLinear "
+                         f"attention is NoPE")
+    heads = cfg["num_attention_heads"]
+    if cfg.kv_heads() != heads:
+        raise ValueError(f"{cfg.arch}: num_key_value_heads={cfg.kv_heads()} must equal num_attention_heads={heads} "
+                         f"(MLA expands its latent into one key/value head per query head)")
+    linear = cfg.get("linear_attn_config") or {}
+    if not isinstance(linear, Mapping):
+        raise ValueError(f"{cfg.arch}: linear_attn_config must be an object, got {type(linear).__name__}")
+    types = _kimi_linear_layer_types(cfg, linear)
+    n = cfg["num_hidden_layers"]
+    if cfg["mlp_layer_types"] is not None:
+        mlp_types = _check_layer_types(cfg.arch, cfg["mlp_layer_types"], _KIMI_LINEAR_MLP_TYPES)
+        if len(mlp_types) != n:
+            raise ValueError(f"{cfg.arch}: mlp_layer_types has {len(mlp_types)} entries for {n} layers")
+    else:
+        mlp_types = ["dense" if i < cfg["first_k_dense_replace"] else "sparse" for i in range(n)]
+    kda = KimiDeltaAttention(num_heads=linear.get("num_heads", cfg["linear_num_heads"]),
+                             head_dim=linear.get("head_dim", cfg["linear_head_dim"]),
+                             conv_kernel=linear.get("short_conv_kernel_size", cfg["linear_conv_kernel_dim"]),
+                             norm_eps=cfg["rms_norm_eps"])
+    mla = MultiLatentAttention(num_heads=heads, kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg["q_lora_rank"],
+                               qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                               v_head_dim=cfg["v_head_dim"], bias=bool(cfg["attention_bias"]))
+    dense = MLP(intermediate_size=cfg["intermediate_size"])
+    moe = None
+    if "sparse" in mlp_types:
+        moe = MoE(num_experts=alias("num_experts", "num_local_experts"),
+                  top_k=alias("num_experts_per_token", "num_experts_per_tok"),
+                  intermediate_size=cfg["moe_intermediate_size"], router="sigmoid_bias",
+                  renormalize=bool(alias("moe_renormalize", "norm_topk_prob")),
+                  routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+                  num_groups=alias("num_expert_group", "n_group"), topk_groups=cfg["topk_group"],
+                  shared_intermediate_size=cfg["moe_intermediate_size"]
+                  * alias("num_shared_experts", "n_shared_experts"))
+    layers = [Layer(mixer=mla if kind == "full_attention" else kda, ffn=moe if mlp == "sparse" else dense)
+              for kind, mlp in zip(types, mlp_types, strict=True)]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
+                  max_position_embeddings=alias("model_max_length", "max_position_embeddings"))

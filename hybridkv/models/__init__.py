@@ -5,14 +5,16 @@ from hybridkv.models.config import (
     Attention,
     GatedDeltaNet,
     HybridConfig,
+    KimiDeltaAttention,
     Layer,
     Mamba1,
     Mamba2,
     MoE,
+    MultiLatentAttention,
     Rope,
     SharedBlock,
     ShortConv,
 )
 
-__all__ = ["MLP", "Attention", "GatedDeltaNet", "HybridConfig", "Layer", "Mamba1", "Mamba2", "MoE", "Rope",
-           "SharedBlock", "ShortConv"]
+__all__ = ["MLP", "Attention", "GatedDeltaNet", "HybridConfig", "KimiDeltaAttention", "Layer", "Mamba1", "Mamba2",
+           "MoE", "MultiLatentAttention", "Rope", "SharedBlock", "ShortConv"]

@@ -33,6 +33,7 @@ from hybridkv.kv_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from hybridkv.layers.parallel import local_units
@@ -416,6 +417,87 @@ class GatedDeltaNet:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KimiDeltaAttention:
+    """Kimi Delta Attention (HF ``KimiLinearDeltaAttention``): the delta rule with a per-channel decay.
+    ``q_proj`` / ``k_proj`` / ``v_proj`` give ``num_heads`` x ``head_dim`` each (keys and values alike); a depthwise
+    causal conv (width ``conv_kernel``, SiLU, no bias) runs over q|k|v; the log decay per head and key channel is
+    ``-exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)`` (a low-rank gate), ``beta = sigmoid(b_proj(x))``;
+    then KDA (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k; the output is
+    ``o_proj(norm(o) * sigmoid(g_b_proj(g_a_proj(x))))``, an RMS norm per head (weight (head_dim,), eps
+    ``norm_eps``) gated by a sigmoid.
+
+    State per request: the conv state (3 * num_heads * head_dim, conv_kernel - 1) and the recurrent state
+    (num_heads, head_dim, head_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-5
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _positive("KimiDeltaAttention", num_heads=self.num_heads, head_dim=self.head_dim,
+                  conv_kernel=self.conv_kernel, norm_eps=self.norm_eps, chunk_size=self.chunk_size)
+        if self.conv_kernel < 2:
+            raise ValueError(f"KimiDeltaAttention.conv_kernel must be at least 2, got {self.conv_kernel}")
+
+    @property
+    def kind(self) -> str:
+        return "kda"
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, recurrent state) shapes on one tensor-parallel rank: its heads."""
+        heads = local_units(self.num_heads, tensor_parallel_size, "num_heads")
+        return (3 * heads * self.head_dim, self.conv_kernel - 1), (heads, self.head_dim, self.head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiLatentAttention:
+    """Multi-head latent attention (MLA, DeepSeek-V2) as Kimi-Linear runs it (HF ``KimiLinearAttention``): NoPE,
+    so the shared "rope" key part is used as projected, never rotated.
+
+    q = ``q_proj(x)`` (or ``q_b_proj(norm(q_a_proj(x)))`` with ``q_lora_rank``), ``num_heads`` x (qk_nope_head_dim +
+    qk_rope_head_dim); ``kv_a_proj_with_mqa(x)`` = [latent c (kv_lora_rank) | k_rope (qk_rope_head_dim)], c
+    RMS-normed (``kv_a_layernorm``); ``kv_b_proj(c)`` gives each head's k_nope and v (v_head_dim); softmax scale
+    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5. The KV cache holds [c | k_rope] per token, one row of
+    kv_lora_rank + qk_rope_head_dim shared by every head (``MLAAttentionSpec``), not per-head K and V.
+    ``bias``: HF's ``attention_bias`` (kv_a_proj, q_a_proj and o_proj); ``norm_eps``: the latent norms' eps (HF
+    builds them with its RMS norm's default, 1e-6, not the model's ``rms_norm_eps``)."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    bias: bool = False
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _positive("MultiLatentAttention", num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                  qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                  v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank, norm_eps=self.norm_eps)
+
+    @property
+    def kind(self) -> str:
+        return "full"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+
+@dataclass(frozen=True, kw_only=True)
 class MLP:
     """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH).
 
@@ -531,7 +613,7 @@ class SharedBlock:
             raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
-Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet
+Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet | KimiDeltaAttention | MultiLatentAttention
 FeedForward = MLP | MoE
 
 
@@ -689,6 +771,8 @@ class HybridConfig:
                 check(where, mixer.channels, "channels")
             elif isinstance(mixer, GatedDeltaNet):
                 check(where, mixer.num_k_heads, "num_k_heads")
+            elif isinstance(mixer, KimiDeltaAttention | MultiLatentAttention):
+                check(where, mixer.num_heads, "num_heads")
             else:
                 check(where, mixer.intermediate_size, "intermediate_size")
         for i, layer in enumerate(self.layers):
@@ -715,7 +799,10 @@ class HybridConfig:
         specs: dict[str, KVCacheSpec] = {}
         for name, mixer in self.stateful_mixers():
             try:
-                if isinstance(mixer, Attention):
+                if isinstance(mixer, MultiLatentAttention):     # one latent row per token, every rank whole
+                    specs[name] = MLAAttentionSpec(block_size=block_size, kv_lora_rank=mixer.kv_lora_rank,
+                                                   qk_rope_head_dim=mixer.qk_rope_head_dim, dtype=kv_dtype)
+                elif isinstance(mixer, Attention):
                     kv_heads = local_units(mixer.num_kv_heads, tp, "num_kv_heads", replicate=True)
                     common = dict(block_size=block_size, num_kv_heads=kv_heads,
                                   head_size=mixer.head_dim, dtype=kv_dtype)
@@ -751,7 +838,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet, MLP, MoE,
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet,
+                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE,
                                          SharedBlock, Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:

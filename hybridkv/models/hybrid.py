@@ -28,9 +28,11 @@ from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
 from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
+from hybridkv.layers.kimi_delta import KimiDeltaAttentionLayer
 from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallelEmbedding
 from hybridkv.layers.mamba1 import Mamba1Layer
 from hybridkv.layers.mamba2 import Mamba2Layer
+from hybridkv.layers.mla import MLALayer
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
@@ -41,10 +43,12 @@ from hybridkv.models.config import (
     Attention,
     GatedDeltaNet,
     HybridConfig,
+    KimiDeltaAttention,
     Layer,
     Mamba1,
     Mamba2,
     MoE,
+    MultiLatentAttention,
     SharedBlock,
     ShortConv,
 )
@@ -67,6 +71,10 @@ def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: Tensor
         return ShortConvLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     if isinstance(mixer, GatedDeltaNet):
         return GatedDeltaNetLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
+    if isinstance(mixer, KimiDeltaAttention):
+        return KimiDeltaAttentionLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
+    if isinstance(mixer, MultiLatentAttention):
+        return MLALayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
     raise NotImplementedError(f"{cache_name}: mixer kind {type(mixer).__name__} is not built yet")
 
 

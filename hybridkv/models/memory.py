@@ -14,7 +14,17 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models.config import Attention, GatedDeltaNet, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
+from hybridkv.models.config import (
+    Attention,
+    GatedDeltaNet,
+    HybridConfig,
+    KimiDeltaAttention,
+    Mamba1,
+    Mamba2,
+    MoE,
+    MultiLatentAttention,
+    ShortConv,
+)
 from hybridkv.utils import format_bytes
 
 
@@ -93,6 +103,15 @@ def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
     if isinstance(mixer, GatedDeltaNet):      # qkvz, ba, conv, out_proj
         return (hidden * (2 * mixer.conv_dim - 2 * mixer.key_dim + 2 * mixer.num_v_heads)
                 + mixer.conv_dim * mixer.conv_kernel + mixer.value_dim * hidden)
+    if isinstance(mixer, KimiDeltaAttention):  # q/k/v, conv, the low-rank gates, b, o_proj
+        d, qkv = mixer.head_dim, mixer.qkv_dim
+        return hidden * (4 * qkv + 2 * d + mixer.num_heads) + 3 * qkv * mixer.conv_kernel + 2 * d * qkv
+    if isinstance(mixer, MultiLatentAttention):
+        h, lat = mixer.num_heads, mixer.kv_lora_rank
+        q = (hidden * h * mixer.qk_head_dim if mixer.q_lora_rank is None
+             else mixer.q_lora_rank * (hidden + h * mixer.qk_head_dim))
+        return (q + hidden * (lat + mixer.qk_rope_head_dim) + lat * h * (mixer.qk_nope_head_dim + mixer.v_head_dim)
+                + h * mixer.v_head_dim * hidden)
     return 0
 
 

@@ -14,6 +14,7 @@ from hybridkv.loaders.families import (  # noqa: F401
     granite_moe_hybrid,
     granite_swa,
     jamba,
+    kimi_linear,
     lfm2,
     llama4,
     mamba2,

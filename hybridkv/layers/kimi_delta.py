@@ -1,0 +1,109 @@
+"""Kimi Delta Attention over per-request state slots (HF ``KimiLinearDeltaAttention`` semantics).
+
+q_proj / k_proj / v_proj -> a depthwise causal conv with SiLU over q|k|v (one conv state: the last kernel - 1
+inputs, as HF stacks the hub's q_conv1d / k_conv1d / v_conv1d); the per-channel log decay from the low-rank forget
+gate (f_a_proj -> f_b_proj, computed in the op from A_log and dt_bias), beta = sigmoid(b_proj); KDA
+(``layers/ops/gated_delta_ref.py``: ``kda`` / ``kda_update``, the Triton / fla twins on GPU) with L2-normalised
+q/k; then an RMS norm per head gated by sigmoid(g_b_proj(g_a_proj(x))), o_proj.
+
+Decodes (1-token continuations, batched first) take the one-token conv and recurrent updates; everything else the
+packed conv and the chunked KDA, each request continuing from its own slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.ops.fused_ref import rms_normalize
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.state_slots import StateSlotMixer
+from hybridkv.models.config import KimiDeltaAttention
+
+
+class KimiDeltaAttentionLayer(StateSlotMixer):
+    """Tensor parallel (``tp``): heads split (the ranks must divide ``num_heads``; a clear error otherwise):
+    q/k/v_proj, f_b_proj, g_b_proj and b_proj column-parallel by heads, the conv channels (q, k, v sections),
+    A_log and dt_bias by heads, o_proj row-parallel (one all-reduce); the low-rank f_a_proj / g_a_proj (hidden ->
+    head_dim) are replicated; KDA and the per-head norm are local, and so are the conv and recurrent states.
+
+    Parameter names and shapes are the hub's (``A_log`` (1, 1, heads, 1), ``dt_bias`` (heads * head_dim,)), except
+    the three hub convs, stacked as ``conv1d.weight`` (3, heads * head_dim, 1, kernel) (q, k, v)."""
+
+    def __init__(self, hidden_size: int, cfg: KimiDeltaAttention, *, cache_name: str,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cache_name=cache_name)
+        self.cfg = cfg
+        h, d = cfg.num_heads, cfg.head_dim
+        what = f"{cache_name} KimiDeltaAttention.num_heads"
+        heads = Split(cfg.qkv_dim, h, what=what)
+        self.num_heads = heads.local_size(tp.size) // d
+        self.qkv_dim = self.num_heads * d
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, ColumnParallelLinear(hidden_size, cfg.qkv_dim, tp=tp, sections=(heads,)))
+        self.conv1d = nn.Module()                      # hub name conv1d.weight; HF's (conv_dim, 1, kernel) stacked
+        self.conv1d.weight = nn.Parameter(torch.zeros(3, self.qkv_dim, 1, cfg.conv_kernel))
+        self.f_a_proj = nn.Linear(hidden_size, d, bias=False)
+        self.f_b_proj = ColumnParallelLinear(d, cfg.qkv_dim, tp=tp, sections=(heads,))
+        self.g_a_proj = nn.Linear(hidden_size, d, bias=False)
+        self.g_b_proj = ColumnParallelLinear(d, cfg.qkv_dim, tp=tp, sections=(heads,))
+        self.b_proj = ColumnParallelLinear(hidden_size, h, tp=tp, sections=(Split(h, h, what=what),))
+        self.dt_bias = nn.Parameter(torch.zeros(self.qkv_dim))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
+        self.o_norm = _HeadNorm(d)
+        self.o_proj = RowParallelLinear(cfg.qkv_dim, hidden_size, tp=tp, sections=(heads,))
+        self.tp_shards = {"conv1d.weight": Shard(1, (heads,)), "dt_bias": Shard(0, (heads,)),
+                          "A_log": Shard(2, (Split(h, h, what=what),))}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden_size)
+        cfg, n, h, d = self.cfg, x.shape[0], self.num_heads, self.cfg.head_dim
+        meta, be, conv_states, rec_states = self.step_inputs()
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)       # (n, 3 * qkv_dim)
+        g = self.f_b_proj(self.f_a_proj(x)).view(n, h, d)          # raw gate: the op adds dt_bias, applies the decay
+        beta = torch.sigmoid(self.b_proj(x))                                               # (n, heads)
+        weight = self.conv1d.weight.view(3 * self.qkv_dim, cfg.conv_kernel)
+        rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log.view(h), dt_bias=self.dt_bias.view(h, d))
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into o
+            mixed = be.causal_conv1d_update(mixed, conv_states=conv_states, weight=weight, bias=None,
+                                            state_indices=meta.state_indices, activation="silu")
+            o = be.kda_update(rec_states, *self._split_qkv(mixed), g, beta, state_indices=meta.state_indices, **rule)
+            return self._output(o, x)
+        o = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
+        if nd:
+            idx = meta.state_indices[:nd]
+            m = be.causal_conv1d_update(mixed[:ndt], conv_states=conv_states, weight=weight, bias=None,
+                                        state_indices=idx, activation="silu")
+            o[:ndt] = be.kda_update(rec_states, *self._split_qkv(m), g[:ndt], beta[:ndt], state_indices=idx, **rule)
+        if nd < meta.num_reqs:
+            idx, init = meta.state_indices[nd:], meta.has_initial_state[nd:]
+            m = be.causal_conv1d(mixed[ndt:], weight, None, conv_states=conv_states,
+                                 query_start_loc=meta.prefill_query_start_loc, state_indices=idx,
+                                 has_initial_state=init, activation="silu")
+            o[ndt:] = be.kda(*self._split_qkv(m), g[ndt:], beta[ndt:], query_start_loc=meta.prefill_query_start_loc,
+                             ssm_states=rec_states, state_indices=idx, has_initial_state=init,
+                             chunk_size=cfg.chunk_size, **rule)
+        return self._output(o, x)
+
+    def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, 3 * qkv_dim) conv output -> q, k, v, each (n, heads, head_dim)."""
+        return tuple(t.view(mixed.shape[0], self.num_heads, self.cfg.head_dim) for t in mixed.chunk(3, dim=-1))
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o: (n, heads, head_dim) KDA output -> o_proj(norm(o) * sigmoid(gate)) (n, hidden), each head one norm
+        group; weight and gate applied in fp32 before the cast (HF ``KimiLinearRMSNormGated``)."""
+        n = o.shape[0]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(n, self.num_heads, self.cfg.head_dim)
+        y = self.o_norm.weight.float() * rms_normalize(o, self.cfg.norm_eps) * torch.sigmoid(gate.float())
+        return self.o_proj(y.to(o.dtype).view(n, self.qkv_dim))
+
+
+class _HeadNorm(nn.Module):
+    """The per-head norm's weight (head_dim,), shared by every head; a module so the hub name
+    ``o_norm.weight`` maps one to one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))

@@ -1,0 +1,81 @@
+"""Multi-head latent attention (MLA) over a paged latent cache, in the absorbed form (HF ``KimiLinearAttention``
+semantics: NoPE, the shared "rope" key part used as projected).
+
+HF expands every cached latent into per-head keys and values (``kv_b_proj``) and attends; here the cache holds the
+latent row r = [c | k_rope] (kv_lora_rank + qk_rope_head_dim, ``MLAAttentionSpec``) and the per-head up-projections
+are absorbed into the query and the output, which is exact algebra (same logits, same weights), not an
+approximation. With kv_b_proj's rows per head [W_uk (qk_nope_head_dim, L) | W_uv (v_head_dim, L)]:
+
+    q_nope . (W_uk c) + q_rope . k_rope = [W_uk^T q_nope | q_rope] . [c | k_rope]     (one "head" of L + R)
+    sum_j p_j (W_uv c_j) = W_uv (sum_j p_j c_j)
+
+so attention is multi-query attention with a single KV head of width L + R whose keys and values are the same
+cached rows (the output's last R channels, the values' k_rope part, are dropped), through the group's own
+paged-attention op (``write_kv`` / ``paged_attention``: block tables, prefix caching and chunked prefill as for any
+full-attention layer). Why absorbed: the cache stays latent (no per-head K/V anywhere, not even per step), and the
+attention reads L + R channels per token instead of num_heads * (nope + rope + v).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.forward_context import get_forward_context
+from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
+from hybridkv.models.config import MultiLatentAttention
+
+
+class MLALayer(nn.Module):
+    """Tensor parallel (``tp``): heads split: q_proj (or q_b_proj) and kv_b_proj column-parallel by heads, o_proj
+    row-parallel; the latent path (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj, q_a_layernorm) and the latent cache
+    are replicated, whole on every rank. Parameter names are the hub's."""
+
+    def __init__(self, hidden_size: int, cfg: MultiLatentAttention, *, cache_name: str,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.cache_name = cache_name
+        h = cfg.num_heads
+        what = f"{cache_name} MultiLatentAttention.num_heads"
+        self.num_heads = Split(h, h, what=what).local_size(tp.size)
+        q_heads = (Split(h * cfg.qk_head_dim, h, what=what),)
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden_size, h * cfg.qk_head_dim, tp=tp, sections=q_heads)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, cfg.q_lora_rank, bias=cfg.bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * cfg.qk_head_dim, tp=tp, sections=q_heads)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps)
+        kv_rows = cfg.qk_nope_head_dim + cfg.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * kv_rows, tp=tp,
+                                              sections=(Split(h * kv_rows, h, what=what),))
+        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, hidden_size, bias=cfg.bias, tp=tp,
+                                        sections=(Split(h * cfg.v_head_dim, h, what=what),))
+        self.cache: torch.Tensor | None = None      # bound by the model runner
+
+    def bind_cache(self, cache: torch.Tensor) -> None:
+        """cache: (num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim), a view of the block pool."""
+        self.cache = cache
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (num_tokens, hidden_size); positions unused (NoPE)."""
+        cfg, n, h = self.cfg, x.shape[0], self.num_heads
+        if self.cache is None:
+            raise RuntimeError(f"{self.cache_name}: no KV cache bound (the model runner binds it)")
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1).view(n, 1, -1)     # (n, 1, L + R): the cache row
+        w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)       # (h, nope, L), (h, v, L)
+        q_abs = torch.cat([torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_rope], dim=-1)      # (n, h, L + R)
+        ctx = get_forward_context()
+        inputs = ctx.inputs[self.cache_name]
+        ctx.backend.write_kv(row, row, self.cache, self.cache, inputs.slot_mapping)
+        o = ctx.backend.paged_attention(q_abs, self.cache, self.cache, inputs.cam, scale=cfg.softmax_scale)
+        out = torch.einsum("nhl,hvl->nhv", o[..., :cfg.kv_lora_rank], w_uv)                  # (n, h, v_head_dim)
+        return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
