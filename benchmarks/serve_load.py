@@ -385,6 +385,30 @@ class PeerServer:
 
 
 # -- one model ---------------------------------------------------------------------------------------------
+def _engine_counters(url: str) -> dict[str, float]:
+    """The engine's step and prompt-token counters from ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        for name in ("hybridkv:engine_steps", "hybridkv:prompt_tokens_computed"):
+            if line.startswith(name + "_total ") or line.startswith(name + " "):
+                out[name.split(":")[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_profiled(url: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``run_load`` plus what the engine did meanwhile: steps, mean step time, prompt tokens per step (the
+    profile of a step's length under that load: prefill chunks ride in decode steps)."""
+    before = _engine_counters(url)
+    point = run_load(url, *args, **kwargs)
+    after = _engine_counters(url)
+    steps = after.get("engine_steps", 0) - before.get("engine_steps", 0)
+    prompt = after.get("prompt_tokens_computed", 0) - before.get("prompt_tokens_computed", 0)
+    point["engine"] = {"steps": steps, "mean_step_s": point["wall_s"] / steps if steps else None,
+                       "prompt_tokens_per_step": prompt / steps if steps else None}
+    return point
+
+
 def _passes(point: dict[str, Any]) -> bool:
     return point["failed"] == 0 and point["ttft_p99"] is not None and point["ttft_p99"] <= TTFT_SLO
 
@@ -462,8 +486,9 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                          else [round(capacity * f, 3) for f in args.rate_fractions])
                 points = []
                 for rate in rates:
-                    point = run_load(server.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args),
-                                     output_len=args.output_len, extra=extra)
+                    point = run_profiled(server.url, name, convs, rate=rate,
+                                         num_requests=_points_per_rate(rate, args), output_len=args.output_len,
+                                         extra=extra)
                     points.append(point)
                     _print_point("hybridkv", family, point)
                     if not _passes(point):
@@ -474,9 +499,9 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                 if best is not None:
                     half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
                     if half is None:
-                        half = run_load(server.url, name, convs, rate=best / 2,
-                                        num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
-                                        extra=extra)
+                        half = run_profiled(server.url, name, convs, rate=best / 2,
+                                            num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
+                                            extra=extra)
                         _print_point("hybridkv", family, half)
                         points.append(half)
                 result.update(rates=points, best_rate=best,
@@ -493,8 +518,9 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
             try:
                 run_load(server.url, name, convs[:8], rate=math.inf, num_requests=8, output_len=args.output_len,
                          extra=extra)
-                point = run_load(server.url, name, convs, rate=best / 2, num_requests=_points_per_rate(best / 2, args),
-                                 output_len=args.output_len, extra=extra)
+                point = run_profiled(server.url, name, convs, rate=best / 2,
+                                     num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,
+                                     extra=extra)
                 _print_point(f"hybridkv (<= {args.itl_batched_tokens} tokens/step)", family, point)
                 result["half_rate_small_steps"] = {"max_num_batched_tokens": args.itl_batched_tokens, **point}
             finally:
@@ -566,7 +592,10 @@ def _print_point(who: str, family: str, p: dict[str, Any]) -> None:
     print(f"  {who} {family} rate {p['rate']:.3g}/s x{p['requests']}: TTFT p50/p99 {fmt(p['ttft_p50'])}/"
           f"{fmt(p['ttft_p99'])} ms, TPOT {fmt(p['tpot_p50'])}/{fmt(p['tpot_p99'])} ms, ITL {fmt(p['itl_p50'])}/"
           f"{fmt(p['itl_p99'])} ms, {p['output_tok_s']:.0f} tok/s, failed {p['failed']}"
-          + (f" ({p['errors'][0]})" if p["errors"] else ""), flush=True)
+          + (f" ({p['errors'][0]})" if p["errors"] else "")
+          + (f"; engine: {p['engine']['steps']:.0f} steps, {fmt(p['engine']['mean_step_s'])} ms each, "
+             f"{p['engine']['prompt_tokens_per_step']:.0f} prompt tokens per step"
+             if p.get("engine", {}).get("steps") else ""), flush=True)
 
 
 def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
