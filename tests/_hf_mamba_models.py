@@ -242,9 +242,15 @@ _QWEN3_5 = dict(
 
 def qwen3_5(seed: int = 0) -> PreTrainedModel:
     """Qwen3-Next's layers (DeltaNet, DeltaNet, attention, DeltaNet, attention) with the DeltaNet's projections
-    unfused, a dense SwiGLU MLP on every layer and tied embeddings (as the small Qwen3.5 checkpoints)."""
+    unfused, a dense SwiGLU MLP on every layer and tied embeddings (as the small Qwen3.5 checkpoints). The tied
+    embeddings are drawn at std 1/16: at ``randomize``'s 1/4 a 1e-7 relative change of the embeddings moves HF's own
+    logits by up to 2e-4 on the parity prompts (fp32 round-off alone would break the 1e-4 bound); at 1/16 by 4e-5,
+    as the untied models."""
     config = Qwen3_5TextConfig(**_QWEN3_5, intermediate_size=96, tie_word_embeddings=True)
-    return _zero_centred_norms(_finish(Qwen3_5ForCausalLM(config), seed), seed)
+    model = _zero_centred_norms(_finish(Qwen3_5ForCausalLM(config), seed), seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.25)
+    return model
 
 
 def qwen3_5_moe(seed: int = 0) -> PreTrainedModel:
