@@ -4,12 +4,13 @@ Every layer mix (chunked-local + global with MoE, sliding, pure Mamba2, Mamba2 +
 short convs + attention) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the greedy tokens of
 ``tensor_parallel_size=1`` with every step's logits within 1e-5 (fp32). HF checkpoints load at tp 2 (each rank reads
 its shard); in-process checks show each rank's parameters are exactly the shards of the full ones for every
-supported family, and every family served at tp 2 (one checkpoint per distinct sharding) gives tp 1's tokens with logits within 1e-5 (or within fp32's own
-round-off of that checkpoint, when larger). Bad input fails fast with an error naming the dimension, and a dead or
-stuck rank is an error within the timeout, never a hang — also when it fails inside a step's forward (ranks spawned
-through ``_tp_fault_worker``), and a spawned rank exits when rank 0 dies. Rank 0 may be started any way at all
-(``python -c``, stdin, a script without a ``__main__`` guard): the spawned ranks never import it. Random init drawn
-on the device (``init="device"``, chunked) is also exactly the shard of the full init.
+supported family, and every family served at tp 2 (one checkpoint per distinct sharding) gives tp 1's tokens with
+logits within 1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an
+error naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang — also when it
+fails inside a step's forward (ranks spawned through ``_tp_fault_worker``), and a spawned rank exits when rank 0
+dies. Rank 0 may be started any way at all (``python -c``, stdin, a script without a ``__main__`` guard): the
+spawned ranks never import it. Random init drawn on the device (``init="device"``, chunked) is also exactly the
+shard of the full init.
 """
 
 from __future__ import annotations
