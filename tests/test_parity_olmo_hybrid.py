@@ -141,3 +141,24 @@ def test_config_errors() -> None:
         hf_config_to_hybrid({**base, "layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match="must divide num_v_heads"):
         hf_config_to_hybrid({**base, "linear_num_key_heads": 3})
+
+
+def test_hf_in_memory_names_load_too(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The names HF's model holds after its load-time renames (one ``conv1d``, ``input_layernorm`` /
+    ``post_attention_layernorm`` on both layer kinds) load to the same model as the hub's."""
+    from safetensors.torch import save_file
+
+    from hybridkv.engine.model_runner import reference_logits
+    from hybridkv.loaders.checkpoint import load_hf_checkpoint
+
+    hf = BUILDERS["olmo_hybrid"]()
+    path = tmp_path_factory.mktemp("olmo_hybrid_in_memory")
+    hf.config.save_pretrained(path)
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    assert "model.layers.0.linear_attn.conv1d.weight" in tensors and "model.layers.0.input_layernorm.weight" in tensors
+    save_file(tensors, str(path / "model.safetensors"))
+    seq = torch.randint(3, hf.config.vocab_size, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
+    got = reference_logits(load_hf_checkpoint(path, dtype=torch.float32), seq)
+    assert (got - want).abs().max().item() <= 1e-4

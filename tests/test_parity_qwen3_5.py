@@ -117,3 +117,21 @@ def test_config_errors() -> None:
         hf_config_to_hybrid({**base, "layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match="must divide num_v_heads"):
         hf_config_to_hybrid({**base, "linear_num_key_heads": 3})
+
+
+def test_weight_names_of_the_hub_checkpoints() -> None:
+    """The hub's multimodal layout (decoder under ``model.language_model.``, stacked experts), its vision tower and
+    multi-token-prediction head read past, both decoder prefixes for the causal-LM classes."""
+    from hybridkv.loaders.families.qwen3_5 import qwen3_5
+
+    config = hf_config_to_hybrid(Qwen3_5MoeTextConfig(**_BASE, **_MOE, num_hidden_layers=4).to_dict())
+    lm = "model.language_model.layers.0."
+    assert [t.name for t in qwen3_5(lm + "linear_attn.in_proj_qkv.weight", config)] == [
+        "layers.0.mixer.in_proj_qkv.weight"]
+    assert [t.name for t in qwen3_5(lm + "mlp.experts.gate_up_proj", config)] == [
+        "layers.0.ffn.gate_proj", "layers.0.ffn.up_proj"]
+    assert [t.index for t in qwen3_5(lm + "mlp.experts.3.down_proj.weight", config)] == [(3,)]
+    assert qwen3_5("model.layers.3.self_attn.q_norm.weight", config)[0].name == "layers.3.mixer.q_norm.weight"
+    assert qwen3_5("model.language_model.norm.weight", config)[0].name == "norm.weight"
+    assert qwen3_5("mtp.layers.0.mlp.gate.weight", config) == []
+    assert qwen3_5("model.visual.blocks.0.attn.qkv.weight", config) == []
