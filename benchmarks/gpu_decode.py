@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
-    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2,qwen3_next]
+    python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2,qwen3_next,qwen3_5,
+                                     olmo_hybrid]
                                     [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
@@ -15,7 +16,9 @@ the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all) and LFM2 (L
 and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary) and Qwen3-Next-like (Qwen3-Next's layer
 kinds at hidden 2048: 16 layers, 12 Gated DeltaNet (16 q/k heads, 32 v heads of 128) and 4 gated attention (16 q /
 2 kv heads of 256, a quarter rotated), 64 experts of 512 top-8 with a gated shared expert of 512, 151936-token
-vocabulary: ~1B active per token). ``triton`` runs decode steps as CUDA
+vocabulary: ~1B active per token), Qwen3.5-MoE-like (the same shapes, the DeltaNet's projections unfused) and
+OLMo-Hybrid-like (16 layers at hidden 2048, 12 Gated DeltaNet (16 heads, key / value dims 96 / 192) and 4
+post-norm attention layers (16 heads of 128), SwiGLU 8192). ``triton`` runs decode steps as CUDA
 graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
 of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
@@ -138,6 +141,24 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.Qwen3NextConfig(**kw)
         cfg.architectures = ["Qwen3NextForCausalLM"]
         return cfg, transformers.Qwen3NextForCausalLM
+    if family == "qwen3_5":     # Qwen3.5-MoE: qwen3_next's shapes, the DeltaNet's projections unfused
+        cfg, _ = hf_config("qwen3_next", tiny)
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+        cfg = transformers.Qwen3_5MoeTextConfig(**{k: getattr(cfg, k) for k in keys})
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+        return cfg, transformers.Qwen3_5MoeForCausalLM
+    if family == "olmo_hybrid":  # OLMo-Hybrid-7B's layer kinds at hidden 2048: 16 layers, 3 DeltaNet : 1 attention
+        kw = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                  max_position_embeddings=16384, pad_token_id=None)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      vocab_size=256, eos_token_id=None)
+        cfg = transformers.OlmoHybridConfig(**kw)
+        cfg.architectures = ["OlmoHybridForCausalLM"]
+        return cfg, transformers.OlmoHybridForCausalLM
     raise ValueError(family)
 
 
@@ -162,7 +183,7 @@ def state_bytes_per_step(config, family: str, batch: int) -> int:
     if family == "lfm2":
         convs = config.layer_types.count("conv")
         return 2 * batch * convs * config.hidden_size * (config.conv_L_cache - 1) * 2
-    if family == "qwen3_next":  # Gated DeltaNet: fp32 (v heads, dk, dv) recurrent state + conv state over q|k|v
+    if family in ("qwen3_next", "qwen3_5", "olmo_hybrid"):  # DeltaNet: fp32 (v heads, dk, dv) + conv over q|k|v
         layers = config.layer_types.count("linear_attention")
         kd, vd = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * \
             config.linear_value_head_dim
@@ -210,8 +231,9 @@ def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) 
     if family == "lfm2":
         per_tok = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * elem
         return batch * ctx * per_tok * config.layer_types.count("full_attention")
-    if family == "qwen3_next":
-        per_tok = 2 * config.num_key_value_heads * config.head_dim * elem
+    if family in ("qwen3_next", "qwen3_5", "olmo_hybrid"):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_tok = 2 * config.num_key_value_heads * head_dim * elem
         return batch * ctx * per_tok * config.layer_types.count("full_attention")
     kv, d = config.num_key_value_heads, config.head_dim
     per_tok = 2 * kv * d * elem

@@ -584,6 +584,108 @@ KIMI_LINEAR_48B_A3B = {
     },
 }
 
+
+# Qwen/Qwen3.5-35B-A3B (https://huggingface.co/Qwen/Qwen3.5-35B-A3B/raw/main/config.json). RECONSTRUCTED (no copy of
+# the file offline): the text part's sizes are transformers' ``Qwen3_5MoeTextConfig`` defaults, which its docs name as
+# the Qwen3.5-35B-A3B configuration, and match the model card (40 layers, 10 x (3 Gated DeltaNet + 1 gated attention),
+# hidden 2048, vocabulary 248320 (padded), DeltaNet 16 q/k heads / 32 v heads of 128, attention 16 q / 2 kv heads of
+# 256 with a 64-dim rotary embedding, 256 experts of 512 with 8 routed + 1 shared, 262144 native positions); the
+# multimodal RoPE sections [11, 11, 10] are HF's default; rope_theta 1e7 as Qwen3-Next (it does not change a plan).
+# The vision tower's sizes are ``Qwen3_5MoeVisionConfig``'s defaults (out_hidden_size set to the text width its merger
+# feeds) and the vision token ids ``Qwen3_5MoeConfig``'s; the multi-token-prediction keys and the text special token
+# ids are left out (neither is read here).
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "image_token_id": 248056,
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000, "rope_type": "default"},
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 248320,
+    },
+    "tie_word_embeddings": False,
+    "video_token_id": 248057,
+    "vision_config": {
+        "depth": 27,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "in_channels": 3,
+        "intermediate_size": 4304,
+        "model_type": "qwen3_5_moe_vision",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2048,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 248054,
+    "vision_start_token_id": 248053,
+}
+
+# allenai/Olmo-Hybrid-7B (https://huggingface.co/allenai/Olmo-Hybrid-7B/raw/main/config.json). RECONSTRUCTED (no copy
+# of the file offline): transformers' ``OlmoHybridConfig`` defaults, which its docs name as the allenai/Olmo-Hybrid-7B
+# configuration: 32 layers with full attention on every 4th (3, 7, ..., 31; HF's default ``layer_types``), hidden
+# 3840, intermediate 11008, 30 heads (kv heads default to them, head dim 128), DeltaNet 30 key / 30 value heads of 96 /
+# 192 (HF's derived defaults: 0.75 x hidden / heads, twice that), conv 4, negative eigenvalues allowed, vocabulary
+# 100352 (eos 100257, pad 100277: the OLMo tokenizer's), 65536 positions, RMS eps 1e-6; bf16 assumed as every OLMo
+# release. The RoPE theta is not known here: the key is left out, so the config reads HF's default 10000 (it does not
+# change a plan; a released null theta would make the attention NoPE, which the converter reads too).
+OLMO_HYBRID_7B = {
+    "architectures": ["OlmoHybridForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 3840,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+    "linear_allow_neg_eigval": True,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 96,
+    "linear_num_key_heads": 30,
+    "linear_num_value_heads": 30,
+    "linear_value_head_dim": 192,
+    "max_position_embeddings": 65536,
+    "model_type": "olmo_hybrid",
+    "num_attention_heads": 30,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 30,
+    "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "command-r7b": COMMAND_R7B,
@@ -600,4 +702,6 @@ RELEASED = {
     "lfm2-8b-a1b": LFM2_8B_A1B,
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "olmo-hybrid-7b": OLMO_HYBRID_7B,
 }

@@ -9,7 +9,9 @@ without the gated norm (Falcon-H1); embedding / residual / attention / logit mul
 MLP, NoPE, and a dense RoPE variant (Granite-4.0-H); short convolutions with biases beside q/k-normed attention
 and the SwiGLU width rule (LFM2); dense then sigmoid-routed expert layers with an expert bias (LFM2-MoE); Gated
 DeltaNet beside gated attention with partial RoPE, zero-centred norms, softmax experts with a gated shared expert and
-a dense layer (Qwen3-Next).
+a dense layer (Qwen3-Next); the same with the DeltaNet's projections unfused, dense with tied embeddings, with
+experts, and as the text part of a multimodal checkpoint (Qwen3.5); DeltaNet layers with doubled beta and unequal key
+/ value head dims beside post-norm attention with all-heads q/k norms (OLMo-Hybrid).
 
 Weights are re-drawn at a larger scale than HF's init (std 0.02 gives near-uniform logits, where
 greedy decoding is decided by noise), and the SSM parameters are made non-trivial: A_log, D and the
@@ -37,7 +39,15 @@ from transformers import (
     Lfm2MoeForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
+    OlmoHybridConfig,
+    OlmoHybridForCausalLM,
     PreTrainedModel,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
     Zamba2Config,
@@ -207,13 +217,69 @@ def qwen3_next(seed: int = 0) -> PreTrainedModel:
         linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
         rope_parameters={**_ROPE, "partial_rotary_factor": 0.5}, tie_word_embeddings=False)
-    model = _finish(Qwen3NextForCausalLM(config), seed)
+    return _zero_centred_norms(_finish(Qwen3NextForCausalLM(config), seed), seed)
+
+
+@torch.no_grad()
+def _zero_centred_norms(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """Zero-centred norms scale by 1 + w: w ~ N(0, 0.1²) keeps them near 1, as HF's init."""
     gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():   # zero-centred norms scale by 1 + w: w ~ N(0, 0.1²) keeps them near 1, as HF's init
-        for name, p in model.named_parameters():
-            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    for name, p in model.named_parameters():
+        if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     return model
+
+
+# Qwen3.5's text config: Qwen3-Next's layer mix and head layout, DeltaNet projections unfused. The multimodal RoPE
+# sections cover the 4 rotated frequencies (half of a 16-wide head); text positions are equal on every axis.
+_QWEN3_5 = dict(
+    **_COMMON, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_parameters={**_ROPE, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def qwen3_5(seed: int = 0) -> PreTrainedModel:
+    """Qwen3-Next's layers (DeltaNet, DeltaNet, attention, DeltaNet, attention) with the DeltaNet's projections
+    unfused, a dense SwiGLU MLP on every layer and tied embeddings (as the small Qwen3.5 checkpoints). The tied
+    embeddings are drawn at std 1/16: at ``randomize``'s 1/4 a 1e-7 relative change of the embeddings moves HF's own
+    logits by up to 2e-4 on the parity prompts (fp32 round-off alone would break the 1e-4 bound); at 1/16 by 4e-5,
+    as the untied models."""
+    config = Qwen3_5TextConfig(**_QWEN3_5, intermediate_size=96, tie_word_embeddings=True)
+    model = _zero_centred_norms(_finish(Qwen3_5ForCausalLM(config), seed), seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.25)
+    return model
+
+
+def qwen3_5_moe(seed: int = 0) -> PreTrainedModel:
+    """As ``qwen3_5`` with 8 experts top-2 (always renormalised) and a sigmoid-gated shared expert on every layer."""
+    config = Qwen3_5MoeTextConfig(**_QWEN3_5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=48, tie_word_embeddings=False)
+    return _zero_centred_norms(_finish(Qwen3_5MoeForCausalLM(config), seed), seed)
+
+
+def qwen3_5_vl(seed: int = 0) -> PreTrainedModel:
+    """``qwen3_5``'s decoder (untied) as the text part of a multimodal checkpoint with a one-block vision tower."""
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=HIDDEN, patch_size=4,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=dict(_QWEN3_5, intermediate_size=96), vision_config=vision,
+                           tie_word_embeddings=False)
+    return _zero_centred_norms(_finish(Qwen3_5ForConditionalGeneration(config), seed), seed)
+
+
+def olmo_hybrid(seed: int = 0, rope: bool = True) -> PreTrainedModel:
+    """DeltaNet, DeltaNet, attention, DeltaNet, attention: 2 key heads of 16 / 4 value heads of 24 (two value heads
+    per key head, unequal head dims), beta doubled; post-norm attention, 4 heads / 2 kv heads of 16, q and k normed
+    over all heads; RoPE (``rope=False``: a null theta, NoPE attention as HF builds it)."""
+    config = OlmoHybridConfig(
+        **_COMMON, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, tie_word_embeddings=False,
+        rope_parameters=dict(_ROPE) if rope else {"rope_type": "default", "rope_theta": None})
+    return _finish(OlmoHybridForCausalLM(config), seed)
 
 
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
@@ -228,6 +294,11 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "lfm2": lfm2,
     "lfm2_moe": lfm2_moe,
     "qwen3_next": qwen3_next,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe,
+    "qwen3_5_vl": qwen3_5_vl,
+    "olmo_hybrid": olmo_hybrid,
+    "olmo_hybrid_nope": lambda: olmo_hybrid(rope=False),
 }
 
 

@@ -1,4 +1,5 @@
-"""The Gated DeltaNet layer against HF's ``Qwen3NextGatedDeltaNet`` (CPU, fp32, copied weights).
+"""The Gated DeltaNet layer against HF's ``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet`` (unfused projections)
+and ``OlmoHybridGatedDeltaNet`` (separate q/k/v projections, beta doubled) (CPU, fp32, copied weights).
 
 Through ``LayerHarness`` (shuffled state slots, fresh slots NaN): one full prefill, several prefill chunks then
 single-token decodes (every chunk continues from its request's conv and recurrent state), against HF over the
@@ -22,17 +23,50 @@ hf_qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwe
                                     reason="transformers without Qwen3-Next")
 
 H = 32
-WEIGHTS = ["in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-           "out_proj.weight"]
+COMMON = ["conv1d.weight", "dt_bias", "A_log", "out_proj.weight"]
+VARIANTS = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
 
 
-def build(seed: int = 0, *, k_heads: int = 2, v_heads: int = 4) -> tuple[GatedDeltaNetLayer, torch.nn.Module]:
-    from transformers import Qwen3NextConfig
+def _hf_layer(variant: str, k_heads: int, v_heads: int) -> tuple[torch.nn.Module, object, dict]:
+    """HF's module of ``variant``, its config and our config's options for it."""
+    heads = dict(linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=8,
+                 linear_value_head_dim=12, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    one = dict(num_hidden_layers=1, layer_types=["linear_attention"])
+    if variant == "qwen3_next":
+        from transformers import Qwen3NextConfig
 
-    cfg = Qwen3NextConfig(hidden_size=H, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
-                          linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
-                          num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
-    hf = hf_qwen3_next.Qwen3NextGatedDeltaNet(cfg, 0).eval()
+        cfg = Qwen3NextConfig(hidden_size=H, **heads, **one)
+        return hf_qwen3_next.Qwen3NextGatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-6)
+    if variant == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        cfg = Qwen3_5TextConfig(hidden_size=H, **heads, **one)
+        return Qwen3_5GatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-6, projections="flat")
+    from transformers import OlmoHybridConfig
+    from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
+
+    cfg = OlmoHybridConfig(hidden_size=H, num_attention_heads=4, pad_token_id=None, **heads, num_hidden_layers=2,
+                           layer_types=["linear_attention", "full_attention"], linear_allow_neg_eigval=True)
+    return OlmoHybridGatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-5, projections="flat", beta_scale=2.0)
+
+
+def _our_weights(variant: str, hf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if variant == "qwen3_next":
+        return same_names(hf, ["in_proj_qkvz.weight", "in_proj_ba.weight", "norm.weight", *COMMON])
+    if variant == "qwen3_5":
+        return same_names(hf, [f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")] + ["norm.weight", *COMMON])
+    p = {n: t.detach().clone() for n, t in hf.named_parameters()}
+    return {"in_proj_qkv.weight": torch.cat([p[f"{x}_proj.weight"] for x in "qkv"]),
+            "in_proj_z.weight": p["g_proj.weight"], "in_proj_b.weight": p["b_proj.weight"],
+            "in_proj_a.weight": p["a_proj.weight"], "norm.weight": p["o_norm.weight"],
+            "out_proj.weight": p["o_proj.weight"], **{n: p[n] for n in ("conv1d.weight", "dt_bias", "A_log")}}
+
+
+def build(seed: int = 0, *, k_heads: int = 2, v_heads: int = 4, variant: str = "qwen3_next"
+          ) -> tuple[GatedDeltaNetLayer, torch.nn.Module]:
+    hf, cfg, options = _hf_layer(variant, k_heads, v_heads)
+    hf = hf.eval()
     hf.config = cfg                                         # for a DynamicCache of this one layer
     randomize(hf, seed, scale=0.2)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -40,16 +74,17 @@ def build(seed: int = 0, *, k_heads: int = 2, v_heads: int = 4) -> tuple[GatedDe
         hf.A_log.copy_(torch.log(0.5 + 3.5 * torch.rand(v_heads, generator=gen)))
         hf.dt_bias.copy_(torch.randn(v_heads, generator=gen))
     ours = GatedDeltaNetLayer(H, GatedDeltaNet(num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=8,
-                                               head_v_dim=12, conv_kernel=4, norm_eps=1e-6, chunk_size=8),
+                                               head_v_dim=12, conv_kernel=4, chunk_size=8, **options),
                               cache_name="gdn")
-    load_exact(ours, same_names(hf, WEIGHTS))
+    load_exact(ours, _our_weights(variant, hf))
     return ours, hf
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("heads", [(2, 4), (2, 2)])
 @pytest.mark.parametrize("sched", list(SCHEDULES))
-def test_gated_deltanet_matches_hf(sched: str, heads: tuple[int, int]) -> None:
-    ours, hf = build(k_heads=heads[0], v_heads=heads[1])
+def test_gated_deltanet_matches_hf(sched: str, heads: tuple[int, int], variant: str) -> None:
+    ours, hf = build(k_heads=heads[0], v_heads=heads[1], variant=variant)
     x = hidden(SEQ, H, seed=2)
     out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=4).run(x, SCHEDULES[sched])
     assert torch.isfinite(out).all()
@@ -57,11 +92,12 @@ def test_gated_deltanet_matches_hf(sched: str, heads: tuple[int, int]) -> None:
         assert_close(out, hf(x[None])[0])
 
 
-def test_gated_deltanet_matches_hf_cached_decode() -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gated_deltanet_matches_hf_cached_decode(variant: str) -> None:
     """A prefill through HF's cache, then HF's recurrent one-token path, against our chunks and decodes."""
     from transformers.cache_utils import DynamicCache
 
-    ours, hf = build(seed=5)
+    ours, hf = build(seed=5, variant=variant)
     n_pre, n = 9, 20
     x = hidden(n, H, seed=6)
     cache = DynamicCache(config=hf.config)
@@ -112,16 +148,27 @@ def test_tensor_parallel_rule_and_state_shapes() -> None:
     assert rank.A_log.shape == (4,) and rank.out_proj.weight.shape[1] == 48
     with pytest.raises(ValueError, match="num_k_heads"):
         GatedDeltaNetLayer(H, cfg, cache_name="gdn", tp=TensorParallel(rank=0, size=8))
+    # Unfused projections: each of q, k, v, z, b, a cut by key heads.
+    flat = GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, projections="flat")
+    rank = GatedDeltaNetLayer(H, flat, cache_name="gdn", tp=TensorParallel(rank=1, size=2))
+    assert rank.in_proj_qkv.weight.shape[0] == flat.state_shapes(2)[0][0] == 2 * 16 + 48
+    assert rank.in_proj_z.weight.shape[0] == 48
+    assert rank.in_proj_b.weight.shape[0] == rank.in_proj_a.weight.shape[0] == 4
+    with pytest.raises(ValueError, match="projections"):
+        GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, projections="fused")
+    with pytest.raises(ValueError, match="beta_scale"):
+        GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, beta_scale=0.0)
 
 
 @gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("backend", ["triton", "fla"])
 @pytest.mark.parametrize("sched", list(SCHEDULES))
-def test_gated_deltanet_on_gpu_matches_hf(sched: str, backend: str) -> None:
+def test_gated_deltanet_on_gpu_matches_hf(sched: str, backend: str, variant: str) -> None:
     """On CUDA through the backend's kernels (conv1d and gated delta rule: ours, or fla's when installed)."""
     if backend == "fla":
         pytest.importorskip("fla", reason="flash-linear-attention is not installed")
-    ours, hf = build()
+    ours, hf = build(variant=variant)
     ours, hf = ours.cuda(), hf.cuda()
     x = hidden(SEQ, H, seed=2).cuda()
     out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=4, backend=backend).run(x, SCHEDULES[sched])

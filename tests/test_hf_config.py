@@ -92,6 +92,18 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         linear_num_heads=2, linear_head_dim=16, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         n_group=2, topk_group=1, norm_topk_prob=False, max_position_embeddings=2048, first_k_dense_replace=2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, full_attention_interval=3, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=None, eos_token_id=None)),
     "cohere2": ("Cohere2Config", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, sliding_window_pattern=3, logit_scale=0.25, attention_bias=True,
@@ -202,6 +214,13 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "kimi_linear": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "kda",
                                         "moe" if hasattr(layer.mlp, "experts") else "mlp")
                                        for layer in _layers(model)],
+    "qwen3_5_text": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "gated_deltanet", "mlp")
+                                        for layer in _layers(model)],
+    "qwen3_5_moe_text": lambda model, cfg: [("full" if layer.block_type == "full_attention" else "gated_deltanet",
+                                             "moe" if hasattr(layer.mlp, "experts") else "mlp")
+                                            for layer in _layers(model)],
+    "olmo_hybrid": lambda model, cfg: [("full" if hasattr(layer, "self_attn") else "gated_deltanet", "mlp")
+                                       for layer in _layers(model)],
 }
 
 
@@ -241,6 +260,7 @@ def test_every_supported_architecture_is_tested() -> None:
 
     tested = {MODEL_TYPES[MODEL_TYPE.get(f, f)] for f in HF_KWARGS}
     tested |= {"Llama4ForConditionalGeneration", "Gemma3ForConditionalGeneration"}  # test_multimodal_*
+    tested |= {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}  # test_parity_qwen3_5
     assert tested == set(supported_architectures())
 
 

@@ -78,10 +78,11 @@ def generate_with_logits(llm: LLM, prompt: list[int]) -> tuple[list[int], torch.
     return list(out.outputs[0].token_ids), torch.cat(rows), out.num_cached_tokens
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["no_prefix_caching", "prefix_caching"])
-def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
+def check_engine_greedy(ckpt: Checkpoint, caching: bool, mixers: set[str]) -> None:
+    """The stateful families' engine check: each prompt alone (tokens and every sampled row's logits), then all
+    three in one batch, twice; ``mixers``: the checkpoint's stateful mixer kinds."""
     llm = make_llm(ckpt.path, caching)
-    assert {type(m).__name__ for _, m in llm.model.config.stateful_mixers()} == {"ShortConv", "Attention"}
+    assert {type(m).__name__ for _, m in llm.model.config.stateful_mixers()} == mixers
     cached = {}
     for key, prompt in ckpt.prompts.items():          # one after the other: "second" may reuse "first"'s prefix
         want_tokens, want_logits = ckpt.oracle[key]
@@ -90,7 +91,7 @@ def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
         err = (logits - want_logits).abs().max().item()
         assert err <= ATOL, f"{key}: max |logit diff| {err:.3g} > {ATOL}"
     if caching:
-        assert 0 < cached["second"] <= 20          # a conv-state checkpoint inside the shared prefix
+        assert 0 < cached["second"] <= 20          # a state checkpoint inside the shared prefix
     else:
         assert set(cached.values()) == {0}
     # All three in one batch (the shared prefix computed once with caching on; the short prompt decodes while
@@ -101,29 +102,44 @@ def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
     assert (min(o.num_cached_tokens for o in outs) > 0) == caching
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_backend_on_gpu_matches_hf(ckpt: Checkpoint) -> None:
-    """On CUDA with the triton backend (its conv1d kernels with activation=None, fp32 attention in ieee precision):
-    eager synchronous steps (one forward per sampled row, as the spy needs) give HF's tokens and logits; with
-    decode steps captured as CUDA graphs, a batch with prefix caching gives the same tokens."""
-    eager = make_llm(ckpt.path, True, device="cuda", backend="triton", cuda_graphs=False, async_scheduling=False)
-    for key, prompt in ckpt.prompts.items():
-        want_tokens, want_logits = ckpt.oracle[key]
-        tokens, logits, _ = generate_with_logits(eager, prompt)
-        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
-        assert (logits.cpu() - want_logits).abs().max().item() <= ATOL
-    graphs = make_llm(ckpt.path, True, device="cuda", backend="triton", cuda_graphs=True)
-    outs = graphs.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
-
-
-def test_reference_forward_matches_hf(ckpt: Checkpoint) -> None:
+def check_reference_forward(ckpt: Checkpoint) -> None:
     """The whole sequence as one prefill, every position (not only the sampled ones)."""
     model = load_hf_checkpoint(ckpt.path, dtype=torch.float32)
     seq = ckpt.prompts["second"] + ckpt.oracle["second"][0]
     with torch.no_grad():
         want = ckpt.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
     assert (reference_logits(model, seq) - want).abs().max().item() <= ATOL
+
+
+def check_gpu_backend(ckpt: Checkpoint, backend: str) -> None:
+    """On CUDA: eager synchronous steps (one forward per sampled row, as the spy needs) give HF's tokens and
+    logits; on the triton backend, with decode steps captured as CUDA graphs, a batch with prefix caching gives the
+    same tokens."""
+    eager = make_llm(ckpt.path, True, device="cuda", backend=backend, cuda_graphs=False, async_scheduling=False)
+    for key, prompt in ckpt.prompts.items():
+        want_tokens, want_logits = ckpt.oracle[key]
+        tokens, logits, _ = generate_with_logits(eager, prompt)
+        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
+        assert (logits.cpu() - want_logits).abs().max().item() <= ATOL
+    if backend == "triton":
+        graphs = make_llm(ckpt.path, True, device="cuda", backend=backend, cuda_graphs=True)
+        outs = graphs.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no_prefix_caching", "prefix_caching"])
+def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
+    check_engine_greedy(ckpt, caching, {"ShortConv", "Attention"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_backend_on_gpu_matches_hf(ckpt: Checkpoint) -> None:
+    """The triton backend: its conv1d kernels with activation=None, fp32 attention in ieee precision."""
+    check_gpu_backend(ckpt, "triton")
+
+
+def test_reference_forward_matches_hf(ckpt: Checkpoint) -> None:
+    check_reference_forward(ckpt)
 
 
 # -- config translation, against HF's own config class and MLP ----------------------------------------------------

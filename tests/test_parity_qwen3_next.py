@@ -20,15 +20,13 @@ import torch
 from _hf_mamba_models import BUILDERS
 from _layer_harness import LayerHarness
 from test_layers_vs_hf import SCHEDULES, SEQ, additive_mask, assert_close, hidden, load_exact, randomize, same_names
-from test_parity_lfm2 import ATOL, GREEDY, Checkpoint, generate_with_logits, make_llm
+from test_parity_lfm2 import Checkpoint, check_engine_greedy, check_gpu_backend, check_reference_forward
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
-from hybridkv.engine.model_runner import reference_logits
 from hybridkv.layers.attention import AttentionLayer
 from hybridkv.layers.moe import MoEFeedForward
 from hybridkv.loaders import hf_config_to_hybrid
-from hybridkv.loaders.checkpoint import load_hf_checkpoint
 from hybridkv.models import MLP, Attention, GatedDeltaNet, MoE
 
 
@@ -43,53 +41,19 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 @pytest.mark.slow            # ~20 s on 2 cores per caching mode, plus the HF oracle (~20 s, once per module)
 @pytest.mark.parametrize("caching", [False, True], ids=["no_prefix_caching", "prefix_caching"])
 def test_engine_greedy_matches_hf(ckpt: Checkpoint, caching: bool) -> None:
-    llm = make_llm(ckpt.path, caching)
-    assert {type(m).__name__ for _, m in llm.model.config.stateful_mixers()} == {"GatedDeltaNet", "Attention"}
-    cached = {}
-    for key, prompt in ckpt.prompts.items():          # one after the other: "second" may reuse "first"'s prefix
-        want_tokens, want_logits = ckpt.oracle[key]
-        tokens, logits, cached[key] = generate_with_logits(llm, prompt)
-        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
-        err = (logits - want_logits).abs().max().item()
-        assert err <= ATOL, f"{key}: max |logit diff| {err:.3g} > {ATOL}"
-    if caching:
-        assert 0 < cached["second"] <= 20          # a state checkpoint inside the shared prefix
-    else:
-        assert set(cached.values()) == {0}
-    # All three in one batch (the shared prefix computed once with caching on; the short prompt decodes while
-    # the others are still in chunked prefill), then again: every prompt a full-prefix hit.
-    for _ in range(2):
-        outs = llm.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
-    assert (min(o.num_cached_tokens for o in outs) > 0) == caching
+    check_engine_greedy(ckpt, caching, {"GatedDeltaNet", "Attention"})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_gpu_backend_matches_hf(ckpt: Checkpoint, backend: str) -> None:
-    """On CUDA (the triton backend: its conv1d and gated-delta-rule kernels): eager synchronous steps give HF's
-    tokens and logits; with decode steps captured as CUDA graphs, a batch with prefix caching gives the same
-    tokens."""
-    eager = make_llm(ckpt.path, True, device="cuda", backend=backend, cuda_graphs=False, async_scheduling=False)
-    for key, prompt in ckpt.prompts.items():
-        want_tokens, want_logits = ckpt.oracle[key]
-        tokens, logits, _ = generate_with_logits(eager, prompt)
-        assert tokens == want_tokens, f"{key}: greedy tokens differ from HF"
-        assert (logits.cpu() - want_logits).abs().max().item() <= ATOL
-    if backend == "triton":
-        graphs = make_llm(ckpt.path, True, device="cuda", backend=backend, cuda_graphs=True)
-        outs = graphs.generate(list(ckpt.prompts.values()), GREEDY, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == [ckpt.oracle[k][0] for k in ckpt.prompts]
+    """The triton backend: its conv1d and gated-delta-rule kernels."""
+    check_gpu_backend(ckpt, backend)
 
 
 @pytest.mark.slow            # the module's HF oracle takes ~20 s to build on 2 cores
 def test_reference_forward_matches_hf(ckpt: Checkpoint) -> None:
-    """The whole sequence as one prefill, every position (not only the sampled ones)."""
-    model = load_hf_checkpoint(ckpt.path, dtype=torch.float32)
-    seq = ckpt.prompts["second"] + ckpt.oracle["second"][0]
-    with torch.no_grad():
-        want = ckpt.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
-    assert (reference_logits(model, seq) - want).abs().max().item() <= ATOL
+    check_reference_forward(ckpt)
 
 
 # -- config translation, against HF's own config class -----------------------------------------------------------

@@ -28,6 +28,8 @@ from _configs import (
     MAMBA_CODESTRAL_7B,
     MISTRAL_7B,
     NEMOTRON_H_8B,
+    OLMO_HYBRID_7B,
+    QWEN3_5_35B_A3B,
     QWEN3_NEXT_80B_A3B,
     RELEASED,
 )
@@ -308,6 +310,53 @@ def test_kimi_linear_48b_a3b_latent_cache_and_kda_slots() -> None:
     assert config.check_tensor_parallel(32) is None                         # 32 KDA and 32 MLA heads
     with pytest.raises(ValueError, match="num_heads"):
         config.check_tensor_parallel(64)
+def test_qwen3_5_35b_a3b_text_part_plan() -> None:
+    """The multimodal checkpoint's text part: 40 layers, gated attention every 4th (2 kv heads of 256), Gated DeltaNet
+    elsewhere with unfused projections; per DeltaNet layer a bf16 conv state (2 x 16 x 128 + 32 x 128 = 8192 channels
+    x 3) and an fp32 recurrent state (32 x 128 x 128); 256 experts of 512, top-8 renormalised, with a gated shared
+    expert on every layer. The vision tower is not part of the plan."""
+    config = hf_config_to_hybrid(QWEN3_5_35B_A3B)
+    assert (config.architecture, config.dtype, config.norm, config.tie_word_embeddings) == (
+        "Qwen3_5MoeForConditionalGeneration", "bfloat16", "gemma_rms", False)
+    assert config.layers[0].mixer.projections == "flat"
+    moe = config.layers[0].ffn
+    assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size, moe.shared_gate) == (
+        256, 8, True, 512, True)
+    attention = config.layers[3].mixer
+    assert attention.output_gate and attention.rope.partial_rotary_factor == 0.25 and attention.rope.theta == 1e7
+    result = plan(QWEN3_5_35B_A3B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (full,) = kinds["full"]
+    (deltanet,) = kinds["mamba(8192x3 + 32x128x128)"]
+    assert layer_ids(full) == list(range(3, 40, 4))
+    assert layer_ids(deltanet) == [i for i in range(40) if i % 4 != 3]
+    page = 10 * 16 * (2 * 2 * 256 * 2)                                      # 327680 B
+    state = 8192 * 3 * 2 + 32 * 128 * 128 * 4                               # 2146304 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    assert result.bytes_per_request_max == 32768 // 16 * page + 30 * state == 735_477_760
+
+
+def test_olmo_hybrid_7b_plan() -> None:
+    """32 layers: post-norm attention every 4th (30 kv heads of 128, q/k normed over all heads), pre-norm Gated
+    DeltaNet elsewhere with 30 key heads of 96 and 30 value heads of 192: a bf16 conv state of 2 x 2880 + 5760 =
+    11520 channels x 3 and an fp32 recurrent state of 30 x 96 x 192 per layer and request."""
+    config = hf_config_to_hybrid(OLMO_HYBRID_7B)
+    attention, deltanet = config.layers[3], config.layers[0]
+    assert (attention.pre_norm, attention.sandwich_norm, attention.mixer.qk_norm) == (False, True, "rms_full")
+    assert attention.mixer.rope.theta == 10000.0 and deltanet.pre_norm
+    assert (deltanet.mixer.beta_scale, deltanet.mixer.norm_eps, config.eos_token_ids) == (2.0, 1e-5, (100257,))
+    result = plan(OLMO_HYBRID_7B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    (full,) = kinds["full"]
+    (states,) = kinds["mamba(11520x3 + 30x96x192)"]
+    assert layer_ids(full) == list(range(3, 32, 4)) and len(states["layers"]) == 24
+    page = 8 * 16 * (2 * 30 * 128 * 2)                                      # 1966080 B
+    state = 11520 * 3 * 2 + 30 * 96 * 192 * 4                               # 2280960 B
+    assert result.page_bytes == page and result.padding_bytes == 0
+    assert result.bytes_per_request_max == 32768 // 16 * page + 24 * state == 4_081_274_880
+    assert config.check_tensor_parallel(2) is None                          # 30 key / attention heads, 11008 wide
+    with pytest.raises(ValueError, match="num_k_heads"):
+        config.check_tensor_parallel(4)
 
 
 def test_lfm2_8b_a1b_plan_and_experts() -> None:

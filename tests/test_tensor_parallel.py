@@ -4,12 +4,13 @@ Every layer mix (chunked-local + global with MoE, sliding, pure Mamba2, Mamba2 +
 short convs + attention) runs through ``LLM(..., tensor_parallel_size=2)`` and must give the greedy tokens of
 ``tensor_parallel_size=1`` with every step's logits within 1e-5 (fp32). HF checkpoints load at tp 2 (each rank reads
 its shard); in-process checks show each rank's parameters are exactly the shards of the full ones for every
-supported family, and every family served at tp 2 gives tp 1's tokens with logits within 1e-5 (or within fp32's own
-round-off of that checkpoint, when larger). Bad input fails fast with an error naming the dimension, and a dead or
-stuck rank is an error within the timeout, never a hang — also when it fails inside a step's forward (ranks spawned
-through ``_tp_fault_worker``), and a spawned rank exits when rank 0 dies. Rank 0 may be started any way at all
-(``python -c``, stdin, a script without a ``__main__`` guard): the spawned ranks never import it. Random init drawn
-on the device (``init="device"``, chunked) is also exactly the shard of the full init.
+supported family, and every family served at tp 2 (one checkpoint per distinct sharding) gives tp 1's tokens with
+logits within 1e-5 (or within fp32's own round-off of that checkpoint, when larger). Bad input fails fast with an
+error naming the dimension, and a dead or stuck rank is an error within the timeout, never a hang — also when it
+fails inside a step's forward (ranks spawned through ``_tp_fault_worker``), and a spawned rank exits when rank 0
+dies. Rank 0 may be started any way at all (``python -c``, stdin, a script without a ``__main__`` guard): the
+spawned ranks never import it. Random init drawn on the device (``init="device"``, chunked) is also exactly the
+shard of the full init.
 """
 
 from __future__ import annotations
@@ -72,11 +73,16 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-# gpt-oss ~11 s, Qwen3-Next ~16 s; LFM2-MoE's sharded experts are those of the other MoE families, its short convs
-# LFM2's (quick); Jamba's, Zamba2's and Bamba's Mamba and attention shards are NemotronH's and Falcon-H1's (quick)
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
-                                    if f in ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba") else f
-                                    for f in HF_FAMILIES])
+# gpt-oss ~11 s, Qwen3-Next ~16 s, Qwen3.5 ~12 s, OLMo-Hybrid ~26 s; LFM2-MoE's sharded experts are those of the
+# other MoE families, its short convs LFM2's (quick); Jamba's, Zamba2's and Bamba's Mamba and attention shards are
+# NemotronH's and Falcon-H1's (quick). Qwen3.5-MoE's and the multimodal Qwen3.5's shards are Qwen3.5's and
+# Qwen3-Next's, OLMo-Hybrid NoPE's OLMo-Hybrid's: their loading is checked below, not served again.
+_TP2_SLOW = ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba", "qwen3_5", "olmo_hybrid")
+_TP2_SHARDS_ONLY = ("qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid_nope")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in _TP2_SLOW else f
+                                    for f in HF_FAMILIES if f not in _TP2_SHARDS_ONLY])
 def test_hf_checkpoint_at_tp2(family: str, hf_checkpoints: dict[str, Path]) -> None:
     """Each rank reads its shard of the hub tensors (fused or per-expert experts, Zamba2's shared blocks
     and adapters, Falcon-H1's parallel mixer and µP sections, Jamba's Mamba-1, tied embeddings, gpt-oss's

@@ -14,7 +14,8 @@ Zamba2 runs one set of attention weights at several depths, each with its own KV
 ``AttentionUse`` (the cache owner, plus its own low-rank q/k/v adapters) that borrows the shared
 ``AttentionLayer``'s weights without registering them, so the weights keep exactly one owner.
 
-Qwen3-Next gates the output: q_proj gives [q | gate] per head and o_proj reads out * sigmoid(gate).
+Qwen3-Next gates the output: q_proj gives [q | gate] per head and o_proj reads out * sigmoid(gate). OLMo's q/k
+norms span all heads (``qk_norm="rms_full"``), so they run on the projections, before the per-head prep op.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from hybridkv.forward_context import get_forward_context
 from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedLinears, RowParallelLinear
-from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.norms import AcrossHeadsRMSNorm, RMSNorm
 from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.layers.rotary import RotaryEmbedding, rope_attention_factor
@@ -59,8 +60,14 @@ class AttentionLayer(nn.Module):
                                            sections=self.kv_sections)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias, tp=tp,
                                         sections=o_sections)
-        self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
-        self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm) if cfg.qk_norm == "rms" else None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_norm == "rms":
+            self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm)
+            self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm)
+        elif cfg.qk_norm == "rms_full":              # over all heads: outside the per-head q/k prep op
+            self.q_norm = AcrossHeadsRMSNorm(o_sections[0], eps=norm_eps, tp=tp)
+            self.k_norm = AcrossHeadsRMSNorm(self.kv_sections[0], eps=norm_eps, tp=tp)
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
         # YaRN's m on cos and sin is m^2 on q . k when every channel rotates; with a partial rotation the
         # pass-through channels would keep scale 1, which no single softmax scale can express.
@@ -73,7 +80,8 @@ class AttentionLayer(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(heads[0].local_size(tp.size))) if cfg.sinks else None
         self.tp_shards = {"sinks": Shard(0, heads)} if cfg.sinks else {}
         self.prep = QKPrep(head_dim=d, rot_dim=self.rotary.rot_dim if self.rotary is not None else 0,
-                           interleaved=cfg.rope is not None and cfg.rope.interleaved, qk_norm=cfg.qk_norm,
+                           interleaved=cfg.rope is not None and cfg.rope.interleaved,
+                           qk_norm=None if cfg.qk_norm == "rms_full" else cfg.qk_norm,
                            gemma_norm=gemma_norm, eps=norm_eps, temperature_tuning=cfg.temperature_tuning)
         self.packed: PackedLinears | None = None          # q|k|v as one GEMM (``fuse_projections``)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None   # bound by the model runner
@@ -109,6 +117,8 @@ class AttentionLayer(nn.Module):
         if cfg.output_gate:
             q, gate = q.view(n, self.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
             q, gate = q.contiguous(), gate.reshape(n, self.num_heads * cfg.head_dim)
+        if cfg.qk_norm == "rms_full":
+            q, k = self.q_norm(q.reshape(n, -1)), self.k_norm(k)
         q = q.view(n, self.num_heads, cfg.head_dim)
         k = k.view(n, self.num_kv_heads, cfg.head_dim)
         v = v.view(n, self.num_kv_heads, cfg.head_dim)
@@ -118,8 +128,8 @@ class AttentionLayer(nn.Module):
         inputs = ctx.inputs[owner.cache_name]
         k_cache, v_cache = owner.kv_cache
         prep = dict(prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
-                    q_norm_weight=self.q_norm.weight if self.q_norm is not None else None,
-                    k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
+                    q_norm_weight=self.q_norm.weight if cfg.qk_norm == "rms" else None,
+                    k_norm_weight=self.k_norm.weight if cfg.qk_norm == "rms" else None,
                     k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
         attend = dict(scale=self.scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap, sinks=self.sinks)
         if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend

@@ -1,7 +1,10 @@
-"""Gated DeltaNet over per-request state slots (HF ``Qwen3NextGatedDeltaNet`` semantics).
+"""Gated DeltaNet over per-request state slots (HF ``Qwen3NextGatedDeltaNet`` semantics; Qwen3.5's and
+OLMo-Hybrid's variants as options).
 
-in_proj_qkvz -> per key head [q | k | v | z] (HF's grouped layout, kept so a key head and the value heads it
-serves are one contiguous run of rows: tensor parallelism cuts whole runs); in_proj_ba -> per key head [b | a].
+Grouped projections (Qwen3-Next): in_proj_qkvz -> per key head [q | k | v | z] (HF's layout, kept so a key head and
+the value heads it serves are one contiguous run of rows: tensor parallelism cuts whole runs); in_proj_ba -> per key
+head [b | a]. Flat projections (Qwen3.5, OLMo-Hybrid): in_proj_qkv -> [q | k | v], in_proj_z, in_proj_b, in_proj_a,
+each in head order (tensor parallelism cuts each of q, k, v by key heads). OLMo-Hybrid scales beta by 2.
 A depthwise causal conv with SiLU runs over q|k|v (conv state = the last kernel - 1 inputs); the gated delta rule
 (``layers/ops/gated_delta_ref.py``, the Triton / fla twins on GPU) with L2-normalised q/k, beta = sigmoid(b) and the
 decay computed in the op from a, A_log and dt_bias; then an RMS norm per value head gated by silu(z), out_proj.
@@ -24,7 +27,7 @@ from hybridkv.models.config import GatedDeltaNet
 
 class GatedDeltaNetLayer(StateSlotMixer):
     """Tensor parallel (``tp``): key heads split, each rank with the value heads they serve (so the ranks must
-    divide ``num_k_heads``; a clear error otherwise): in_proj_qkvz / in_proj_ba column-parallel by key head, the
+    divide ``num_k_heads``; a clear error otherwise): the input projections column-parallel by key head, the
     conv channels (q, k, v sections), A_log and dt_bias by heads, out_proj row-parallel (one all-reduce); the delta
     rule and the per-head norm are local, and so are the conv and recurrent states."""
 
@@ -38,34 +41,36 @@ class GatedDeltaNetLayer(StateSlotMixer):
         self.num_k_heads = Split(nk, nk, what=what).local_size(tp.size)
         self.num_v_heads = self.num_k_heads * self.rep
         self.key_dim, self.value_dim = self.num_k_heads * dk, self.num_v_heads * dv
-        group = 2 * dk + 2 * self.rep * dv                    # one key head's q, k, v, z rows
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, nk * group, bias=False, tp=tp,
-                                                 sections=(Split(nk * group, nk, what=what),))
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * nv, bias=False, tp=tp,
-                                               sections=(Split(2 * nv, nk, what=what),))
+        keys, values = Split(cfg.key_dim, nk, what=what), Split(cfg.value_dim, nk, what=what)
+        heads = Split(nv, nk, what=what)
+        if cfg.projections == "grouped":
+            group = 2 * dk + 2 * self.rep * dv                # one key head's q, k, v, z rows
+            self.in_proj_qkvz = ColumnParallelLinear(hidden_size, nk * group, bias=False, tp=tp,
+                                                     sections=(Split(nk * group, nk, what=what),))
+            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * nv, bias=False, tp=tp,
+                                                   sections=(Split(2 * nv, nk, what=what),))
+        else:                                                 # q, k, v, z, b, a each in head order
+            self.in_proj_qkv = ColumnParallelLinear(hidden_size, cfg.conv_dim, bias=False, tp=tp,
+                                                    sections=(keys, keys, values))
+            self.in_proj_z = ColumnParallelLinear(hidden_size, cfg.value_dim, bias=False, tp=tp, sections=(values,))
+            self.in_proj_b = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
+            self.in_proj_a = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
         conv_dim = 2 * self.key_dim + self.value_dim
         # HF stores the depthwise conv as (conv_dim, 1, kernel); we keep that layout for loading.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_v_heads + 1, dtype=torch.float32)))
         self.norm = _HeadNorm(dv)
-        values = Split(cfg.value_dim, nk, what=what)
         self.out_proj = RowParallelLinear(cfg.value_dim, hidden_size, bias=False, tp=tp, sections=(values,))
-        keys = Split(cfg.key_dim, nk, what=what)
         self.tp_shards = {"conv1d.weight": Shard(0, (keys, keys, values)),
-                          **dict.fromkeys(("dt_bias", "A_log"), Shard(0, (Split(nv, nk, what=what),)))}
+                          **dict.fromkeys(("dt_bias", "A_log"), Shard(0, (heads,)))}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         cfg, n = self.cfg, x.shape[0]
         meta, be, conv_states, rec_states = self.step_inputs()
-        dk, dv, r = cfg.head_k_dim, cfg.head_v_dim, self.rep
-        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)    # (n, conv_dim)
-        beta = torch.sigmoid(b.reshape(n, self.num_v_heads))
-        a = a.reshape(n, self.num_v_heads)
+        mixed, z, b, a = self._project(x)
+        beta = torch.sigmoid(b) if cfg.beta_scale == 1.0 else torch.sigmoid(b) * cfg.beta_scale
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
         rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
@@ -75,7 +80,7 @@ class GatedDeltaNetLayer(StateSlotMixer):
             o = be.gated_delta_rule_update(rec_states, *self._split_qkv(mixed), a, beta,
                                            state_indices=meta.state_indices, **rule)
             return self._output(o, z, be)
-        o = torch.empty(n, self.num_v_heads, dv, dtype=x.dtype, device=x.device)
+        o = torch.empty(n, self.num_v_heads, cfg.head_v_dim, dtype=x.dtype, device=x.device)
         if nd:
             idx = meta.state_indices[:nd]
             m = be.causal_conv1d_update(mixed[:ndt], conv_states=conv_states, weight=weight, bias=None,
@@ -93,6 +98,19 @@ class GatedDeltaNetLayer(StateSlotMixer):
                                           **rule)
         return self._output(o, z, be)
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b and a (n, v heads);
+        value head j serves key head j // rep in both layouts."""
+        n, cfg = x.shape[0], self.cfg
+        if cfg.projections == "flat":
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        dk, dv, r = cfg.head_k_dim, cfg.head_v_dim, self.rep
+        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, -1), b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads)
+
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, conv_dim) conv output -> q, k (n, k heads, head_k_dim), v (n, v heads, head_v_dim)."""
         n, cfg = mixed.shape[0], self.cfg
@@ -101,7 +119,7 @@ class GatedDeltaNetLayer(StateSlotMixer):
                 v.reshape(n, self.num_v_heads, cfg.head_v_dim))
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, be: KernelBackend) -> torch.Tensor:
-        """o: (n, v heads, head_v_dim) delta-rule output, z: (n, k heads, rep * head_v_dim) the gate ->
+        """o: (n, v heads, head_v_dim) delta-rule output, z: (n, v heads * head_v_dim) the gate ->
         out_proj(norm(o) * silu(z)) (n, hidden). Each value head is one norm group: rows of head_v_dim."""
         n, dv = o.shape[0], self.cfg.head_v_dim
         y = be.gated_rms_norm(o.reshape(n * self.num_v_heads, dv), z.reshape(n * self.num_v_heads, dv),

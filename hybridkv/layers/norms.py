@@ -10,7 +10,7 @@ from torch import nn
 from hybridkv.layers.ops.fused_ref import gated_rms_norm_ref, rms_norm_ref, rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 
-__all__ = ["GatedGroupRMSNorm", "RMSNorm", "rms_normalize"]
+__all__ = ["AcrossHeadsRMSNorm", "GatedGroupRMSNorm", "RMSNorm", "rms_normalize"]
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +28,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_ref(x, self.weight, eps=self.eps, gemma=self.gemma, centered=self.centered)
+
+
+class AcrossHeadsRMSNorm(nn.Module):
+    """One plain RMS norm over every head's channels of q or k (OLMo-2/3, OLMo-Hybrid ``q_norm`` / ``k_norm``:
+    weight (heads * head_dim,)). ``heads``: the projection's ``Split``. Under tensor parallelism each rank holds
+    its heads' channels and all-reduces the (tokens, 1) sum of squares; a head replicated on r ranks (kv heads
+    fewer than ranks) is summed r times, and so is every channel once divided by tp * local width."""
+
+    def __init__(self, heads: Split, *, eps: float, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = tp
+        self.weight = nn.Parameter(torch.ones(heads.local_size(tp.size)))
+        self.tp_shards = {"weight": Shard(0, (heads,))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, local heads * head_dim)
+        if self.tp.size == 1:
+            return rms_norm_ref(x, self.weight, eps=self.eps)
+        xf = x.float()
+        mean_square = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / (self.tp.size * x.shape[-1])
+        return self.weight * (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
 class GatedGroupRMSNorm(nn.Module):

@@ -65,6 +65,11 @@ MODEL_TYPES: dict[str, str] = {
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
 }
 
 # Planning length for models without a position limit (pure Mamba): Mamba-Codestral's card reports
@@ -1093,20 +1098,13 @@ _QWEN3_NEXT_DEFAULTS = dict(
 _QWEN3_NEXT_TYPES = ("linear_attention", "full_attention")
 
 
-@register("Qwen3NextForCausalLM")
-def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
-    """Gated DeltaNet (``linear_attention``) and gated full attention per ``layer_types`` (else full attention
-    every ``full_attention_interval``-th layer, as HF's ``Qwen3NextConfig``). Attention: q_proj with a sigmoid
-    output gate per head, zero-centred RMS q/k norms before a partial RoPE (``partial_rotary_factor``, 0.25 by
-    default), ``attention_bias`` on all four projections. Every RMS norm but the DeltaNet's gated one scales by
-    (1 + w) (``gemma_rms``). Feed-forward: routed experts (softmax top-k, renormalised when ``norm_topk_prob``) with
-    a sigmoid-gated shared expert on layers i with (i + 1) % ``decoder_sparse_step`` == 0 outside
-    ``mlp_only_layers``, a SwiGLU MLP of ``intermediate_size`` elsewhere. ``hidden_act`` is also the DeltaNet conv's
-    activation in HF, so only "silu" is accepted; the multi-token-prediction head (``mtp.*``) is not served."""
-    cfg = _Fields("Qwen3NextForCausalLM", config, _QWEN3_NEXT_DEFAULTS)
+def _qwen3_next_mixers(cfg: _Fields, projections: str) -> list[Attention | GatedDeltaNet]:
+    """Qwen3-Next's and Qwen3.5's mixers: Gated DeltaNet (``linear_attention``) and gated full attention per
+    ``layer_types``, else full attention every ``full_attention_interval``-th layer. ``hidden_act`` is also the
+    DeltaNet conv's activation in HF, so only "silu" is accepted."""
     if cfg["hidden_act"] not in ("silu", "swish"):
         raise ValueError(f"{cfg.arch}: hidden_act {cfg['hidden_act']!r} is not supported (the DeltaNet conv and "
-                         f"the experts use it; released checkpoints use 'silu')")
+                         f"the MLPs use it; released checkpoints use 'silu')")
     n = cfg["num_hidden_layers"]
     if cfg["layer_types"] is not None:
         types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES)
@@ -1124,18 +1122,38 @@ def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
                           qkv_bias=bias, o_bias=bias, output_gate=True)
     deltanet = GatedDeltaNet(num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
                              head_k_dim=cfg["linear_key_head_dim"], head_v_dim=cfg["linear_value_head_dim"],
-                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=cfg["rms_norm_eps"])
+                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=cfg["rms_norm_eps"],
+                             projections=projections)
+    return [attention if kind == "full_attention" else deltanet for kind in types]
+
+
+def _qwen3_next_moe(cfg: _Fields, *, renormalize: bool) -> MoE:
+    """Routed experts (softmax top-k) with a sigmoid-gated shared expert."""
+    return MoE(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+               intermediate_size=cfg["moe_intermediate_size"], renormalize=renormalize,
+               shared_intermediate_size=cfg["shared_expert_intermediate_size"], shared_gate=True)
+
+
+@register("Qwen3NextForCausalLM")
+def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
+    """Gated DeltaNet (``linear_attention``) and gated full attention per ``layer_types`` (else full attention
+    every ``full_attention_interval``-th layer, as HF's ``Qwen3NextConfig``). Attention: q_proj with a sigmoid
+    output gate per head, zero-centred RMS q/k norms before a partial RoPE (``partial_rotary_factor``, 0.25 by
+    default), ``attention_bias`` on all four projections. Every RMS norm but the DeltaNet's gated one scales by
+    (1 + w) (``gemma_rms``). Feed-forward: routed experts (softmax top-k, renormalised when ``norm_topk_prob``) with
+    a sigmoid-gated shared expert on layers i with (i + 1) % ``decoder_sparse_step`` == 0 outside
+    ``mlp_only_layers``, a SwiGLU MLP of ``intermediate_size`` elsewhere. ``hidden_act`` is also the DeltaNet conv's
+    activation in HF, so only "silu" is accepted; the multi-token-prediction head (``mtp.*``) is not served."""
+    cfg = _Fields("Qwen3NextForCausalLM", config, _QWEN3_NEXT_DEFAULTS)
+    mixers = _qwen3_next_mixers(cfg, "grouped")
     dense = MLP(intermediate_size=cfg["intermediate_size"])
     experts, step = cfg["num_experts"], cfg["decoder_sparse_step"]
     if experts and (not isinstance(step, int) or step < 1):
         raise ValueError(f"{cfg.arch}: decoder_sparse_step must be a positive integer, got {step!r}")
-    moe = MoE(num_experts=experts, top_k=cfg["num_experts_per_tok"], intermediate_size=cfg["moe_intermediate_size"],
-              renormalize=bool(cfg["norm_topk_prob"]), shared_intermediate_size=cfg["shared_expert_intermediate_size"],
-              shared_gate=True) if experts else None
+    moe = _qwen3_next_moe(cfg, renormalize=bool(cfg["norm_topk_prob"])) if experts else None
     dense_only = set(cfg["mlp_only_layers"] or ())
-    layers = [Layer(mixer=attention if kind == "full_attention" else deltanet,
-                    ffn=moe if moe is not None and i not in dense_only and (i + 1) % step == 0 else dense)
-              for i, kind in enumerate(types)]
+    layers = [Layer(mixer=mixer, ffn=moe if moe is not None and i not in dense_only and (i + 1) % step == 0 else dense)
+              for i, mixer in enumerate(mixers)]
     return _model(cfg, layers, norm="gemma_rms")
 
 
@@ -1242,3 +1260,93 @@ def kimi_linear(config: Mapping[str, Any]) -> HybridConfig:
               for kind, mlp in zip(types, mlp_types, strict=True)]
     return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
                   max_position_embeddings=alias("model_max_length", "max_position_embeddings"))
+# HF's ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig`` defaults (the 9B / 35B-A3B sizes). Neither has
+# ``full_attention_interval`` as a field: HF's ``__post_init__`` reads it (default 4) when ``layer_types`` is absent.
+_QWEN3_5_DEFAULTS = dict(
+    _QWEN3_NEXT_DEFAULTS, vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+    num_key_value_heads=4)
+_QWEN3_5_MOE_DEFAULTS = dict(
+    _QWEN3_NEXT_DEFAULTS, vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_experts_per_tok=8,
+    num_experts=256)
+
+
+@register("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+          "Qwen3_5MoeForConditionalGeneration")
+def qwen3_5(config: Mapping[str, Any]) -> HybridConfig:
+    """Qwen3.5 (dense and MoE; the text part of the multimodal ``...ForConditionalGeneration``, its vision
+    tower not served): Qwen3-Next's layers with the DeltaNet's projections unfused (``in_proj_qkv`` /
+    ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``: ``GatedDeltaNet.projections="flat"``). The dense model has a
+    SwiGLU MLP on every layer; the MoE model routed experts (softmax top-k, always renormalised) with a
+    sigmoid-gated shared expert on every layer. HF's multimodal RoPE (``mrope_section``) gives text positions the
+    same angle on each of its three axes, so on text it is the plain (partial) RoPE served here. The multimodal
+    config's own ``tie_word_embeddings`` (default false) decides the tying, as HF's model reads it."""
+    arch = architecture_of(config)
+    moe = arch.startswith("Qwen3_5Moe")
+    text = _text_part(config)
+    cfg = _Fields(arch, text, _QWEN3_5_MOE_DEFAULTS if moe else _QWEN3_5_DEFAULTS)
+    ffn = _qwen3_next_moe(cfg, renormalize=True) if moe else MLP(intermediate_size=cfg["intermediate_size"])
+    layers = [Layer(mixer=mixer, ffn=ffn) for mixer in _qwen3_next_mixers(cfg, "flat")]
+    outer = config if text is not config else None
+    tie = config.get("tie_word_embeddings", False) if outer is not None else cfg["tie_word_embeddings"]
+    return _model(cfg, layers, outer=outer, norm="gemma_rms", tie_word_embeddings=bool(tie))
+
+
+# -- OLMo-Hybrid ---------------------------------------------------------------------------------------------
+_OLMO_HYBRID_DEFAULTS = dict(
+    vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=30,
+    num_key_value_heads=None, hidden_act="silu", max_position_embeddings=65536, rms_norm_eps=1e-6,
+    bos_token_id=None, eos_token_id=100257, tie_word_embeddings=False, attention_bias=False, layer_types=None,
+    linear_num_key_heads=None, linear_num_value_heads=None, linear_key_head_dim=None, linear_value_head_dim=None,
+    linear_conv_kernel_dim=4, linear_allow_neg_eigval=True)
+
+
+def _olmo_hybrid_types(cfg: _Fields) -> list[str]:
+    """``layer_types``, else HF's default: full attention on every layer i with i % 4 == 3 (the last layer when
+    that gives none); at least one layer of each kind, as HF's config requires."""
+    n = cfg["num_hidden_layers"]
+    if cfg["layer_types"] is not None:
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES)
+        if len(types) != n:
+            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    else:
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+    if len(set(types)) != 2:
+        raise ValueError(f"{cfg.arch}: needs at least one linear_attention and one full_attention layer (as HF's "
+                         f"config checks), got {types}")
+    return types
+
+
+@register("OlmoHybridForCausalLM")
+def olmo_hybrid(config: Mapping[str, Any]) -> HybridConfig:
+    """OLMo-Hybrid: Gated DeltaNet (``linear_attention``) and OLMo-3 attention layers per ``layer_types``.
+    DeltaNet layers are pre-norm (Llama's placement) with separate q / k / v / gate / b / a projections (our
+    "flat" projections), beta scaled by 2 when ``linear_allow_neg_eigval``, a gated head norm of eps 1e-5 (fixed in
+    HF's module); the linear heads default to the attention heads, the key head dim to 0.75 * hidden / key heads
+    and the value head dim to twice that. Attention layers are post-norm only (OLMo-2/3: the attention and MLP
+    outputs normed before they join the residual), with q and k each normed over all heads before RoPE, and
+    head dim hidden / heads. RoPE: ``rope_theta`` (10000 by default); HF builds no rotary embedding when the
+    config sets the theta to null, so those attention layers are NoPE."""
+    cfg = _Fields("OlmoHybridForCausalLM", config, _OLMO_HYBRID_DEFAULTS)
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise ValueError(f"{cfg.arch}: hidden_act {cfg['hidden_act']!r} is not supported (the DeltaNet conv and "
+                         f"the MLPs use it; released checkpoints use 'silu')")
+    types = _olmo_hybrid_types(cfg)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    params = _rope_params(cfg)
+    nope = params.get("rope_theta") is None and ("rope_theta" in params or cfg.raw.get("rope_theta", 0) is None)
+    bias = bool(cfg["attention_bias"])
+    attention = Attention(num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=hidden // heads,
+                          rope=None if nope else _rope(params, theta=10000.0), qk_norm="rms_full", qkv_bias=bias,
+                          o_bias=bias)
+    k_heads = cfg["linear_num_key_heads"] or heads
+    k_dim = cfg["linear_key_head_dim"] or int(0.75 * hidden / k_heads)
+    deltanet = GatedDeltaNet(num_k_heads=k_heads, num_v_heads=cfg["linear_num_value_heads"] or heads,
+                             head_k_dim=k_dim, head_v_dim=cfg["linear_value_head_dim"] or 2 * k_dim,
+                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=1e-5, projections="flat",
+                             beta_scale=2.0 if cfg["linear_allow_neg_eigval"] else 1.0)
+    mlp = MLP(intermediate_size=cfg["intermediate_size"])
+    layers = [Layer(mixer=attention, ffn=mlp, sandwich_norm=True, pre_norm=False) if kind == "full_attention"
+              else Layer(mixer=deltanet, ffn=mlp) for kind in types]
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"])

@@ -186,7 +186,9 @@ class Attention:
     that share weights (Zamba2) while keeping separate KV caches.
 
     "rms" q/k norms are learned per head dim, use the model's norm flavour (``HybridConfig.norm``) and
-    run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4).
+    run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4);
+    "rms_full" is one plain RMS norm over all heads' channels of q (and of k), weight (heads * head_dim,), on the
+    projections before RoPE (OLMo-2/3, OLMo-Hybrid).
     ``scale`` overrides head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; Granite:
     attention_multiplier). Falcon-H1 µP multipliers: the input is scaled by ``input_multiplier``, keys by
     ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
@@ -226,9 +228,9 @@ class Attention:
                              f"num_heads={self.num_heads}")
         if self.sliding_window is not None and self.attention_chunk_size is not None:
             raise ValueError("Attention: set sliding_window or attention_chunk_size, not both")
-        if self.qk_norm not in (None, "rms", "rms_weightless"):
-            raise ValueError(
-                f"Attention.qk_norm must be None, 'rms' or 'rms_weightless', got {self.qk_norm!r}")
+        if self.qk_norm not in (None, "rms", "rms_weightless", "rms_full"):
+            raise ValueError(f"Attention.qk_norm must be None, 'rms', 'rms_weightless' or 'rms_full', "
+                             f"got {self.qk_norm!r}")
 
     @property
     def kind(self) -> str:
@@ -369,6 +371,11 @@ class GatedDeltaNet:
     decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is
     ``out_proj(norm(o) * silu(z))``, an RMS norm per value head (weight (head_v_dim,), eps ``norm_eps``).
 
+    ``projections``: "grouped" (Qwen3-Next, as above) or "flat" (Qwen3.5, OLMo-Hybrid): ``in_proj_qkv`` gives
+    [q | k | v] in the conv's channel order, ``in_proj_z`` the gate, ``in_proj_b`` / ``in_proj_a`` b and a, each
+    per head in head order. ``beta_scale`` multiplies beta (OLMo-Hybrid's ``linear_allow_neg_eigval``: 2, so the
+    delta rule's eigenvalues 1 - beta k.k reach [-1, 1]).
+
     State per request: the conv state (2 * key dim + value dim, conv_kernel - 1) and the recurrent state
     (num_v_heads, head_k_dim, head_v_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
 
@@ -379,6 +386,8 @@ class GatedDeltaNet:
     conv_kernel: int = 4
     norm_eps: float = 1e-6
     chunk_size: int = 64
+    projections: str = "grouped"
+    beta_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -390,6 +399,9 @@ class GatedDeltaNet:
                              f"num_v_heads={self.num_v_heads}")
         if self.conv_kernel < 2:
             raise ValueError(f"GatedDeltaNet.conv_kernel must be at least 2, got {self.conv_kernel}")
+        if self.projections not in ("grouped", "flat"):
+            raise ValueError(f"GatedDeltaNet.projections must be 'grouped' or 'flat', got {self.projections!r}")
+        _positive("GatedDeltaNet", beta_scale=self.beta_scale)
 
     @property
     def kind(self) -> str:

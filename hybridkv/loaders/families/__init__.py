@@ -20,6 +20,8 @@ from hybridkv.loaders.families import (  # noqa: F401
     mamba2,
     mistral,
     nemotron_h,
+    olmo_hybrid,
+    qwen3_5,
     qwen3_next,
     zamba2,
 )

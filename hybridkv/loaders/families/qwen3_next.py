@@ -24,7 +24,8 @@ _LAYER_MODULES = {
 }
 
 
-def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
+def layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
+    """One decoder layer's tensor (Qwen3.5's too: its unfused DeltaNet projections keep HF's names as well)."""
     if rest.startswith("mlp.experts."):
         return routed_experts(rest.removeprefix("mlp.experts."), f"layers.{i}.ffn")
     if rest.startswith("linear_attn."):                    # our GatedDeltaNetLayer keeps HF's names
@@ -32,7 +33,7 @@ def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
     return rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}.")
 
 
-_decoder = decoder_map(layer=_layer)
+_decoder = decoder_map(layer=layer)
 
 
 @register_weight_map("Qwen3NextForCausalLM")
