@@ -11,13 +11,14 @@ from hybridkv.kv_groups.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    KVSharingSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
 
 __all__ = [
     "AttentionSpec", "ChunkedLocalAttentionSpec", "FullAttentionSpec", "KVCacheGroup", "KVCachePlan",
-    "KVCacheSpec", "MambaSpec", "SlidingWindowSpec", "group_layers", "plan_kv_cache",
+    "KVCacheSpec", "KVSharingSpec", "MambaSpec", "SlidingWindowSpec", "group_layers", "plan_kv_cache",
     "NULL_BLOCK", "NULL_SLOT", "BlockHasher", "BlockPool", "BlockTable", "KVCacheCoordinator",
     "MultiGroupBlockTable", "PrefixCacheStats", "StateSlotPool", "allocate_kv_cache", "layer_pool_positions",
 ]
