@@ -272,6 +272,8 @@ def _gemma4_finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     for name, p in model.named_parameters():
         if "norm" in name and p.ndim == 1:
             p.add_(0.5 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0)
+        elif name.endswith(("router.scale", "router.per_expert_scale")):    # the MoE router's scales: off 1
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen))
     for name, b in model.named_buffers():
         if name.endswith("layer_scalar"):
             b.copy_(0.5 + torch.rand(b.shape, generator=gen))
@@ -289,6 +291,12 @@ def gemma4_k_eq_v(seed: int = 0) -> PreTrainedModel:
                           seed)
 
 
+def gemma4_moe(seed: int = 0) -> PreTrainedModel:
+    """The 26B-A4B block: every layer's dense MLP beside 4 routed experts of 24 (top 2)."""
+    return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                               moe_intermediate_size=24)), seed)
+
+
 def gemma4_multimodal(seed: int = 0) -> PreTrainedModel:
     """The text decoder inside ``Gemma4ForConditionalGeneration`` (no vision / audio config: text only)."""
     config = _eager(Gemma4Config(text_config=gemma4_text_config().to_dict(), vision_config=None, audio_config=None))
@@ -299,7 +307,7 @@ FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
     "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa, "gemma4": gemma4,
-    "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_multimodal": gemma4_multimodal,
+    "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_moe": gemma4_moe, "gemma4_multimodal": gemma4_multimodal,
 }
 
 

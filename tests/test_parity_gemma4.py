@@ -2,7 +2,8 @@
 
 The tiny random models (``tests/_hf_models.py``: 8 layers "SSFSSFSF", window 6) have every Gemma-4 feature on:
 the last 3 layers read an earlier layer's KV cache (one of each kind) with double-wide MLPs, global layers of
-twice the sliding head dim (and with ``attention_k_eq_v`` one KV head whose values are its keys), proportional
+twice the sliding head dim (and with ``attention_k_eq_v`` one KV head whose values are its keys; with the MoE block
+a dense MLP beside routed experts), proportional
 RoPE, the weightless value norm, per-layer inputs, random layer scalars and the final softcap. Each is written by
 ``save_pretrained`` and loaded by ``LLM(path)`` with 4-token blocks and an 8-token step budget (prefills run in
 chunks): the same 32 greedy tokens as HF and per-step log-probabilities within 1e-4 of HF's full forward, with
@@ -25,12 +26,12 @@ from hybridkv.engine.model_runner import reference_logits
 from hybridkv.kv_groups.specs import KVSharingSpec
 from hybridkv.loaders import hf_config_to_hybrid
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
-from hybridkv.models.config import Attention
+from hybridkv.models.config import Attention, DenseMoE
 
 TOL = 1e-4
 NEW_TOKENS = 32
 # family -> seed: greedy output stays diverse for these prompts.
-SEEDS = {"gemma4": 0, "gemma4_k_eq_v": 0, "gemma4_multimodal": 0}
+SEEDS = {"gemma4": 0, "gemma4_k_eq_v": 0, "gemma4_moe": 0, "gemma4_multimodal": 0}
 QUICK = ()          # each checkpoint's HF oracle and engine runs take 20-40 s on 2 cores: the slow tier
 
 
@@ -138,10 +139,20 @@ def test_config_follows_hf_modules() -> None:
     assert [n for n, s in specs.items() if isinstance(s, KVSharingSpec)] == ["layers.5", "layers.6", "layers.7"]
 
 
+def test_moe_block_follows_hf_modules() -> None:
+    """``enable_moe_block``: every layer a ``DenseMoE`` (dense MLP of the layer's width beside the experts)."""
+    config = hf_models.gemma4_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                          moe_intermediate_size=24)
+    with torch.device("meta"):
+        hf = hf_models.Gemma4ForCausalLM(config)
+    for layer, theirs in zip(hf_config_to_hybrid(config.to_dict()).layers, hf.model.layers, strict=True):
+        assert isinstance(layer.ffn, DenseMoE) and layer.ffn.mlp.intermediate_size == theirs.mlp.intermediate_size
+        moe = layer.ffn.moe
+        assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, theirs.experts.intermediate_dim)
+
+
 def test_unsupported_configs_are_refused() -> None:
     base = hf_models.gemma4_text_config().to_dict()
-    with pytest.raises(ValueError, match="MoE block"):
-        hf_config_to_hybrid(base | {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2})
     with pytest.raises(ValueError, match="bidirectional"):
         hf_config_to_hybrid(base | {"use_bidirectional_attention": "all"})
     with pytest.raises(ValueError, match="num_kv_shared_layers"):

@@ -25,6 +25,7 @@ from hybridkv.models.config import (
     MAX_LAYERS,
     MLP,
     Attention,
+    DenseMoE,
     GatedDeltaNet,
     HybridConfig,
     Layer,
@@ -483,7 +484,8 @@ _GEMMA4_TEXT_DEFAULTS = dict(
     attention_bias=False, sliding_window=512, layer_types=None, final_logit_softcapping=None,
     use_bidirectional_attention=None, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
     attention_k_eq_v=False, num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False,
-    global_head_dim=512, num_global_key_value_heads=None, per_layer_config=None)
+    num_experts=None, top_k_experts=None, moe_intermediate_size=None, global_head_dim=512,
+    num_global_key_value_heads=None, per_layer_config=None)
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
@@ -544,14 +546,12 @@ def gemma4(config: Mapping[str, Any]) -> HybridConfig:
     their keys), q/k RMS norms with a weight and a weightless value norm, softmax scale 1, RoPE per layer type (the
     global one proportional), the last ``num_kv_shared_layers`` layers reading an earlier layer's KV cache (with
     ``use_double_wide_mlp`` their MLPs twice as wide), per-layer inputs (``hidden_size_per_layer_input``), a learned
-    scalar per layer and the final logit softcap. Norms scale by w (not Gemma-3's 1 + w). The MoE block
-    (``enable_moe_block``) is not supported."""
+    scalar per layer and the final logit softcap. Norms scale by w (not Gemma-3's 1 + w). With ``enable_moe_block``
+    (26B-A4B) every layer runs its dense MLP and routed experts side by side (``DenseMoE``)."""
     arch = architecture_of(config)
     cfg = _Fields(arch, _text_part(config), _GEMMA4_TEXT_DEFAULTS)
     if cfg["use_bidirectional_attention"] == "all":
         raise ValueError(f"{arch}: use_bidirectional_attention='all' is not supported (not a causal decoder)")
-    if cfg["enable_moe_block"]:
-        raise ValueError(f"{arch}: the MoE block (enable_moe_block, Gemma-4 26B-A4B) is not supported yet")
     n = cfg["num_hidden_layers"]
     types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
     types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES)
@@ -572,8 +572,11 @@ def gemma4(config: Mapping[str, Any]) -> HybridConfig:
             qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"], value_norm=donors[i] is None,
             k_eq_v=bool(cfg["attention_k_eq_v"]) and not sliding and donors[i] is None, kv_source=donors[i])
         wide = 2 if cfg["use_double_wide_mlp"] and donors[i] is not None else 1
-        layers.append(Layer(mixer=attention, ffn=MLP(intermediate_size=wide * cfg["intermediate_size"], activation=act),
-                            sandwich_norm=True))
+        ffn: MLP | DenseMoE = MLP(intermediate_size=wide * cfg["intermediate_size"], activation=act)
+        if cfg["enable_moe_block"]:
+            ffn = DenseMoE(mlp=ffn, moe=MoE(num_experts=cfg["num_experts"], top_k=cfg["top_k_experts"],
+                                            intermediate_size=cfg["moe_intermediate_size"], activation=act))
+        layers.append(Layer(mixer=attention, ffn=ffn, sandwich_norm=True))
     per_layer = cfg["hidden_size_per_layer_input"] or 0
     if per_layer and cfg["vocab_size_per_layer_input"] < cfg["vocab_size"]:
         raise ValueError(f"{arch}: vocab_size_per_layer_input={cfg['vocab_size_per_layer_input']} is below "

@@ -549,8 +549,32 @@ class SharedBlock:
             raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DenseMoE:
+    """Gemma-4's MoE block (26B-A4B): a dense MLP and routed experts side by side, each with its own norms, summed::
+
+        y = post_mlp_norm(mlp(n)) + post_moe_norm(experts(moe_norm(x)))     # n = the layer's ffn norm of x
+
+    The router reads the layer's input ``x`` itself: ``proj(rms(x) * scale * hidden^-0.5)`` (``rms``: no weight;
+    ``scale``: a learned vector), softmax, top-k, renormalised, then each weight times its expert's learned
+    ``per_expert_scale``. ``moe.router`` must be "softmax" with ``renormalize``; no shared expert."""
+
+    mlp: MLP
+    moe: MoE
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.moe.router != "softmax" or not self.moe.renormalize or self.moe.shared_intermediate_size \
+                or self.moe.latent_size or not self.moe.gated:
+            raise ValueError("DenseMoE.moe: a gated softmax router with renormalize, no shared expert or latent space")
+
+    @property
+    def activation(self) -> str:
+        return self.mlp.activation
+
+
 Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet
-FeedForward = MLP | MoE
+FeedForward = MLP | MoE | DenseMoE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -579,12 +603,12 @@ class Layer:
             raise ValueError(f"Layer.mixer: unknown kind {type(self.mixer).__name__}")
         if self.parallel_mixer is not None and not isinstance(self.mixer, Attention):
             raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
-        if self.ffn is not None and not isinstance(self.ffn, MLP | MoE):
+        if self.ffn is not None and not isinstance(self.ffn, MLP | MoE | DenseMoE):
             raise ValueError(f"Layer.ffn: unknown kind {type(self.ffn).__name__}")
         if self.shared_block is not None and self.mixer is None:
             raise ValueError("Layer.shared_block needs a mixer to feed")
         if self.parallel_ffn and (self.mixer is None or self.ffn is None or self.sandwich_norm
-                                  or not self.pre_norm):
+                                  or not self.pre_norm or isinstance(self.ffn, DenseMoE)):
             raise ValueError("Layer.parallel_ffn needs a mixer and a feed-forward, pre-norm only")
         if not self.pre_norm and self.shared_block is not None:
             raise ValueError("Layer.pre_norm=False does not combine with a shared block")
@@ -724,6 +748,10 @@ class HybridConfig:
                 raise ValueError(f"{where}: {err}") from None
 
         def check_ffn(where: str, ffn: FeedForward) -> None:
+            if isinstance(ffn, DenseMoE):
+                check_ffn(where, ffn.mlp)
+                check_ffn(where, ffn.moe)
+                return
             check(where, ffn.intermediate_size, f"{type(ffn).__name__}.intermediate_size")
             if isinstance(ffn, MoE) and ffn.shared_intermediate_size:
                 check(where, ffn.shared_intermediate_size, "MoE.shared_intermediate_size")
@@ -806,7 +834,7 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet, MLP, MoE,
+        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet, MLP, MoE, DenseMoE,
                                          SharedBlock, Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:

@@ -33,13 +33,14 @@ from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallel
 from hybridkv.layers.mamba1 import Mamba1Layer
 from hybridkv.layers.mamba2 import Mamba2Layer
 from hybridkv.layers.mlp import DenseMLP
-from hybridkv.layers.moe import MoEFeedForward
+from hybridkv.layers.moe import DenseMoEFeedForward, MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
 from hybridkv.layers.short_conv import ShortConvLayer
 from hybridkv.models.config import (
     MLP,
     Attention,
+    DenseMoE,
     GatedDeltaNet,
     HybridConfig,
     Layer,
@@ -79,6 +80,9 @@ def _make_mlp(hidden_size: int, mlp: MLP, tp: TensorParallel) -> DenseMLP:
 def _make_ffn(config: HybridConfig, ffn: object, tp: TensorParallel) -> nn.Module:
     if isinstance(ffn, MLP):
         return _make_mlp(config.hidden_size, ffn, tp)
+    if isinstance(ffn, DenseMoE):
+        return DenseMoEFeedForward(config.hidden_size, _make_mlp(config.hidden_size, ffn.mlp, tp), ffn.moe,
+                                   norm_eps=config.norm_eps, gemma_norm=config.norm == "gemma_rms", tp=tp)
     assert isinstance(ffn, MoE)
     return MoEFeedForward(config.hidden_size, ffn, tp=tp)
 
@@ -236,7 +240,8 @@ class DecoderLayer(nn.Module):
         if self.ffn is not None and not self.parallel_ffn:
             if normed is None:
                 normed = _normed(self.ffn_norm, x, ops)
-            normed, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, next_norm))
+            out = self.ffn(normed, x) if isinstance(self.ffn, DenseMoEFeedForward) else self.ffn(normed)
+            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_ffn_norm, next_norm))
         if tail:
             if self.per_layer is not None:
                 post = self.per_layer.post_norm

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models.config import Attention, GatedDeltaNet, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
+from hybridkv.models.config import Attention, DenseMoE, GatedDeltaNet, HybridConfig, Mamba1, Mamba2, MoE, ShortConv
 from hybridkv.utils import format_bytes
 
 
@@ -100,6 +100,8 @@ def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
 def _ffn_matrices(ffn: object, hidden: int) -> int:
     if ffn is None:
         return 0
+    if isinstance(ffn, DenseMoE):
+        return _ffn_matrices(ffn.mlp, hidden) + _ffn_matrices(ffn.moe, hidden)
     if isinstance(ffn, MoE):
         width = ffn.latent_size or hidden
         latent = 2 * hidden * ffn.latent_size if ffn.latent_size else 0
