@@ -139,6 +139,23 @@ def test_config_follows_hf_modules() -> None:
     assert [n for n, s in specs.items() if isinstance(s, KVSharingSpec)] == ["layers.5", "layers.6", "layers.7"]
 
 
+@pytest.mark.parametrize(("head_dim", "factor"), [(32, 0.25), (512, 0.25), (64, 0.5)])
+def test_proportional_rope_is_hfs(head_dim: int, factor: float) -> None:
+    """Our proportional inverse frequencies (the whole head rotated, the first quarter of the pairs turning) are HF's
+    ``_compute_proportional_rope_parameters`` for the global layers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hybridkv.layers.rotary import RotaryEmbedding
+    from hybridkv.models.config import Rope
+
+    config = hf_models.gemma4_text_config(global_head_dim=head_dim, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": factor, "rope_theta": 1e6}})
+    theirs, _ = ROPE_INIT_FUNCTIONS["proportional"](config, layer_type="full_attention")
+    ours = RotaryEmbedding(head_dim, Rope(theta=1e6, scaling="proportional", partial_rotary_factor=factor))
+    assert ours.rot_dim == head_dim and torch.equal(ours.inv_freq, theirs)
+
+
 def test_moe_block_follows_hf_modules() -> None:
     """``enable_moe_block``: every layer a ``DenseMoE`` (dense MLP of the layer's width beside the experts)."""
     config = hf_models.gemma4_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
