@@ -2,7 +2,7 @@
 """End-to-end decode: hybridkv (``LLM``, backend triton / torch) vs HF transformers ``generate``, same weights.
 
     python benchmarks/gpu_decode.py [--families llama4,gemma3,mamba2,nemotronh,gpt_oss,lfm2,qwen3_next,qwen3_5,
-                                     olmo_hybrid]
+                                     olmo_hybrid,gemma4]
                                     [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
@@ -16,9 +16,12 @@ the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all) and LFM2 (L
 and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary) and Qwen3-Next-like (Qwen3-Next's layer
 kinds at hidden 2048: 16 layers, 12 Gated DeltaNet (16 q/k heads, 32 v heads of 128) and 4 gated attention (16 q /
 2 kv heads of 256, a quarter rotated), 64 experts of 512 top-8 with a gated shared expert of 512, 151936-token
-vocabulary: ~1B active per token), Qwen3.5-MoE-like (the same shapes, the DeltaNet's projections unfused) and
+vocabulary: ~1B active per token), Qwen3.5-MoE-like (the same shapes, the DeltaNet's projections unfused),
 OLMo-Hybrid-like (16 layers at hidden 2048, 12 Gated DeltaNet (16 heads, key / value dims 96 / 192) and 4
-post-norm attention layers (16 heads of 128), SwiGLU 8192). ``triton`` runs decode steps as CUDA
+post-norm attention layers (16 heads of 128), SwiGLU 8192) and Gemma-4-like (Gemma-4 E2B's layer kinds at hidden
+1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of 512, proportional RoPE), the last 8 reading earlier layers' KV
+with double-wide MLPs, per-layer inputs of 256; the global layers' head dim 512 is past the Triton attention
+kernel's 256, so they run the torch reference and decode is not captured). ``triton`` runs decode steps as CUDA
 graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
 of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
@@ -159,6 +162,22 @@ def hf_config(family: str, tiny: bool):
         cfg = transformers.OlmoHybridConfig(**kw)
         cfg.architectures = ["OlmoHybridForCausalLM"]
         return cfg, transformers.OlmoHybridForCausalLM
+    if family == "gemma4":      # Gemma-4 E2B's layer kinds at ~1B: 4 sliding(512) : 1 global (head dim 512), the
+        # last 8 layers reading KV of earlier ones (double-wide MLPs), per-layer inputs of 256, final softcap 30
+        kw = dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=20, num_attention_heads=8,
+                  num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144, sliding_window=512,
+                  layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(20)],
+                  num_kv_shared_layers=8, use_double_wide_mlp=True, hidden_size_per_layer_input=256,
+                  vocab_size_per_layer_input=262144, final_logit_softcapping=30.0, max_position_embeddings=16384)
+        if tiny:
+            kw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=16, global_head_dim=32, vocab_size=256, sliding_window=12,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                   "full_attention"], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                      vocab_size_per_layer_input=256)
+        cfg = transformers.Gemma4TextConfig(**kw)
+        cfg.architectures = ["Gemma4ForCausalLM"]
+        return cfg, transformers.Gemma4ForCausalLM
     raise ValueError(family)
 
 
@@ -235,6 +254,13 @@ def kv_bytes_per_step(config, family: str, batch: int, ctx: int, elem: int = 2) 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         per_tok = 2 * config.num_key_value_heads * head_dim * elem
         return batch * ctx * per_tok * config.layer_types.count("full_attention")
+    if family == "gemma4":      # per layer its own KV shape; a KV-sharing layer reads its donor's keys again
+        total = 0
+        for i, kind in enumerate(config.layer_types):
+            layer = config.per_layer_config[i]
+            keys = min(ctx, config.sliding_window) if kind == "sliding_attention" else ctx
+            total += batch * keys * 2 * layer.num_key_value_heads * layer.head_dim * elem
+        return total
     kv, d = config.num_key_value_heads, config.head_dim
     per_tok = 2 * kv * d * elem
     if family == "nemotronh":

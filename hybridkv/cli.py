@@ -165,7 +165,15 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan]:
         report["bytes_per_request_max_all_gpus"] = args.tensor_parallel_size * result.bytes_per_request_max
     for group in report["groups"]:
         group["layer_ranges"] = layer_ranges(group["layers"])
+        if "kv_shared_layers" in group:
+            group["reader_ranges"] = layer_ranges(list(group["kv_shared_layers"]))
     return report, result
+
+
+def _page_layers(report: dict[str, Any]) -> str:
+    """Layers per pool page: one count, or the range when groups of several KV shapes fill it differently."""
+    counts = sorted({len(g["layers"]) for g in report["groups"] if "num_blocks" in g})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
 def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
@@ -188,7 +196,10 @@ def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
         per_token = (format_bytes(spec.bytes_per_token * len(g["layers"]))
                      if spec.is_attention else "constant")
         unit = "blocks" if spec.is_attention else "slot"
-        groups.add_row(str(g["group_id"]), g["kind"], g["spec"], g["layer_ranges"].replace(",", ", "),
+        layers = g["layer_ranges"].replace(",", ", ")
+        if "reader_ranges" in g:        # KV-sharing layers reading this group's blocks, owning none
+            layers += f" (+ {g['reader_ranges'].replace(',', ', ')} read)"
+        groups.add_row(str(g["group_id"]), g["kind"], g["spec"], layers,
                        str(g["block_size"]),
                        per_token, f"{g['blocks_per_request_max']} {unit}",
                        format_bytes(g["bytes_per_request_max"]))
@@ -203,12 +214,15 @@ def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
         ("… if every attention layer were full",
          format_bytes(report["bytes_per_request_if_all_full_attention"])),
         ("block pool", f"{report['num_blocks']} blocks x {format_bytes(report['page_bytes'])} "
-                       f"({report['layers_per_block']} layers x {report['block_size']} tokens)"
+                       f"({_page_layers(report)} layers x {report['block_size']} tokens)"
                        if report["num_blocks"] else "none (no attention layers)"),
         ("state slots", f"{report['num_state_slots']} ({report['num_checkpoint_slots']} checkpoint)"),
         ("step reserve (prefill chunks)", f"{report['reserved_step_blocks']} blocks"),
         ("allocated", f"{format_bytes(report['allocated_bytes'])} of {format_bytes(report['budget_bytes'])}"),
         ("padding bytes", str(report["padding_bytes"])),
+        *([("KV-sharing layers", f"{report['kv_shared_layers']} (no cache of their own: "
+                                 f"{format_bytes(report['kv_shared_bytes_per_request'])} per request saved)")]
+          if report["kv_shared_layers"] else []),
         ("max concurrent requests", str(report["max_concurrent_requests"])),
         ("… if all full attention", f"{full} (ratio {report['concurrency_vs_all_full_attention']:.2f}x)"),
     ]

@@ -686,6 +686,74 @@ OLMO_HYBRID_7B = {
     "vocab_size": 100352,
 }
 
+
+# google/gemma-4-E4B-it: the text decoder of the multimodal checkpoint (vision / audio configs left out).
+# RECONSTRUCTED without the hub file; each number's source is in its ``_source`` entry (NVIDIA Megatron-Bridge's
+# Gemma 4 E4B recipe, google/gemma.cpp's Gemma 4 configs, transformers 5.24's Gemma4TextConfig defaults).
+GEMMA4_E4B = {
+    "_source": {
+        "model":
+            ("google/gemma-4-E4B-it (text decoder; vision and audio configs left out: hybridkv reads only "
+             "text_config)"),
+        ("text_config.num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, "
+         "num_key_value_heads, global_head_dim, layer_types (5 sliding : 1 global), rope_parameters, "
+         "hidden_size_per_layer_input, vocab_size_per_layer_input, num_kv_shared_layers"):
+            ("NVIDIA Megatron-Bridge API docs, bridge.recipes.gemma.h100.gemma4 (Gemma 4 E4B: 42 layers, hidden "
+             "2560, FFN 10240, 8 heads, 2 KV heads sliding and global with head_dim 512, skip_freq 6, sliding "
+             "theta 1e4 / global theta 1e6 with 0.25 partial rotation, PLE vocab 262144 dim 256, KV shared across "
+             "the last 18 layers)"),
+        ("text_config.head_dim, sliding_window, final_logit_softcapping, vocab_size; uniform FFN "
+         "(use_double_wide_mlp false)"):
+            ("google/gemma.cpp pull request 919, 'Add Gemma 4 E2B and E4B model configs' (qkv_dim 256 sliding / "
+             "512 global, SWA window 512, final_cap 30.0, vocab 262144, E4B uniform FFN 10240)"),
+        "text_config.max_position_embeddings":
+            ("transformers 5.24 Gemma4TextConfig default 131072; Google's Gemma 4 overview: the small models have "
+             "a 128K context window"),
+        "text_config.attention_k_eq_v, rms_norm_eps, hidden_activation, bos/eos/pad ids, tie_word_embeddings":
+            ("transformers 5.24 Gemma4TextConfig defaults (global KV heads equal num_key_value_heads, so no k_eq_v"
+             " override)"),
+        "dtype":
+            "bfloat16, the precision Gemma checkpoints are released in (Gemma 4 docs: default 16-bit precision)",
+    },
+    "architectures": [
+        "Gemma4ForConditionalGeneration"
+    ],
+    "dtype": "bfloat16",
+    "model_type": "gemma4",
+    "text_config": {
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2560,
+        "hidden_size_per_layer_input": 256,
+        "intermediate_size": 10240,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        "max_position_embeddings": 131072,
+        "model_type": "gemma4_text",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 42,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": 18,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional"
+            },
+            "sliding_attention": {
+                "rope_theta": 10000.0,
+                "rope_type": "default"
+            }
+        },
+        "sliding_window": 512,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144
+    },
+    "tie_word_embeddings": True
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "command-r7b": COMMAND_R7B,
@@ -694,6 +762,7 @@ RELEASED = {
     "gpt-oss-120b": GPT_OSS_120B,
     "llama4-scout": LLAMA4_SCOUT,
     "gemma3-27b": GEMMA3_27B,
+    "gemma4-e4b": GEMMA4_E4B,
     "mistral-7b-v0.1": MISTRAL_7B,
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
     "nemotron-h-8b": NEMOTRON_H_8B,

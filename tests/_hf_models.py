@@ -26,6 +26,10 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteSWAConfig,
@@ -238,10 +242,72 @@ def granite_swa(seed: int = 0) -> PreTrainedModel:
     return _random_sinks(_finish(GraniteSWAForCausalLM(_eager(config)), seed), seed)
 
 
+_GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def gemma4_text_config(**overrides) -> Gemma4TextConfig:
+    """8 layers "SSFSSFSF", window 6; the last 3 share KV (layer 5 reads 2's, 6 reads 4's, 7 reads 2's) and
+    have double-wide MLPs; global layers of head dim 32 (sliding: 16), proportional RoPE (theta 10^4: the rotated
+    quarter turns visibly at these lengths); per-layer inputs of 8; final softcap."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=_GEMMA4_TYPES,
+              num_kv_shared_layers=3, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+              use_double_wide_mlp=True, final_logit_softcapping=30.0, max_position_embeddings=256,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 10_000.0}})
+    kw.update(overrides)
+    return _eager(Gemma4TextConfig(**kw))
+
+
+@torch.no_grad()
+def _gemma4_finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """``randomize``, with Gemma-4's norms near 1 (they scale by w, not 1 + w) and random layer scalars. Softmax scale
+    1 on unit-RMS q and k makes attention logits ~N(0, head_dim): q/k norm weights near 0.5 keep them ~N(0, head_dim
+    / 16). Post-normed branches (three per layer) still amplify rounding: HF's own fp32 log-probabilities sit ~2e-5
+    from its fp64 ones on these models (weights near 1 gave ~3e-4, too close to the parity tolerance)."""
+    randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "norm" in name and p.ndim == 1:
+            p.add_(0.5 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0)
+        elif name.endswith(("router.scale", "router.per_expert_scale")):    # the MoE router's scales: off 1
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+    return model.eval()
+
+
+def gemma4(seed: int = 0) -> PreTrainedModel:
+    """Distinct global KV shape (head dim 32 vs 16), separate k / v projections."""
+    return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config()), seed)
+
+
+def gemma4_k_eq_v(seed: int = 0) -> PreTrainedModel:
+    """``attention_k_eq_v``: the global layers have 1 KV head of dim 32 whose values are their keys."""
+    return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config(attention_k_eq_v=True, num_global_key_value_heads=1)),
+                          seed)
+
+
+def gemma4_moe(seed: int = 0) -> PreTrainedModel:
+    """The 26B-A4B block: every layer's dense MLP beside 4 routed experts of 24 (top 2)."""
+    return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                               moe_intermediate_size=24)), seed)
+
+
+def gemma4_multimodal(seed: int = 0) -> PreTrainedModel:
+    """The text decoder inside ``Gemma4ForConditionalGeneration`` (no vision / audio config: text only)."""
+    config = _eager(Gemma4Config(text_config=gemma4_text_config().to_dict(), vision_config=None, audio_config=None))
+    return _gemma4_finish(Gemma4ForConditionalGeneration(config), seed)
+
+
 FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
-    "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa,
+    "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa, "gemma4": gemma4,
+    "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_moe": gemma4_moe, "gemma4_multimodal": gemma4_multimodal,
 }
 
 

@@ -130,7 +130,9 @@ def test_bad_table_sizes() -> None:
         MultiGroupBlockTable(0, 2, 2, block_size=4)
 
 
-def test_cache_tensors_views_share_one_pool_per_position() -> None:
+def test_cache_tensors_views_share_one_pool_each_group_sized_by_its_shape() -> None:
+    """A 2x narrower spec's group holds 2x the layers: every group fills a page exactly (no padding), and each
+    layer views its own byte range of the one pool."""
     wide = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
     narrow = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32,
                                sliding_window=8)
@@ -138,15 +140,19 @@ def test_cache_tensors_views_share_one_pool_per_position() -> None:
     layers = {"a0": wide, "a1": wide, "m0": mam, "s0": narrow, "s1": narrow, "m1": mam}
     plan = plan_kv_cache(layers, max_model_len=32, kv_memory=1 << 16, num_checkpoint_slots=1)
     caches = allocate_kv_cache(plan)
-    assert plan.layers_per_block == 2 and layer_pool_positions(plan) == {"a0": 0, "a1": 1, "s0": 0, "s1": 1}
-    (kv_a0,), (kv_s0,) = caches["a0"], caches["s0"]
+    assert [g.layer_names for g in plan.attention_groups] == [("a0",), ("a1",), ("s0", "s1")]
+    assert plan.page_bytes == wide.bytes_per_block == 2 * narrow.bytes_per_block and plan.padding_bytes == 0
+    assert plan.layers_per_block == 2 and layer_pool_positions(plan) == {"a0": 0, "a1": 0, "s0": 0, "s1": 1}
+    (kv_a0,), (kv_s0,), (kv_s1,) = caches["a0"], caches["s0"], caches["s1"]
     assert kv_a0.shape == (plan.num_blocks, 2, 4, 2, 8) and kv_a0.dtype == torch.float32
-    assert kv_s0.shape == (plan.num_blocks, 2, 4, 1, 8)
-    assert kv_a0.untyped_storage().data_ptr() == kv_s0.untyped_storage().data_ptr()
-    assert kv_a0.untyped_storage().data_ptr() != caches["a1"][0].untyped_storage().data_ptr()
-    kv_s0[3].fill_(1.0)                                     # block 3 of s0's pool position
-    assert kv_a0[3].reshape(-1)[:kv_s0[3].numel()].eq(1.0).all()   # same bytes: one owner per block id
-    assert kv_a0[2].eq(0).all() and kv_a0[4].eq(0).all() and caches["a1"][0].eq(0).all()
+    assert kv_s0.shape == kv_s1.shape == (plan.num_blocks, 2, 4, 1, 8)
+    assert len({t.untyped_storage().data_ptr() for t in (kv_a0, kv_s0, kv_s1, caches["a1"][0])}) == 1
+    kv_s0[3].fill_(1.0)                                     # block 3 of s0: the first half of page 3
+    page = kv_a0[3].reshape(-1)
+    assert page[:kv_s0[3].numel()].eq(1.0).all() and page[kv_s0[3].numel():].eq(0).all()
+    kv_s1[3].fill_(2.0)                                     # s1: the second half of the same page
+    assert page[kv_s0[3].numel():].eq(2.0).all() and kv_s0[3].eq(1.0).all()
+    assert kv_a0[2].eq(0).all() and kv_a0[4].eq(0).all()
     conv, ssm = caches["m0"]
     assert conv.shape == (plan.num_state_slots, 3, 5) and conv.dtype == torch.bfloat16
     assert ssm.shape == (plan.num_state_slots, 2, 2, 2) and ssm.dtype == torch.float32

@@ -104,3 +104,18 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tm
     code, out, err = run(capsys, *(arg.format(tmp=tmp_path) for arg in argv))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_kv_sharing_layers_and_their_savings(capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma-4-E4B: each group lists the KV-sharing layers that read it; the budget shows what they save."""
+    code, out, err = run(capsys, "plan", "gemma4-e4b", "--max-model-len", "32768", "--kv-memory", "16GiB")
+    assert code == 0 and err == ""
+    assert any("19-22 (+ 24-28, 30-34, 36-40 read)" in line for line in out.splitlines())
+    assert any("17, 23 (+ 29, 35, 41 read)" in line for line in out.splitlines())
+    assert "18 (no cache of their own: 399.47 MiB per request saved)" in out and "(2-4 layers x 16 tokens)" in out
+    code, out, _ = run(capsys, "plan", "gemma4-e4b", "--max-model-len", "32768", "--kv-memory", "16GiB", "--json")
+    report = json.loads(out)
+    assert report["kv_shared_layers"] == 18 and report["padding_bytes"] == 0
+    assert report["kv_shared_bytes_per_request"] == (15 * 33 * 16 * 2 * 2 * 256 * 2 + 3 * 32768 * 2 * 2 * 512 * 2)
+    readers = {r: d for g in report["groups"] for r, d in g.get("kv_shared_layers", {}).items()}
+    assert readers == {f"layers.{i}": f"layers.{23 if (i + 1) % 6 == 0 else 22}" for i in range(24, 42)}

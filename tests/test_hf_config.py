@@ -118,8 +118,14 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, sliding_window=8, layer_rope_theta=[0, 100.0, 100.0, 0, 5000.0, 5000.0],
         attention_multiplier=0.25, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=4.0,
         mlp_bias=True)),
+    "gemma4": ("Gemma4TextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+        + ["full_attention", "sliding_attention", "full_attention"], num_kv_shared_layers=3,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, use_double_wide_mlp=True)),
 }
-MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
 def hf_config(family: str) -> Any:
@@ -203,6 +209,7 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "exaone4": lambda model, cfg: [("sliding_window" if layer.self_attn.is_sliding else "full", "mlp")
                                    for layer in _layers(model)],
     "granite_swa": _hf_gemma,
+    "gemma4": _hf_gemma,
     "lfm2": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv", "mlp")
                                 for layer in _layers(model)],
     "lfm2_moe": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv",
@@ -259,8 +266,9 @@ def test_every_supported_architecture_is_tested() -> None:
     from hybridkv.loaders.hf_config import MODEL_TYPES
 
     tested = {MODEL_TYPES[MODEL_TYPE.get(f, f)] for f in HF_KWARGS}
-    tested |= {"Llama4ForConditionalGeneration", "Gemma3ForConditionalGeneration"}  # test_multimodal_*
     tested |= {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}  # test_parity_qwen3_5
+    tested |= {"Llama4ForConditionalGeneration", "Gemma3ForConditionalGeneration",  # test_multimodal_*
+               "Gemma4ForConditionalGeneration"}                                     # test_parity_gemma4
     assert tested == set(supported_architectures())
 
 

@@ -19,6 +19,7 @@ from _configs import (
     COMMAND_R7B,
     EXAONE4_32B,
     GEMMA3_27B,
+    GEMMA4_E4B,
     GPT_OSS_20B,
     GPT_OSS_120B,
     KIMI_LINEAR_48B_A3B,
@@ -388,3 +389,27 @@ def test_kv_dtype_and_block_size_options() -> None:
 def test_budget_too_small_says_how_many_bytes() -> None:
     with pytest.raises(ValueError, match=r"too small for one request .* it needs"):
         plan(MISTRAL_7B, max_model_len=32768, kv_memory="100MiB")
+
+
+def test_gemma4_e4b_shares_kv_and_sizes_groups_by_shape() -> None:
+    """42 layers, 5 sliding (512, 2 kv heads of 256) : 1 global (2 kv heads of 512); the last 18 read the KV of
+    layer 22 (sliding) or 23 (global) and own no pages. The 24 owners: 20 sliding + 4 global layers, a global one
+    twice as wide, so 5 sliding groups of 4 and 2 global groups of 2 fill a 16-token page of 128 KiB exactly."""
+    config = hf_config_to_hybrid(GEMMA4_E4B)
+    assert (config.dtype, config.norm, config.final_softcap, config.per_layer_input_size) == (
+        "bfloat16", "rms", 30.0, 256)
+    donors = {i: layer.mixer.kv_source for i, layer in enumerate(config.layers) if layer.mixer.kv_source is not None}
+    assert donors == {i: 23 if (i + 1) % 6 == 0 else 22 for i in range(24, 42)}
+    result = plan(GEMMA4_E4B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert [len(g["layers"]) for g in kinds["sliding_window(512)"]] == [4] * 5
+    assert [len(g["layers"]) for g in kinds["full"]] == [2, 2]
+    page = 16 * 4 * (2 * 2 * 256 * 2)                                      # 131072 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    sliding_blocks = -(-(511 + 1) // 16) + 1                                 # the window + 1 block
+    assert result.bytes_per_request_max == (5 * sliding_blocks + 2 * 32768 // 16) * page
+    readers = {r for g in result.groups for r, _ in g.readers}
+    assert readers == {f"layers.{i}" for i in range(24, 42)}
+    # what the 18 readers would hold with caches of their own: 15 sliding + 3 global layers
+    assert result.kv_shared_bytes_per_request == (15 * sliding_blocks * 16 * 2 * 2 * 256 * 2
+                                                 + 3 * 32768 * 2 * 2 * 512 * 2)

@@ -112,8 +112,8 @@ def test_to_dict_keys() -> None:
         "page_bytes", "num_blocks", "num_state_slots", "num_checkpoint_slots", "checkpoint_bytes",
         "reserved_step_blocks", "groups",
         "bytes_per_request_max", "bytes_per_request_if_all_full_attention", "padding_bytes",
-        "max_concurrent_requests", "max_concurrent_requests_if_all_full_attention",
-        "concurrency_vs_all_full_attention"}
+        "kv_shared_layers", "kv_shared_bytes_per_request", "max_concurrent_requests",
+        "max_concurrent_requests_if_all_full_attention", "concurrency_vs_all_full_attention"}
     common = {"group_id", "kind", "spec", "layers", "block_size", "bytes_per_block", "blocks_per_request_max",
               "bytes_per_request_max"}
     kinds = {g["kind"]: g for g in d["groups"]}

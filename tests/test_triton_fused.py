@@ -175,6 +175,30 @@ def test_qk_rope_write_kv(dtype, name, heads, kv_heads, d) -> None:
     torch.testing.assert_close(pool_tri, pool_ref, equal_nan=True, **tol)   # same slots written, NaN elsewhere
 
 
+@pytest.mark.parametrize("name", ["qk_norm", "neox", "proportional"])
+def test_qk_rope_q_only_writes_nothing(name) -> None:
+    """k = v = None (a KV-sharing layer): q prepared as the reference does, the cache left as it was."""
+    prep_kw, rope = PREPS[name] if name in PREPS else (dict(rot_dim=16, qk_norm="rms"),
+                                                       Rope(theta=10000.0, scaling="proportional",
+                                                            partial_rotary_factor=0.25))
+    g = torch.Generator().manual_seed(5)
+    n, heads, d = 6, 4, 16
+    prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
+    q = torch.randn(n, heads, d, generator=g).to(DEVICE)
+    positions = torch.tensor([0, 5, 9, 17, 3000, 987654], device=DEVICE)
+    inv_freq = rope_inv_freq(rope, prep.rot_dim).to(DEVICE)
+    qw = (torch.randn(d, generator=g) * 0.3 + 1).to(DEVICE)
+    kw = dict(prep=prep, inv_freq=inv_freq, q_norm_weight=qw, k_norm_weight=None,
+              slot_mapping=torch.arange(n, device=DEVICE))
+    pool = torch.full((3, 2, 4, 2, d), float("nan"), device=DEVICE)
+    q_tri = tf.qk_rope_write_kv_triton(q, None, None, positions, k_cache=pool[:, 0], v_cache=pool[:, 1], **kw)
+    q_ref = qk_rope_write_kv_ref(q, None, None, positions, k_cache=pool[:, 0], v_cache=pool[:, 1], **kw)
+    torch.testing.assert_close(q_tri, q_ref, rtol=1e-5, atol=1e-5)
+    assert pool.isnan().all()
+    with pytest.raises(ValueError, match="both"):
+        tf.qk_rope_write_kv_triton(q, q[:, :2], None, positions, k_cache=pool[:, 0], v_cache=pool[:, 1], **kw)
+
+
 def test_qk_rope_write_kv_rejects_bad_input() -> None:
     prep = QKPrep(head_dim=8, qk_norm="rms")
     q = torch.zeros(2, 2, 8, device=DEVICE)
@@ -283,6 +307,47 @@ def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm, variant) -> No
                   cuda_graphs=False)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate([ids, ids[:5]], params, use_tqdm=False)]
     assert outs["fused"] == outs["torch"]
+
+
+def _gemma4_like():
+    """Gemma-4's layer kinds: sliding and global layers of different KV shapes (the global ones k = v, proportional
+    RoPE), value norms, softmax scale 1, KV-sharing layers of both kinds, per-layer inputs and layer scalars."""
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Rope
+
+    local = dict(num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4, qk_norm="rms", scale=1.0)
+    glob = dict(num_heads=4, num_kv_heads=1, head_dim=16, qk_norm="rms", scale=1.0,
+                rope=Rope(theta=1000.0, scaling="proportional", partial_rotary_factor=0.25))
+    mixers = (Attention(value_norm=True, **local), Attention(value_norm=True, k_eq_v=True, **glob),
+              Attention(value_norm=True, **local), Attention(kv_source=1, **glob), Attention(kv_source=2, **local))
+    layers = tuple(Layer(mixer=m, ffn=MLP(intermediate_size=24, activation="gelu_tanh"), sandwich_norm=True)
+                   for m in mixers)
+    return HybridConfig(vocab_size=61, hidden_size=32, layers=layers, max_position_embeddings=64, dtype="float32",
+                        per_layer_input_size=4, layer_scalar=True, embedding_multiplier=32 ** 0.5,
+                        final_softcap=30.0)
+
+
+@pytest.mark.slow        # ~40 s under the Triton interpreter on 2 cores
+def test_kv_sharing_model_on_triton_ops_matches_torch() -> None:
+    """The Gemma-4-like model with the fused ops and Triton paged attention (KV-sharing layers: q-only prep, then
+    the donor's blocks, in prefill and decode) == the torch references."""
+    import dataclasses
+
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.engine.model_runner import reference_logits
+    from hybridkv.models.hybrid import build_model
+
+    backend = dataclasses.replace(_fused_backend(), paged_attention=ta.paged_attention_triton)
+    model = build_model(_gemma4_like(), seed=5).to(DEVICE)
+    ids = torch.randint(0, 61, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    torch.testing.assert_close(reference_logits(model, ids, backend=backend), reference_logits(model, ids),
+                               rtol=1e-4, atol=1e-4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for name, b in (("torch", "torch"), ("triton", backend)):
+        llm = LLM(build_model(_gemma4_like(), seed=5), device=DEVICE, backend=b, kv_cache_memory=4 << 20,
+                  cuda_graphs=False, block_size=4, max_num_batched_tokens=8)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate([ids, ids[:5]], params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]
 
 
 def test_norms_with_a_wider_weight_round_like_the_reference() -> None:

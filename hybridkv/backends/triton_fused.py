@@ -313,11 +313,18 @@ def qk_rope_write_kv_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,); < 0 = padding, not written
 ) -> torch.Tensor:
-    """Same contract as ``qk_rope_write_kv_ref`` (plus: negative slots are skipped)."""
+    """Same contract as ``qk_rope_write_kv_ref`` (plus: negative slots are skipped). k and v None (a KV-sharing
+    layer): only the q programs run."""
+    if (k is None) != (v is None):
+        raise ValueError("qk_rope_write_kv: k and v are both given or both None")
+    q_only = k is None
+    if q_only:      # no k program is launched: k / v stand for pointers never read
+        k = v = q[:, :k_cache.shape[2]]
+        k_norm_weight = q_norm_weight
     args = qk_prep_arguments(q, k, v, positions, prep=prep, inv_freq=inv_freq, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     n, heads, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = 0 if q_only else k.shape[1]
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     if n == 0:
         return out

@@ -367,14 +367,14 @@ class DecodeGraphs:
                 max_seq_len=min(lay.widths[a] * spec.block_size, self.plan.max_model_len))
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
             built = AttentionInputs(cam=cam, slot_mapping=cam.slot_mapping, sliding_window=window)
-            inputs.update(dict.fromkeys(group.layer_names, built))
+            inputs.update(dict.fromkeys(group.cache_names, built))
         for m, gi in enumerate(lay.mamba):
             group = self.plan.groups[gi]
             built = MambaInputs(query_start_loc=qsl, state_indices=lay.state_slots(d64, m, b),
                                 has_initial_state=torch.ones(b, dtype=torch.bool, device=self.device),
                                 num_decodes=b, num_decode_tokens=b, prefill_query_start_loc=qsl[b:] - b,
                                 num_reqs=b)
-            inputs.update(dict.fromkeys(group.layer_names, built))
+            inputs.update(dict.fromkeys(group.cache_names, built))
         return ForwardContext(inputs=inputs, backend=self.backend)
 
     # -- replay ----------------------------------------------------------------------------------

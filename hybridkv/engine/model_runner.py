@@ -171,7 +171,7 @@ class ModelRunner:
             raise ValueError(f"plan and model disagree on cache layers: plan-only "
                              f"{sorted(set(self.caches) - set(layers))[:4]}, model-only "
                              f"{sorted(set(layers) - set(self.caches))[:4]}")
-        attention = {name for g in plan.attention_groups for name in g.layer_names}
+        attention = {name for g in plan.attention_groups for name in g.cache_names}   # KV-sharing readers too
         for name, module in layers.items():
             tensors = self.caches[name]
             if name in attention:                     # (num_blocks, planes, block_size, kv_heads, dim): K and V, or
@@ -211,7 +211,7 @@ class ModelRunner:
         """One CAM per group from the batch, then each group's builder; all layers of a group share it."""
         inputs: dict[str, AttentionInputs | MambaInputs] = {}
         for group, built in zip(self.plan.groups, self.group_inputs(batch, self.device), strict=True):
-            inputs.update(dict.fromkeys(group.layer_names, built))
+            inputs.update(dict.fromkeys(group.cache_names, built))
         return ForwardContext(inputs=inputs, backend=self.backend)
 
     def group_inputs(self, batch: StepBatch, device: torch.device) -> list[AttentionInputs | MambaInputs]:

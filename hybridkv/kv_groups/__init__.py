@@ -11,6 +11,7 @@ from hybridkv.kv_groups.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    KVSharingSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -18,7 +19,8 @@ from hybridkv.kv_groups.specs import (
 
 __all__ = [
     "AttentionSpec", "ChunkedLocalAttentionSpec", "FullAttentionSpec", "KVCacheGroup", "KVCachePlan",
-    "KVCacheSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowSpec", "group_layers", "plan_kv_cache",
+    "KVCacheSpec", "KVSharingSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowSpec", "group_layers",
+    "plan_kv_cache",
     "NULL_BLOCK", "NULL_SLOT", "BlockHasher", "BlockPool", "BlockTable", "KVCacheCoordinator",
     "MultiGroupBlockTable", "PrefixCacheStats", "StateSlotPool", "allocate_kv_cache", "layer_pool_positions",
 ]

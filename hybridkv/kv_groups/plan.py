@@ -1,11 +1,17 @@
 """Grouping layers by spec and sizing the pools for a memory budget.
 
 Layers with equal specs form a group; each group has its own block table. Attention groups share one
-block pool whose unit is a *page*: ``layers_per_block`` layers x ``block_size`` tokens. A block id
-owned by a group addresses that page in each of the group's layers, so a group must hold exactly
-``layers_per_block`` layers. We therefore split each attention spec's layers into groups of
-``gcd(layer counts)`` consecutive layers: the pool stays exact (no padded pages) whatever the mix, e.g.
-Llama-4-Scout (12 global + 36 chunked) -> 4 groups of 12, Gemma-3-27B (10 + 52) -> 31 groups of 2.
+block pool whose unit is a *page* of ``page_bytes``: a block id owned by a group addresses that page, and each
+of the group's layers keeps its ``block_size`` tokens at its own byte offset in it. Every group must fill whole
+pages, so each attention spec's layers are split into groups of consecutive layers whose bytes per block add up to
+the page: with one KV shape, ``gcd(layer counts)`` layers per group, e.g. Llama-4-Scout (12 global + 36 chunked)
+-> 4 groups of 12, Gemma-3-27B (10 + 52) -> 31 groups of 2; with several shapes (Gemma-4's global layers have twice
+the head dim of its sliding ones) a narrower spec's group holds proportionally more layers, so each group is sized
+by its own shape and nothing is padded (E4B: 20 sliding + 4 global layers -> 5 groups of 4 + 2 groups of 2).
+Only when no such split exists (layer counts that do not divide) are narrower groups padded to the widest.
+
+Cross-layer KV sharing (``KVSharingSpec``): a layer that reads another layer's cache joins its donor's group as a
+reader; it owns no bytes of the page, so the plan, the pool and the block tables are those of the model without it.
 
 Mamba layers never enter the block pool: their fixed-size states live in a slot pool sized by the
 number of concurrent requests (+ prefix-cache checkpoint slots, ``checkpoint_slots``), so attention keeps
@@ -21,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.kv_groups.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from hybridkv.kv_groups.specs import AttentionSpec, KVCacheSpec, KVSharingSpec, MambaSpec
 from hybridkv.utils import format_bytes
 
 DEFAULT_STEP_TOKENS = 2048
@@ -43,44 +49,89 @@ def checkpoint_slots(layer_specs: Mapping[str, KVCacheSpec], *, kv_memory: int, 
 
 @dataclass(frozen=True, kw_only=True)
 class KVCacheGroup:
-    """Layers that share one spec and one block table."""
+    """Layers that share one spec and one block table; ``readers``: (layer, donor) pairs of KV-sharing layers
+    that read a ``layer_names`` layer's cache and own none."""
 
     group_id: int
     spec: KVCacheSpec
     layer_names: tuple[str, ...]
+    readers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_names:
             raise ValueError(f"KVCacheGroup {self.group_id} has no layers")
+        for reader, donor in self.readers:
+            if donor not in self.layer_names:
+                raise ValueError(f"KVCacheGroup {self.group_id}: reader {reader!r} names donor {donor!r}, "
+                                 f"which is not one of its layers")
 
     @property
     def kind(self) -> str:
         return self.spec.kind
 
+    @property
+    def cache_names(self) -> tuple[str, ...]:
+        """Every layer that reads this group's inputs and blocks: its owners, then its readers."""
+        return self.layer_names + tuple(reader for reader, _ in self.readers)
+
+
+def _layers_per_group(counts: Mapping[AttentionSpec, int]) -> dict[AttentionSpec, int]:
+    """Layers per group for each attention spec (``counts``: its layers): groups whose bytes per block are equal,
+    the fewest layers that allow it; else (a count that no exact split divides) ``gcd(counts)`` layers each, the
+    pages sized for the widest spec."""
+    sizes = {spec: spec.bytes_per_block for spec in counts}
+    unit = math.lcm(*sizes.values())
+    fill = {spec: unit // size for spec, size in sizes.items()}        # layers of a spec filling `unit` bytes
+    if all(counts[spec] % fill[spec] == 0 for spec in counts):
+        m = math.gcd(*(counts[spec] // fill[spec] for spec in counts))
+        return {spec: m * fill[spec] for spec in counts}
+    per_group = math.gcd(*counts.values())
+    return dict.fromkeys(counts, per_group)
+
+
+def _split_readers(layer_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVSharingSpec]:
+    """The KV-sharing layers, each checked against its donor: a layer with a cache of its own, of the same spec."""
+    readers = {name: spec for name, spec in layer_specs.items() if isinstance(spec, KVSharingSpec)}
+    for name, spec in readers.items():
+        donor = layer_specs.get(spec.donor)
+        if donor is None:
+            raise ValueError(f"layer {name!r} shares the KV cache of {spec.donor!r}, which is not a planned layer")
+        if isinstance(donor, KVSharingSpec):
+            raise ValueError(f"layer {name!r} shares the KV cache of {spec.donor!r}, which itself keeps none "
+                             f"(name the layer that owns it)")
+        if donor != spec.target:
+            raise ValueError(f"layer {name!r} expects {spec.target.describe()} from {spec.donor!r}, which keeps "
+                             f"{donor.describe()}")
+    return readers
+
 
 def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
-    """Group layers with equal specs, in order of first appearance; split attention specs into
-    groups of ``gcd(layer counts)`` layers so every attention group fills whole pool pages."""
+    """Group layers with equal specs, in order of first appearance; split attention specs into groups that fill
+    whole pool pages (``_layers_per_group``); a KV-sharing layer joins its donor's group as a reader."""
     if not layer_specs:
         raise ValueError("no layers to plan: the layer -> spec mapping is empty")
-    by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"layer {name!r}: expected a KVCacheSpec, got {type(spec).__name__}")
-        by_spec.setdefault(spec, []).append(name)
+    readers = _split_readers(layer_specs)
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        if name not in readers:
+            by_spec.setdefault(spec, []).append(name)
 
     attention = [spec for spec in by_spec if spec.is_attention]
     block_sizes = {spec.block_size for spec in attention}
     if len(block_sizes) > 1:
         raise ValueError(f"attention layers must share one block_size, got {sorted(block_sizes)}")
-    per_group = math.gcd(*(len(by_spec[s]) for s in attention)) if attention else 0
+    per_group = _layers_per_group({s: len(by_spec[s]) for s in attention}) if attention else {}
 
     groups: list[KVCacheGroup] = []
     for spec, names in by_spec.items():
-        step = per_group if spec.is_attention else len(names)
+        step = per_group[spec] if spec.is_attention else len(names)
         for start in range(0, len(names), step):
-            groups.append(KVCacheGroup(group_id=len(groups), spec=spec,
-                                       layer_names=tuple(names[start:start + step])))
+            owners = tuple(names[start:start + step])
+            shared = tuple((r, s.donor) for r, s in readers.items() if s.donor in owners)
+            groups.append(KVCacheGroup(group_id=len(groups), spec=spec, layer_names=owners, readers=shared))
     return tuple(groups)
 
 
@@ -105,6 +156,8 @@ class GroupPlan:
             "blocks_per_request_max": self.blocks_per_request,
             "bytes_per_request_max": self.bytes_per_request,
         }
+        if self.group.readers:
+            out["kv_shared_layers"] = {reader: donor for reader, donor in self.group.readers}
         if spec.is_attention:
             out["num_blocks"] = plan.num_blocks        # shared pool
         else:
@@ -122,13 +175,14 @@ class KVCachePlan:
     step_tokens: int
     budget_bytes: int
     block_size: int
-    layers_per_block: int                 # layers in every attention group (= layers per pool page)
-    page_bytes: int                       # one pool block: layers_per_block layers x block_size tokens
+    layers_per_block: int                 # layers in the largest attention group (narrower specs: more per page)
+    page_bytes: int                       # one pool block: each group's layers x block_size tokens
     num_blocks: int                       # in the shared attention pool, null block 0 included
     num_state_slots: int                  # in the Mamba slot pool, null slot 0 included
     num_checkpoint_slots: int             # of those, reserved for prefix-cache state checkpoints
     reserved_step_blocks: int             # transient prefill-chunk blocks, reserved once per step
     padding_bytes: int                    # bytes allocated but never needed at max concurrency
+    kv_shared_bytes_per_request: int      # what KV-sharing layers would hold per max-length request with caches
     max_concurrent_requests: int          # max-length requests that fit at once
     max_concurrent_requests_if_all_full: int
 
@@ -183,6 +237,8 @@ class KVCachePlan:
             "bytes_per_request_max": self.bytes_per_request_max,
             "bytes_per_request_if_all_full_attention": self.bytes_per_request_if_all_full_attention,
             "padding_bytes": self.padding_bytes,
+            "kv_shared_layers": sum(len(g.readers) for g in self.groups),
+            "kv_shared_bytes_per_request": self.kv_shared_bytes_per_request,
             "max_concurrent_requests": self.max_concurrent_requests,
             "max_concurrent_requests_if_all_full_attention": self.max_concurrent_requests_if_all_full,
             "concurrency_vs_all_full_attention": round(self.concurrency_vs_all_full, 3),
@@ -196,10 +252,15 @@ class KVCachePlan:
             if self.num_checkpoint_slots:
                 slots += (f" ({self.num_checkpoint_slots} for prefix-cache checkpoints, "
                           f"{format_bytes(self.checkpoint_bytes)})")
+        shared = ""
+        if self.kv_shared_bytes_per_request:
+            readers = sum(len(g.readers) for g in self.groups)
+            shared = (f"; {readers} KV-sharing layers save {format_bytes(self.kv_shared_bytes_per_request)} "
+                      f"per request")
         return (f"{len(self.groups)} groups, {self.num_blocks} blocks x {format_bytes(self.page_bytes)}"
                 f"{slots}; {format_bytes(self.bytes_per_request_max)} per "
                 f"{self.max_model_len}-token request; {self.max_concurrent_requests} concurrent "
-                f"({self.concurrency_vs_all_full:.2f}x all-full-attention)")
+                f"({self.concurrency_vs_all_full:.2f}x all-full-attention){shared}")
 
 
 def plan_kv_cache(
@@ -229,9 +290,9 @@ def plan_kv_cache(
 
     groups = group_layers(layer_specs)
     attention = [g for g in groups if g.spec.is_attention]
-    per_group = len(attention[0].layer_names) if attention else 0
+    per_group = max((len(g.layer_names) for g in attention), default=0)
     block_size = attention[0].spec.block_size if attention else groups[0].spec.block_size
-    page_bytes = per_group * max((g.spec.bytes_per_block for g in attention), default=0)
+    page_bytes = max((len(g.layer_names) * g.spec.bytes_per_block for g in attention), default=0)
 
     group_plans = []
     for g in groups:
@@ -281,14 +342,17 @@ def plan_kv_cache(
     # The all-full yardstick keeps no step reserve: full attention has no transient blocks.
     fixed_full = page_bytes + (1 + checkpoints) * slot_bytes
     fits_full = max(0, (kv_memory - fixed_full) // per_request_full)
-    # Padding: pages sized for the widest attention spec but used by a narrower one.
-    widest = page_bytes // per_group if per_group else 0
-    padding = concurrent * sum(gp.blocks_per_request * per_group * (widest - gp.group.spec.bytes_per_block)
-                               for gp in group_plans if gp.group.spec.is_attention)
+    # Padding: page bytes a group's layers do not fill (only where no exact split exists, ``_layers_per_group``).
+    padding = concurrent * sum(
+        gp.blocks_per_request * (page_bytes - len(gp.group.layer_names) * gp.group.spec.bytes_per_block)
+        for gp in group_plans if gp.group.spec.is_attention)
+    saved = sum(spec.target.steady_blocks_per_request(max_model_len) * spec.target.bytes_per_block
+                for spec in layer_specs.values() if isinstance(spec, KVSharingSpec))
     return KVCachePlan(
         groups=groups, group_plans=tuple(group_plans), max_model_len=max_model_len, step_tokens=step,
         budget_bytes=kv_memory, block_size=block_size, layers_per_block=per_group, page_bytes=page_bytes,
         num_blocks=num_blocks, num_state_slots=num_state_slots, num_checkpoint_slots=checkpoints,
-        reserved_step_blocks=reserved, padding_bytes=padding, max_concurrent_requests=concurrent,
+        reserved_step_blocks=reserved, padding_bytes=padding, kv_shared_bytes_per_request=saved,
+        max_concurrent_requests=concurrent,
         max_concurrent_requests_if_all_full=min(fits_full, max_num_seqs) if max_num_seqs else fits_full,
     )

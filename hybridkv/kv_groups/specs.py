@@ -12,6 +12,7 @@ full               0                           cdiv(len, bs)
 sliding window W   max(0, n - W + 1)           cdiv(min(W - 1 + step, len), bs) + 1
 chunked local C    (n // C) * C                cdiv(min(C + step, len), bs)
 mamba              n - 1                       1 state slot
+kv shared          the donor's                 0 (it reads the donor's blocks)
 =================  ==========================  ==========================================
 
 "Skipped" tokens are never read again; a block whose tokens are all skipped is freed. ``step`` is the
@@ -251,3 +252,40 @@ class MambaSpec(KVCacheSpec):
 
     def describe(self) -> str:
         return "mamba(" + " + ".join("x".join(map(str, s)) for s in self.shapes) + ")"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVSharingSpec(KVCacheSpec):
+    """A layer that keeps no cache of its own but reads another layer's (cross-layer KV sharing: Gemma-3n /
+    Gemma-4's last ``num_kv_shared_layers`` layers reuse the KV of an earlier layer of their attention kind).
+
+    ``donor`` names the layer whose cache it reads and ``target`` is the donor's spec (what the reader's queries
+    attend over, window included). The plan puts the reader in the donor's group: it allocates no page, writes
+    no KV and its attention reads the donor's blocks through the group's table."""
+
+    kind: ClassVar[str] = "kv_shared"
+    donor: str
+    target: AttentionSpec
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.donor, str) or not self.donor:
+            raise ValueError(f"KVSharingSpec.donor must name a layer, got {self.donor!r}")
+        if not isinstance(self.target, AttentionSpec):
+            raise ValueError(f"KVSharingSpec.target must be the donor's attention spec, got {self.target!r}")
+        if self.block_size != self.target.block_size:
+            raise ValueError(f"KVSharingSpec.block_size={self.block_size} differs from its donor's "
+                             f"{self.target.block_size}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 0
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return self.target.skipped_tokens(num_computed)
+
+    def max_blocks_per_request(self, *, num_tokens: int, step_tokens: int) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return f"shares {self.donor} ({self.target.describe()})"

@@ -16,6 +16,12 @@ Zamba2 runs one set of attention weights at several depths, each with its own KV
 
 Qwen3-Next gates the output: q_proj gives [q | gate] per head and o_proj reads out * sigmoid(gate). OLMo's q/k
 norms span all heads (``qk_norm="rms_full"``), so they run on the projections, before the per-head prep op.
+
+Gemma-4: values are RMS-normalised per head (no weight) before the cache (``value_norm``), its global layers may
+take the keys as projected for values (``k_eq_v``: no v_proj). A KV-sharing layer (``kv_source``: Gemma-3n / 4)
+has no k/v projections: it prepares q alone (``qk_rope_write_kv`` with k = v = None), writes nothing, and attends
+over its donor's cache, which the runner binds to it and whose group inputs it reads (the donor, an earlier layer,
+wrote this step's keys before it runs).
 """
 
 from __future__ import annotations
@@ -52,22 +58,26 @@ class AttentionLayer(nn.Module):
                                   what=f"{cache_name} Attention.num_kv_heads"),)
         self.num_heads = o_sections[0].local_size(tp.size) // d
         self.num_kv_heads = self.kv_sections[0].local_size(tp.size) // d
+        self.shares_kv = cfg.kv_source is not None         # reads an earlier layer's cache; no k/v of its own
         self.q_proj = ColumnParallelLinear(hidden_size, q_rows, bias=cfg.qkv_bias, tp=tp,
                                            sections=self.q_sections)
-        self.k_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
-                                           sections=self.kv_sections)
-        self.v_proj = ColumnParallelLinear(hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp,
-                                           sections=self.kv_sections)
+        self.k_proj = None if self.shares_kv else ColumnParallelLinear(
+            hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp, sections=self.kv_sections)
+        self.v_proj = None if self.shares_kv or cfg.k_eq_v else ColumnParallelLinear(
+            hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias, tp=tp, sections=self.kv_sections)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, out_size or hidden_size, bias=cfg.o_bias, tp=tp,
                                         sections=o_sections)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if cfg.qk_norm == "rms":
             self.q_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm)
-            self.k_norm = RMSNorm(d, eps=norm_eps, gemma=gemma_norm)
+            self.k_norm = None if self.shares_kv else RMSNorm(d, eps=norm_eps, gemma=gemma_norm)
         elif cfg.qk_norm == "rms_full":              # over all heads: outside the per-head q/k prep op
             self.q_norm = AcrossHeadsRMSNorm(o_sections[0], eps=norm_eps, tp=tp)
-            self.k_norm = AcrossHeadsRMSNorm(self.kv_sections[0], eps=norm_eps, tp=tp)
+            self.k_norm = None if self.shares_kv else AcrossHeadsRMSNorm(self.kv_sections[0], eps=norm_eps, tp=tp)
+        self.norm_eps = norm_eps
+        if cfg.value_norm and not self.shares_kv:   # the weightless value norm as the backend's rms_norm op
+            self.register_buffer("v_norm_weight", torch.ones(d), persistent=False)
         self.rotary = RotaryEmbedding(d, cfg.rope) if cfg.rope is not None else None
         # YaRN's m on cos and sin is m^2 on q . k when every channel rotates; with a partial rotation the
         # pass-through channels would keep scale 1, which no single softmax scale can express.
@@ -90,8 +100,12 @@ class AttentionLayer(nn.Module):
         """Pack q/k/v into one weight (views keep the parameters): one GEMM per step instead of three."""
         if self.packed is not None and self.packed.valid():
             return                                  # already packed: packing again would move the weights
-        if PackedLinears.can_pack(self.q_proj, self.k_proj, self.v_proj):
-            self.packed = PackedLinears(self.q_proj, self.k_proj, self.v_proj)
+        projections = self._projections()
+        if len(projections) > 1 and PackedLinears.can_pack(*projections):
+            self.packed = PackedLinears(*projections)
+
+    def _projections(self) -> list[ColumnParallelLinear]:
+        return [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) views of the block pool."""
@@ -106,12 +120,15 @@ class AttentionLayer(nn.Module):
         if cfg.input_multiplier != 1.0:
             x = x * cfg.input_multiplier
         if self.packed is not None and self.packed.valid():
-            q, k, v = self.packed(x)
+            outs = self.packed(x)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            outs = [p(x) for p in self._projections()]
+        q, k, v = (outs + [None, None])[:3]
+        if cfg.k_eq_v:                      # values: the keys as projected, before the k norm and RoPE
+            v = k
         if use is not None and use.q_adapter is not None:
             q, k, v = q + use.q_adapter(x), k + use.k_adapter(x), v + use.v_adapter(x)
-        if cfg.key_multiplier != 1.0:       # Falcon-H1: on the projected keys, before RoPE
+        if cfg.key_multiplier != 1.0 and k is not None:       # Falcon-H1: on the projected keys, before RoPE
             k = k * cfg.key_multiplier
         gate = None
         if cfg.output_gate:
@@ -120,11 +137,15 @@ class AttentionLayer(nn.Module):
         if cfg.qk_norm == "rms_full":
             q, k = self.q_norm(q.reshape(n, -1)), self.k_norm(k)
         q = q.view(n, self.num_heads, cfg.head_dim)
-        k = k.view(n, self.num_kv_heads, cfg.head_dim)
-        v = v.view(n, self.num_kv_heads, cfg.head_dim)
+        if k is not None:
+            k = k.view(n, self.num_kv_heads, cfg.head_dim)
+            v = v.view(n, self.num_kv_heads, cfg.head_dim)
+        ctx = get_forward_context()
+        if k is not None and cfg.value_norm:
+            v = ctx.backend.rms_norm(v.reshape(-1, cfg.head_dim), self.v_norm_weight,
+                                     eps=self.norm_eps).view(n, self.num_kv_heads, cfg.head_dim)
         if owner.kv_cache is None:
             raise RuntimeError(f"{owner.cache_name}: no KV cache bound (the model runner binds it)")
-        ctx = get_forward_context()
         inputs = ctx.inputs[owner.cache_name]
         k_cache, v_cache = owner.kv_cache
         prep = dict(prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
@@ -132,7 +153,10 @@ class AttentionLayer(nn.Module):
                     k_norm_weight=self.k_norm.weight if cfg.qk_norm == "rms" else None,
                     k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
         attend = dict(scale=self.scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap, sinks=self.sinks)
-        if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend
+        if k is None:                           # KV sharing: q alone, then the donor's keys and values
+            q = ctx.backend.qk_rope_write_kv(q, None, None, positions, **prep)
+            out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
+        elif inputs.cam.max_query_len <= 1:     # decode: one op, one launch on the triton backend
             out = ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
         else:                                   # prefill: the backend's own attention (flash-attn's if asked for)
             q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)

@@ -1,4 +1,5 @@
-"""Mixture of experts with the four routers hybridkv's families use.
+"""Mixture of experts with the four routers hybridkv's families use, and Gemma-4's dense MLP + experts block
+(``DenseMoEFeedForward``).
 
 - ``softmax``: top-k of softmax(logits), optionally renormalised (Jamba, Granite, Mixtral style).
 - ``topk_softmax``: gpt-oss — softmax over the top-k logits (of a router with a bias); its experts have
@@ -55,6 +56,8 @@ from torch import nn
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation, swiglu_oai
 from hybridkv.layers.mlp import DenseMLP
+from hybridkv.layers.norms import RMSNorm
+from hybridkv.layers.ops.fused_ref import rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
 
@@ -386,3 +389,34 @@ class MoEFeedForward(nn.Module):
         out = run_experts(self.fc1_latent_proj(x), ids, weights, self.experts(), impl=self.impl)
         out = self.fc2_latent_proj(out)          # linear, so it may run on this rank's partial sum
         return self.tp.all_reduce(out if shared is None else out + shared)
+
+
+class DenseMoEFeedForward(nn.Module):
+    """Gemma-4's MoE block (``models.config.DenseMoE``): ``post_mlp_norm(mlp(n)) + post_moe_norm(experts(moe_norm(x)))``
+    with the router on the layer input x (``rms(x) * router_scale * hidden^-0.5``, softmax top-k renormalised, times
+    ``per_expert_scale``). Under tensor parallelism both branches are summed over the ranks before their post-norms."""
+
+    def __init__(self, hidden_size: int, mlp: DenseMLP, cfg: MoE, *, norm_eps: float, gemma_norm: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.moe = MoEFeedForward(hidden_size, cfg, tp=tp)       # its ``router`` is the router's projection
+        self.post_mlp_norm = RMSNorm(hidden_size, eps=norm_eps, gemma=gemma_norm)
+        self.moe_norm = RMSNorm(hidden_size, eps=norm_eps, gemma=gemma_norm)
+        self.post_moe_norm = RMSNorm(hidden_size, eps=norm_eps, gemma=gemma_norm)
+        self.router_scale = nn.Parameter(torch.ones(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.norm_eps = norm_eps
+        self.tp = tp
+
+    def forward(self, normed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # normed: the layer's ffn norm of x; x: the layer input (residual stream); both (num_tokens, hidden)
+        ops, cfg = current_ops(), self.moe.cfg
+        x = x.to(normed.dtype)
+        dense = self.post_mlp_norm(self.mlp(normed))
+        routed_in = rms_normalize(x, self.norm_eps).to(x.dtype) * self.router_scale * x.shape[-1] ** -0.5
+        logits = ops.linear(routed_in, self.moe.router.weight, None)
+        ids, weights = ops.moe_route(logits, router="softmax", top_k=cfg.top_k, renormalize=True)
+        weights = weights * self.per_expert_scale[ids].float()
+        routed = run_experts(self.moe_norm(x), ids, weights, self.moe.experts(), impl=self.moe.impl)
+        return dense + self.post_moe_norm(self.tp.all_reduce(routed))

@@ -1,5 +1,5 @@
 """Rotary position embeddings: rotate-half (NeoX) and interleaved-pair (Llama-4) layouts, partial
-rotary, linear, llama3 and YaRN frequency scaling. Cos/sin are computed per call from ``positions``
+rotary, linear, llama3, YaRN and Gemma-4's proportional frequencies. Cos/sin are computed per call from ``positions``
 (cheap next to attention) so there is no max-length table to size or overflow.
 
 YaRN also scales cos and sin by an attention factor m (HF multiplies both tables by it, so q . k grows by
@@ -35,7 +35,18 @@ def rope_inv_freq(rope: Rope, rot_dim: int) -> torch.Tensor:
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled)
     elif rope.scaling == "yarn":
         inv_freq = _yarn_inv_freq(rope, rot_dim)
+    elif rope.scaling == "proportional":
+        inv_freq = _proportional_inv_freq(rope, rot_dim)
     return inv_freq
+
+
+def _proportional_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
+    """HF's ``_compute_proportional_rope_parameters`` (Gemma-4): ``head_dim // 2`` frequencies over the whole head,
+    the first ``int(partial_rotary_factor * head_dim // 2)`` of them ``1 / theta^(2i / head_dim)`` and the rest 0
+    (those channel pairs rotate by nothing), all divided by ``factor``."""
+    angles = int(rope.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    return torch.cat((rotated, torch.zeros(head_dim // 2 - angles))) / rope.factor
 
 
 def _yarn_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
@@ -80,7 +91,8 @@ def rope_attention_factor(rope: Rope) -> float:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: Rope) -> None:
         super().__init__()
-        self.rot_dim = int(head_dim * rope.partial_rotary_factor)
+        # proportional RoPE rotates the whole head; its partial factor zeroes frequencies instead
+        self.rot_dim = head_dim if rope.scaling == "proportional" else int(head_dim * rope.partial_rotary_factor)
         if self.rot_dim % 2:
             raise ValueError(f"rotary dim {self.rot_dim} (head_dim {head_dim} x partial_rotary_factor "
                              f"{rope.partial_rotary_factor}) must be even")

@@ -25,6 +25,7 @@ from hybridkv.models.config import (
     MAX_LAYERS,
     MLP,
     Attention,
+    DenseMoE,
     GatedDeltaNet,
     HybridConfig,
     KimiDeltaAttention,
@@ -51,6 +52,8 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
@@ -479,6 +482,121 @@ def gemma3(config: Mapping[str, Any]) -> HybridConfig:
     outer = config if cfg.raw is not config else None
     tie = config.get("tie_word_embeddings", True) if outer is not None else None
     return _gemma(cfg, types, ropes, qk_norm="rms", outer=outer, tie=tie)
+
+
+# -- Gemma-4 --------------------------------------------------------------------------------------------------
+_GEMMA4_TEXT_DEFAULTS = dict(
+    vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, rope_parameters=None,
+    attention_bias=False, sliding_window=512, layer_types=None, final_logit_softcapping=None,
+    use_bidirectional_attention=None, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+    attention_k_eq_v=False, num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False,
+    num_experts=None, top_k_experts=None, moe_intermediate_size=None, global_head_dim=512,
+    num_global_key_value_heads=None, per_layer_config=None)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+def _gemma4_rope(params: Mapping[str, Any]) -> Rope:
+    params = dict(params)
+    if params.get("rope_type") == "proportional":
+        return Rope(theta=float(params["rope_theta"]), scaling="proportional", factor=float(params.get("factor", 1.0)),
+                    partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)))
+    return _rope(params, theta=10_000.0)
+
+
+def _gemma4_layer_shapes(cfg: _Fields, types: list[str]) -> list[tuple[int, int]]:
+    """(head_dim, kv heads) per layer as HF's ``per_layer_config`` resolves them: a saved ``per_layer_config``
+    (layer index -> overrides), else global layers take ``global_head_dim`` and, with ``attention_k_eq_v``,
+    ``num_global_key_value_heads``."""
+    base = (cfg["head_dim"], cfg.kv_heads())
+    overrides = cfg["per_layer_config"]
+    if overrides is None:
+        full: dict[str, Any] = {"head_dim": cfg["global_head_dim"]}
+        if cfg["attention_k_eq_v"] and cfg["num_global_key_value_heads"] is not None:
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        overrides = {str(i): full for i, kind in enumerate(types) if kind == "full_attention"}
+    shapes = [base] * len(types)
+    for key, values in dict(overrides).items():
+        i = int(key)
+        unknown = set(values) - {"head_dim", "num_key_value_heads"}
+        if unknown or not 0 <= i < len(types):
+            raise ValueError(f"{cfg.arch}: per_layer_config[{key!r}] sets {sorted(unknown)} or names no layer "
+                             f"(only head_dim / num_key_value_heads per layer are supported)")
+        shapes[i] = (int(values.get("head_dim", base[0])), int(values.get("num_key_value_heads", base[1])))
+    return shapes
+
+
+def _kv_donors(arch: str, types: list[str], shared: int) -> list[int | None]:
+    """Per layer, the layer whose KV cache it reads (HF ``kv_sharing_modes``): each of the last ``shared`` layers
+    reuses the last earlier non-shared layer of its own type; the others keep their own (None)."""
+    n = len(types)
+    first = n - shared
+    if not 0 <= shared < n:
+        raise ValueError(f"{arch}: num_kv_shared_layers={shared} must be below num_hidden_layers={n} (some layer "
+                         f"must keep the cache the others read)")
+    donors: list[int | None] = [None] * n
+    for i in range(first, n):
+        owners = [j for j in range(first) if types[j] == types[i]]
+        if not owners:
+            raise ValueError(f"{arch}: layer {i} ({types[i]}) shares the KV cache of an earlier {types[i]} layer, "
+                             f"but none of the first {first} layers is one")
+        donors[i] = owners[-1]
+    return donors
+
+
+@register("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+def gemma4(config: Mapping[str, Any]) -> HybridConfig:
+    """Gemma-4's text decoder (``Gemma4TextModel``): sliding / global layers of their own head dim and kv heads
+    (``global_head_dim``, ``num_global_key_value_heads`` with ``attention_k_eq_v``: the global layers' values are
+    their keys), q/k RMS norms with a weight and a weightless value norm, softmax scale 1, RoPE per layer type (the
+    global one proportional), the last ``num_kv_shared_layers`` layers reading an earlier layer's KV cache (with
+    ``use_double_wide_mlp`` their MLPs twice as wide), per-layer inputs (``hidden_size_per_layer_input``), a learned
+    scalar per layer and the final logit softcap. Norms scale by w (not Gemma-3's 1 + w). With ``enable_moe_block``
+    (26B-A4B) every layer runs its dense MLP and routed experts side by side (``DenseMoE``)."""
+    arch = architecture_of(config)
+    cfg = _Fields(arch, _text_part(config), _GEMMA4_TEXT_DEFAULTS)
+    if cfg["use_bidirectional_attention"] == "all":
+        raise ValueError(f"{arch}: use_bidirectional_attention='all' is not supported (not a causal decoder)")
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES)
+    if len(types) != n:
+        raise ValueError(f"{arch}: layer_types has {len(types)} entries for {n} layers")
+    types[-1] = "full_attention"                              # HF forces the last layer global
+    ropes = {kind: _gemma4_rope(params) for kind, params in {**_GEMMA4_ROPE, **(cfg["rope_parameters"] or {})}.items()}
+    shapes = _gemma4_layer_shapes(cfg, types)
+    donors = _kv_donors(arch, types, cfg["num_kv_shared_layers"])
+    act = _activation(cfg["hidden_activation"], arch)
+    layers = []
+    for i, kind in enumerate(types):
+        head_dim, kv_heads = shapes[i]
+        sliding = kind == "sliding_attention"
+        attention = Attention(
+            num_heads=cfg["num_attention_heads"], num_kv_heads=kv_heads, head_dim=head_dim,
+            sliding_window=cfg["sliding_window"] if sliding else None, rope=ropes[kind], qk_norm="rms", scale=1.0,
+            qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"], value_norm=donors[i] is None,
+            k_eq_v=bool(cfg["attention_k_eq_v"]) and not sliding and donors[i] is None, kv_source=donors[i])
+        wide = 2 if cfg["use_double_wide_mlp"] and donors[i] is not None else 1
+        ffn: MLP | DenseMoE = MLP(intermediate_size=wide * cfg["intermediate_size"], activation=act)
+        if cfg["enable_moe_block"]:
+            ffn = DenseMoE(mlp=ffn, moe=MoE(num_experts=cfg["num_experts"], top_k=cfg["top_k_experts"],
+                                            intermediate_size=cfg["moe_intermediate_size"], activation=act))
+        layers.append(Layer(mixer=attention, ffn=ffn, sandwich_norm=True))
+    per_layer = cfg["hidden_size_per_layer_input"] or 0
+    if per_layer and cfg["vocab_size_per_layer_input"] < cfg["vocab_size"]:
+        raise ValueError(f"{arch}: vocab_size_per_layer_input={cfg['vocab_size_per_layer_input']} is below "
+                         f"vocab_size={cfg['vocab_size']} (HF would index past the per-layer table)")
+    final_softcap = cfg["final_logit_softcapping"]
+    outer = config if cfg.raw is not config else None
+    tie = config.get("tie_word_embeddings", True) if outer is not None else cfg["tie_word_embeddings"]
+    return _model(cfg, layers, outer=outer, norm="rms", norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+                  final_softcap=float(final_softcap) if final_softcap else None, tie_word_embeddings=bool(tie),
+                  per_layer_input_size=per_layer,
+                  per_layer_vocab_size=cfg["vocab_size_per_layer_input"] if per_layer else None, layer_scalar=True)
 
 
 # -- Sliding-window hybrids: Cohere2 (Command-R7B), Exaone-4, Granite-SWA ------------------------------------

@@ -32,6 +32,7 @@ from hybridkv.kv_groups.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    KVSharingSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -41,7 +42,7 @@ from hybridkv.layers.parallel import local_units
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 # Gated activations that are not ``act(gate) * up``: gpt-oss's clamped SwiGLU (``MoE.activation``).
 GATED_ONLY_ACTIVATIONS = ("swiglu_oai",)
-ROPE_SCALINGS = (None, "linear", "llama3", "yarn")
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn", "proportional")
 NORMS = ("rms", "gemma_rms", "layer")
 MOE_ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
@@ -145,7 +146,11 @@ class Rope:
     YaRN (gpt-oss) reads ``factor``, ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (the
     ramp between interpolated and extrapolated frequencies), ``truncate`` (round the ramp's ends to whole
     dims) and the attention factor: ``attention_factor``, else from ``mscale`` / ``mscale_all_dim`` when both are
-    set, else ``0.1 ln(factor) + 1`` (HF's ``_compute_yarn_parameters``; ``layers/rotary.py``)."""
+    set, else ``0.1 ln(factor) + 1`` (HF's ``_compute_yarn_parameters``; ``layers/rotary.py``).
+
+    "proportional" (Gemma-4's global layers): the halves of the whole head are rotated, but only the first
+    ``partial_rotary_factor * head_dim / 2`` frequencies are non-zero (``1 / theta^(2i / head_dim)``, divided by
+    ``factor``); the rest rotate by 0, i.e. pass through (HF's ``_compute_proportional_rope_parameters``)."""
 
     theta: float = 10000.0
     interleaved: bool = False
@@ -197,7 +202,13 @@ class Attention:
     value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache.
 
     ``output_gate`` (Qwen3-Next): q_proj also gives a gate per query head (its rows per head [q | gate], as HF
-    stores them); the attention output is multiplied by sigmoid(gate) before o_proj."""
+    stores them); the attention output is multiplied by sigmoid(gate) before o_proj.
+
+    Gemma-4: ``value_norm`` normalises each value head (RMS, no weight) before the cache; ``k_eq_v`` has no v_proj,
+    the values are the keys as projected (before the k norm and RoPE). ``kv_source`` (cross-layer KV sharing,
+    Gemma-3n / Gemma-4) is the index of an earlier layer whose KV cache this layer reads: it has only q_proj,
+    q_norm and o_proj, keeps no cache and writes none (``KVSharingSpec``); kv heads, head dim and window must be
+    its donor's."""
 
     num_heads: int
     num_kv_heads: int
@@ -217,9 +228,16 @@ class Attention:
     output_multiplier: float = 1.0
     sinks: bool = False
     output_gate: bool = False
+    value_norm: bool = False
+    k_eq_v: bool = False
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.kv_source is not None and self.kv_source < 0:
+            raise ValueError(f"Attention.kv_source must be a layer index >= 0, got {self.kv_source}")
+        if self.kv_source is not None and self.k_eq_v:
+            raise ValueError("Attention: a KV-sharing layer (kv_source) has no k/v projections; k_eq_v does not apply")
         _positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                   head_dim=self.head_dim, sliding_window=self.sliding_window,
                   attention_chunk_size=self.attention_chunk_size, scale=self.scale, softcap=self.softcap)
@@ -625,8 +643,32 @@ class SharedBlock:
             raise ValueError("SharedBlock.attention_adapters needs adapter_rank > 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DenseMoE:
+    """Gemma-4's MoE block (26B-A4B): a dense MLP and routed experts side by side, each with its own norms, summed::
+
+        y = post_mlp_norm(mlp(n)) + post_moe_norm(experts(moe_norm(x)))     # n = the layer's ffn norm of x
+
+    The router reads the layer's input ``x`` itself: ``proj(rms(x) * scale * hidden^-0.5)`` (``rms``: no weight;
+    ``scale``: a learned vector), softmax, top-k, renormalised, then each weight times its expert's learned
+    ``per_expert_scale``. ``moe.router`` must be "softmax" with ``renormalize``; no shared expert."""
+
+    mlp: MLP
+    moe: MoE
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.moe.router != "softmax" or not self.moe.renormalize or self.moe.shared_intermediate_size \
+                or self.moe.latent_size or not self.moe.gated:
+            raise ValueError("DenseMoE.moe: a gated softmax router with renormalize, no shared expert or latent space")
+
+    @property
+    def activation(self) -> str:
+        return self.mlp.activation
+
+
 Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet | KimiDeltaAttention | MultiLatentAttention
-FeedForward = MLP | MoE
+FeedForward = MLP | MoE | DenseMoE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -655,12 +697,12 @@ class Layer:
             raise ValueError(f"Layer.mixer: unknown kind {type(self.mixer).__name__}")
         if self.parallel_mixer is not None and not isinstance(self.mixer, Attention):
             raise ValueError("Layer.parallel_mixer needs an Attention mixer beside it")
-        if self.ffn is not None and not isinstance(self.ffn, MLP | MoE):
+        if self.ffn is not None and not isinstance(self.ffn, MLP | MoE | DenseMoE):
             raise ValueError(f"Layer.ffn: unknown kind {type(self.ffn).__name__}")
         if self.shared_block is not None and self.mixer is None:
             raise ValueError("Layer.shared_block needs a mixer to feed")
         if self.parallel_ffn and (self.mixer is None or self.ffn is None or self.sandwich_norm
-                                  or not self.pre_norm):
+                                  or not self.pre_norm or isinstance(self.ffn, DenseMoE)):
             raise ValueError("Layer.parallel_ffn needs a mixer and a feed-forward, pre-norm only")
         if not self.pre_norm and self.shared_block is not None:
             raise ValueError("Layer.pre_norm=False does not combine with a shared block")
@@ -675,7 +717,13 @@ class HybridConfig:
     weight dtype first; Falcon-H1, Granite: µP), ``residual_multiplier`` every block output before it
     is added (Granite), ``logits_multiplier`` the logits (Falcon-H1 lm_head_multiplier, Granite
     1 / logits_scaling) before ``final_softcap``. ``residual_in_fp32`` keeps the residual stream in
-    fp32 (HF Mamba2)."""
+    fp32 (HF Mamba2).
+
+    Gemma-3n / Gemma-4 per-layer inputs (``per_layer_input_size`` P > 0): a second embedding table
+    (``per_layer_vocab_size`` x layers * P, scaled by sqrt(P)) plus a projection of the scaled token embeddings
+    (x hidden^-0.5, then an RMS norm over P), summed and scaled by 2^-0.5, gives every layer its own P-wide input;
+    after its feed-forward each layer adds ``norm(proj(act(gate(x)) * input))`` (act: the first feed-forward's
+    activation). ``layer_scalar``: each layer's output is multiplied by a learned scalar (a checkpoint tensor)."""
 
     vocab_size: int
     hidden_size: int
@@ -693,6 +741,9 @@ class HybridConfig:
     architecture: str = "HybridForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_scalar: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, tuple | list) and len(self.layers) > MAX_LAYERS:   # before looking at each
@@ -713,6 +764,12 @@ class HybridConfig:
         if self.norm == "layer" and any(isinstance(m, Attention) and m.qk_norm == "rms"
                                         for _, m in self.stateful_mixers()):
             raise ValueError("HybridConfig.norm='layer' has no q/k norm flavour (Attention.qk_norm='rms')")
+        if self.per_layer_input_size < 0 or (self.per_layer_vocab_size is not None and self.per_layer_vocab_size < 1):
+            raise ValueError(f"HybridConfig: per_layer_input_size must be >= 0 and per_layer_vocab_size >= 1, got "
+                             f"{self.per_layer_input_size}, {self.per_layer_vocab_size}")
+        if self.per_layer_input_size and not any(layer.ffn is not None for layer in self.layers):
+            raise ValueError("HybridConfig.per_layer_input_size needs feed-forwards (their activation gates the input)")
+        self._check_kv_sharing()
         shared: dict[int, SharedBlock] = {}
         for i, layer in enumerate(self.layers):
             block = layer.shared_block
@@ -722,6 +779,24 @@ class HybridConfig:
                         block.attention, block.mlp, block.concat_embeddings):
                     raise ValueError(f"HybridConfig.layers[{i}]: shared block {block.block_id} differs from "
                                      f"its first use; uses of one block share weights, so must match")
+
+    def _check_kv_sharing(self) -> None:
+        """A KV-sharing layer (``Attention.kv_source``) names an earlier attention layer that owns its cache, with
+        the same cache shape and kind (kv heads, head dim, window / chunk)."""
+        for i, layer in enumerate(self.layers):
+            mixer = layer.mixer
+            if not isinstance(mixer, Attention) or mixer.kv_source is None:
+                continue
+            j = mixer.kv_source
+            donor = self.layers[j].mixer if j < i else None
+            if not isinstance(donor, Attention) or donor.kv_source is not None:
+                raise ValueError(f"HybridConfig.layers[{i}]: kv_source={j} must name an earlier attention layer "
+                                 f"that keeps its own KV cache")
+            mine = (mixer.num_kv_heads, mixer.head_dim, mixer.sliding_window, mixer.attention_chunk_size)
+            theirs = (donor.num_kv_heads, donor.head_dim, donor.sliding_window, donor.attention_chunk_size)
+            if mine != theirs:
+                raise ValueError(f"HybridConfig.layers[{i}]: reads layer {j}'s KV cache but its (kv heads, head dim, "
+                                 f"window, chunk) {mine} differ from the donor's {theirs}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -767,6 +842,10 @@ class HybridConfig:
                 raise ValueError(f"{where}: {err}") from None
 
         def check_ffn(where: str, ffn: FeedForward) -> None:
+            if isinstance(ffn, DenseMoE):
+                check_ffn(where, ffn.mlp)
+                check_ffn(where, ffn.moe)
+                return
             check(where, ffn.intermediate_size, f"{type(ffn).__name__}.intermediate_size")
             if isinstance(ffn, MoE) and ffn.shared_intermediate_size:
                 check(where, ffn.shared_intermediate_size, "MoE.shared_intermediate_size")
@@ -814,6 +893,10 @@ class HybridConfig:
                 if isinstance(mixer, MultiLatentAttention):     # one latent row per token, every rank whole
                     specs[name] = MLAAttentionSpec(block_size=block_size, kv_lora_rank=mixer.kv_lora_rank,
                                                    qk_rope_head_dim=mixer.qk_rope_head_dim, dtype=kv_dtype)
+                elif isinstance(mixer, Attention) and mixer.kv_source is not None:
+                    donor = self.layer_cache_name(mixer.kv_source)
+                    target = specs[donor]
+                    specs[name] = KVSharingSpec(block_size=block_size, donor=donor, target=target)
                 elif isinstance(mixer, Attention):
                     kv_heads = local_units(mixer.num_kv_heads, tp, "num_kv_heads", replicate=True)
                     common = dict(block_size=block_size, num_kv_heads=kv_heads,
@@ -851,7 +934,7 @@ class HybridConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
         types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet,
-                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE,
+                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE, DenseMoE,
                                          SharedBlock, Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import current_ops
+from hybridkv.layers.activations import get_activation
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
 from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
 from hybridkv.layers.kimi_delta import KimiDeltaAttentionLayer
@@ -34,13 +35,14 @@ from hybridkv.layers.mamba1 import Mamba1Layer
 from hybridkv.layers.mamba2 import Mamba2Layer
 from hybridkv.layers.mla import MLALayer
 from hybridkv.layers.mlp import DenseMLP
-from hybridkv.layers.moe import MoEFeedForward
+from hybridkv.layers.moe import DenseMoEFeedForward, MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
 from hybridkv.layers.short_conv import ShortConvLayer
 from hybridkv.models.config import (
     MLP,
     Attention,
+    DenseMoE,
     GatedDeltaNet,
     HybridConfig,
     KimiDeltaAttention,
@@ -86,8 +88,17 @@ def _make_mlp(hidden_size: int, mlp: MLP, tp: TensorParallel) -> DenseMLP:
 def _make_ffn(config: HybridConfig, ffn: object, tp: TensorParallel) -> nn.Module:
     if isinstance(ffn, MLP):
         return _make_mlp(config.hidden_size, ffn, tp)
+    if isinstance(ffn, DenseMoE):
+        return DenseMoEFeedForward(config.hidden_size, _make_mlp(config.hidden_size, ffn.mlp, tp), ffn.moe,
+                                   norm_eps=config.norm_eps, gemma_norm=config.norm == "gemma_rms", tp=tp)
     assert isinstance(ffn, MoE)
     return MoEFeedForward(config.hidden_size, ffn, tp=tp)
+
+
+def _per_layer_activation(config: HybridConfig, layer: Layer) -> str:
+    """The activation of a per-layer input's gate: its layer's feed-forward's, else the model's first one's."""
+    ffn = layer.ffn or next(layer.ffn for layer in config.layers if layer.ffn is not None)
+    return ffn.activation
 
 
 def _norm(config: HybridConfig, dim: int | None = None) -> RMSNorm:
@@ -149,6 +160,24 @@ class SharedBlockUse(nn.Module):
         return self.linear(h)
 
 
+class PerLayerInput(nn.Module):
+    """Gemma-3n / Gemma-4's per-layer input, added after a layer's feed-forward: ``post_norm(projection(act(gate(x))
+    * input))`` with ``input`` this layer's (num_tokens, P) slice of the model's per-layer inputs. Replicated under
+    tensor parallelism (P is small)."""
+
+    def __init__(self, config: HybridConfig, activation: str) -> None:
+        super().__init__()
+        size = config.per_layer_input_size
+        self.act = get_activation(activation)
+        self.gate = nn.Linear(config.hidden_size, size, bias=False)
+        self.projection = nn.Linear(size, config.hidden_size, bias=False)
+        self.post_norm = _norm(config)
+
+    def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden), per_layer_input: (num_tokens, P) -> (num_tokens, hidden), before post_norm
+        return self.projection(self.act(self.gate(x)) * per_layer_input)
+
+
 class DecoderLayer(nn.Module):
     """``h = x + m * mixer(norm(x)); out = h + m * ffn(norm(h))`` (m: residual multiplier), with the
     Gemma post-norms when ``sandwich_norm`` (and no pre-norms without ``pre_norm``), a parallel mixer summed
@@ -175,6 +204,9 @@ class DecoderLayer(nn.Module):
                          else None)
         self.ffn = _make_ffn(config, layer.ffn, tp) if layer.ffn is not None else None
         self.post_ffn_norm = _norm(config) if layer.sandwich_norm and layer.ffn is not None else None
+        self.per_layer = (PerLayerInput(config, _per_layer_activation(config, layer))
+                          if config.per_layer_input_size else None)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalar else None
 
     def cache_modules(self) -> list[nn.Module]:
         """The modules of this layer that own a cache, in execution order."""
@@ -190,13 +222,16 @@ class DecoderLayer(nn.Module):
         return self.input_norm if self.mixer is not None else self.ffn_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor, *,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
+                per_layer_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: (num_tokens, hidden_size) residual stream; embeddings: the model's input embeddings; normed:
-        ``entry_norm()(x)`` when the caller has it. Returns (the new residual stream, ``next_norm`` of it or
-        None): each residual add runs with the branch's post-norm and the next pre-norm as one backend op,
-        across layers too, so a layer costs no launch of its own for its input norm."""
+        ``entry_norm()(x)`` when the caller has it; per_layer_input: (num_tokens, P), this layer's per-layer input.
+        Returns (the new residual stream, ``next_norm`` of it or None): each residual add runs with the branch's
+        post-norm and the next pre-norm as one backend op, across layers too, so a layer costs no launch of its own
+        for its input norm (a layer with a per-layer input or scalar applies the next norm after those)."""
         ops = current_ops()
+        tail = self.per_layer is not None or self.layer_scalar is not None
+        final_norm, next_norm = next_norm, (None if tail else next_norm)
         if self.mixer is not None:
             if self.shared is not None:
                 x_in = x + self.shared(x, embeddings, positions)
@@ -213,7 +248,16 @@ class DecoderLayer(nn.Module):
         if self.ffn is not None and not self.parallel_ffn:
             if normed is None:
                 normed = _normed(self.ffn_norm, x, ops)
-            normed, x = ops.add_rms_norm(self.ffn(normed), x, **self._add_norm(self.post_ffn_norm, next_norm))
+            out = self.ffn(normed, x) if isinstance(self.ffn, DenseMoEFeedForward) else self.ffn(normed)
+            normed, x = ops.add_rms_norm(out, x, **self._add_norm(self.post_ffn_norm, next_norm))
+        if tail:
+            if self.per_layer is not None:
+                post = self.per_layer.post_norm
+                _, x = ops.add_rms_norm(self.per_layer(x, per_layer_input), x, weight=None, eps=post.eps,
+                                        gemma=post.gemma, centered=post.centered, delta_weight=post.weight)
+            if self.layer_scalar is not None:
+                x = x * self.layer_scalar.to(x.dtype)
+            return x, (_normed(final_norm, x, ops) if final_norm is not None else None)
         if next_norm is not None and normed is None:    # a layer with neither branch (config allows none)
             normed = _normed(next_norm, x, ops)
         return x, normed
@@ -248,6 +292,11 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, layer, i, self.shared_blocks, tp=tp)
                                     for i, layer in enumerate(config.layers))
         self.norm = _norm(config)
+        if config.per_layer_input_size:     # Gemma-3n / Gemma-4 per-layer inputs (``HybridConfig``), replicated
+            width = len(config.layers) * config.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embedding(config.per_layer_vocab_size or config.vocab_size, width)
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = _norm(config, config.per_layer_input_size)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -282,13 +331,27 @@ class HybridModel(nn.Module):
         layers = list(self.layers)
         final = None if self.config.residual_in_fp32 else self.norm
         next_norms = [layer.entry_norm() for layer in layers[1:]] + [final] if layers else []
+        per_layer = self._per_layer_inputs(input_ids, embeddings) if self.config.per_layer_input_size else None
         normed = None
-        for layer, next_norm in zip(layers, next_norms, strict=True):
-            x, normed = layer(x, positions, embeddings, normed=normed, next_norm=next_norm)
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms, strict=True)):
+            x, normed = layer(x, positions, embeddings, normed=normed, next_norm=next_norm,
+                              per_layer_input=per_layer[:, i] if per_layer is not None else None)
         if final is not None and normed is not None:
             return normed
         return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma,
                                       centered=self.norm.centered)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) ids and their scaled embeddings -> (num_tokens, layers, P): ``(norm(proj(embeddings) *
+        hidden^-0.5) + table[ids] * sqrt(P)) * 2^-0.5`` (each scale rounded to the dtype, as HF's)."""
+        n, size = input_ids.shape[0], self.config.per_layer_input_size
+        table = self.embed_tokens_per_layer
+        if table.num_embeddings < self.config.vocab_size:       # ids past the per-layer table read row 0
+            input_ids = torch.where(input_ids < table.num_embeddings, input_ids, 0)
+        tokens = table(input_ids) * torch.tensor(size ** 0.5, dtype=table.weight.dtype)
+        projected = self.per_layer_model_projection(embeddings) * self.config.hidden_size ** -0.5
+        projected = _normed(self.per_layer_projection_norm, projected.view(-1, size), current_ops())
+        return (projected.view(n, -1, size) + tokens.view(n, -1, size)) * 2 ** -0.5
 
     def fuse_projections(self) -> None:
         """Pack the projections that read one input (q|k|v, gate|up) into one GEMM each, in place; the

@@ -16,6 +16,7 @@ import torch
 
 from hybridkv.models.config import (
     Attention,
+    DenseMoE,
     GatedDeltaNet,
     HybridConfig,
     KimiDeltaAttention,
@@ -89,8 +90,9 @@ def available_bytes(device: torch.device) -> int | None:
 
 def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
     """Elements of a mixer's projection matrices (``width``: its input width)."""
-    if isinstance(mixer, Attention):
-        return mixer.head_dim * (width * (mixer.num_heads + 2 * mixer.num_kv_heads) + mixer.num_heads * hidden)
+    if isinstance(mixer, Attention):     # a KV-sharing layer has no k/v projections; k = v: no v projection
+        kv = 0 if mixer.kv_source is not None else (1 if mixer.k_eq_v else 2) * mixer.num_kv_heads
+        return mixer.head_dim * (width * (mixer.num_heads + kv) + mixer.num_heads * hidden)
     if isinstance(mixer, Mamba2):
         inner = mixer.intermediate_size
         in_proj = hidden * (2 * inner + 2 * mixer.n_groups * mixer.state_size + mixer.num_heads)
@@ -118,6 +120,8 @@ def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
 def _ffn_matrices(ffn: object, hidden: int) -> int:
     if ffn is None:
         return 0
+    if isinstance(ffn, DenseMoE):
+        return _ffn_matrices(ffn.mlp, hidden) + _ffn_matrices(ffn.moe, hidden)
     if isinstance(ffn, MoE):
         width = ffn.latent_size or hidden
         latent = 2 * hidden * ffn.latent_size if ffn.latent_size else 0
@@ -144,7 +148,10 @@ def parameter_lower_bound(config: HybridConfig, tensor_parallel_size: int = 1) -
             blocks[block.block_id] = (_mixer_matrices(block.attention, hidden, width)
                                       + _ffn_matrices(block.mlp, hidden))
             total += hidden * hidden                      # each use's output linear
-    return (total + sum(blocks.values())) // tensor_parallel_size
+    # Per-layer inputs (Gemma-4): their table and projections are replicated on every rank.
+    size, layers = config.per_layer_input_size, len(config.layers)
+    per_layer = size * layers * ((config.per_layer_vocab_size or config.vocab_size) + 3 * hidden) if size else 0
+    return (total + sum(blocks.values())) // tensor_parallel_size + per_layer
 
 
 def check_fits(count: int, dtype: torch.dtype, device: torch.device, *, what: str = "the model",

@@ -175,8 +175,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 def qk_rope_write_kv_ref(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim); None: q only (a KV-sharing layer)
+    v: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim)
     positions: torch.Tensor,  # (num_tokens,) absolute positions
     *,
     prep: QKPrep,
@@ -187,22 +187,27 @@ def qk_rope_write_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> torch.Tensor:
-    """q and k prepared as ``prep`` says; k and v written at their slots. Returns q (num_tokens, num_heads,
-    head_dim) in q's dtype."""
+    """q and k prepared as ``prep`` says; k and v written at their slots (``k`` and ``v`` None: q alone, nothing
+    written). Returns q (num_tokens, num_heads, head_dim) in q's dtype."""
     dtype = q.dtype
+    if (k is None) != (v is None):
+        raise ValueError("qk_rope_write_kv: k and v are both given or both None")
     if prep.qk_norm == "rms":
         q = rms_norm_ref(q, q_norm_weight, eps=prep.eps, gemma=prep.gemma_norm)
-        k = rms_norm_ref(k, k_norm_weight, eps=prep.eps, gemma=prep.gemma_norm)
+        k = rms_norm_ref(k, k_norm_weight, eps=prep.eps, gemma=prep.gemma_norm) if k is not None else None
     if prep.rot_dim:
         q = apply_rope(q, positions, inv_freq, rot_dim=prep.rot_dim, interleaved=prep.interleaved)
-        k = apply_rope(k, positions, inv_freq, rot_dim=prep.rot_dim, interleaved=prep.interleaved)
+        k = apply_rope(k, positions, inv_freq, rot_dim=prep.rot_dim, interleaved=prep.interleaved) \
+            if k is not None else None
         if prep.qk_norm == "rms_weightless":
-            q, k = rms_normalize(q, prep.eps).to(dtype), rms_normalize(k, prep.eps).to(dtype)
+            q = rms_normalize(q, prep.eps).to(dtype)
+            k = rms_normalize(k, prep.eps).to(dtype) if k is not None else None
     elif prep.temperature_tuning is not None:
         attn_scale, floor_scale = prep.temperature_tuning
         scales = 1.0 + attn_scale * torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
         q = (q * scales[:, None, None]).to(dtype)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    if k is not None:
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 
