@@ -19,9 +19,9 @@ kinds at hidden 2048: 16 layers, 12 Gated DeltaNet (16 q/k heads, 32 v heads of 
 vocabulary: ~1B active per token), Qwen3.5-MoE-like (the same shapes, the DeltaNet's projections unfused),
 OLMo-Hybrid-like (16 layers at hidden 2048, 12 Gated DeltaNet (16 heads, key / value dims 96 / 192) and 4
 post-norm attention layers (16 heads of 128), SwiGLU 8192) and Gemma-4-like (Gemma-4 E2B's layer kinds at hidden
-1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of 512, proportional RoPE), the last 8 reading earlier layers' KV
-with double-wide MLPs, per-layer inputs of 256; the global layers' head dim 512 is past the Triton attention
-kernel's 256, so they run the torch reference and decode is not captured). ``triton`` runs decode steps as CUDA
+1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of 512, proportional RoPE), the
+last 8 reading earlier layers' KV with double-wide MLPs, per-layer inputs of 256; the global layers' head dim 512
+is past the Triton attention kernel's 256, so they run the torch reference and decode is not captured). ``triton`` runs decode steps as CUDA
 graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
 of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's

@@ -78,9 +78,9 @@ class LayerHarness:
         self.block_size = block_size
         self.max_len = max_len
         self.rng = np.random.default_rng(seed)
-        self.backend = get_backend(backend)
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.backend = get_backend(backend, self.device)
         self.computed: dict[Any, int] = {}
         by_spec: dict[KVCacheSpec, list[nn.Module]] = {}
         for m in module.modules():

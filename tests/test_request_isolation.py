@@ -19,7 +19,7 @@ from hybridkv.engine.sampler import NONFINITE, chosen_finite, report
 from hybridkv.layers.ops.fused_ref import linear_argmax_ref
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
-from tests._triton import gpu, kernel_module
+from tests._triton import DEVICE, gpu, kernel_module
 
 VOCAB = 31
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -283,9 +283,9 @@ def test_the_graph_check_matches_the_logits(where: str) -> None:
     assert torch.equal(got, want)
     assert bool((want != NONFINITE).all()) is (where == "none")
     linear = kernel_module("hybridkv.backends.triton_linear")
-    got = torch.full_like(tokens, -7)
-    linear.linear_argmax_triton(hidden, weight, bias, report=got)
-    assert torch.equal(got, want)
+    got = torch.full_like(tokens, -7, device=DEVICE)
+    linear.linear_argmax_triton(hidden.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE), report=got)
+    assert torch.equal(got.cpu(), want)
 
 
 @gpu
