@@ -571,7 +571,7 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         rate = start
         for _ in range(args.peer_points):
             point = run_load(peer.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args) // 2,
-                             output_len=args.output_len)
+                             output_len=args.output_len, drain_timeout=args.peer_drain_timeout)
             points.append(point)
             _print_point("transformers serve", "", point)
             if _passes(point):
@@ -657,6 +657,9 @@ def main() -> None:
     ap.add_argument("--max-requests-per-rate", type=int, default=2048,
                     help="at most this many requests per rate point (the conversations are reused in turn)")
     ap.add_argument("--peer-points", type=int, default=3, help="rate points for transformers serve (default 3)")
+    ap.add_argument("--peer-drain-timeout", type=float, default=60.0,
+                    help="seconds a peer rate point waits for its requests after the last arrival (unfinished ones "
+                    "count as failed: past the TTFT target anyway; default 60)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers serve")
     ap.add_argument("--kv-memory", default="24GiB")
     ap.add_argument("--max-num-seqs", type=int, default=256)
