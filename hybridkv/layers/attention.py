@@ -150,7 +150,7 @@ class AttentionLayer(nn.Module):
         k_cache, v_cache = owner.kv_cache
         prep = dict(prep=self.prep, inv_freq=self.rotary.inv_freq if self.rotary is not None else None,
                     q_norm_weight=self.q_norm.weight if cfg.qk_norm == "rms" else None,
-                    k_norm_weight=self.k_norm.weight if cfg.qk_norm == "rms" else None,
+                    k_norm_weight=self.k_norm.weight if cfg.qk_norm == "rms" and self.k_norm is not None else None,
                     k_cache=k_cache, v_cache=v_cache, slot_mapping=inputs.slot_mapping)
         attend = dict(scale=self.scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap, sinks=self.sinks)
         if k is None:                           # KV sharing: q alone, then the donor's keys and values
