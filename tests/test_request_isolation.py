@@ -306,7 +306,7 @@ def test_nonfinite_logits_under_cuda_graphs(graphs: bool) -> None:
     # (the poisoned run has the same batch: on a GPU, greedy tokens may depend on what else is batched)
     first, *continuations = tokens(make(build()).generate(batch, GREEDY, use_tqdm=False))
     other = {*PROMPTS[0], *first}
-    for j, (prompt, cont) in enumerate(zip(candidates, continuations, strict=True)):
+    for j, (prompt, cont) in enumerate(zip(candidates, continuations, strict=True)):  # noqa: B007 (read after)
         k, poison = next(((k, t) for k, t in enumerate(cont) if k >= 1 and t not in other
                           and t not in (*prompt, *cont[:k])), (None, None))
         if poison is not None:
