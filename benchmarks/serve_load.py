@@ -622,7 +622,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                      "-" if single is None else f"{single['stream']['output_tok_s']:.0f} / "
                      f"{single['no_stream']['output_tok_s']:.0f}",
                      f"{r.get('api_servers', 1)}: {http:.0f} / {plain:.0f}",
-                     f"{100 * http / offline:.0f}% / {100 * plain / offline:.0f}%",
+                     f"{100 * http / offline:.1f}% / {100 * plain / offline:.1f}%",
                      "-" if best is None else f"{'>=' if r.get('best_rate_is_lower_bound') else ''}{best:.2f}",
                      "-" if peer_best is None else f"{peer_best:.3f}", rate_ratio,
                      "-" if itl is None else f"{1e3 * itl:.2f}", "-" if small is None else f"{1e3 * small:.2f}",
