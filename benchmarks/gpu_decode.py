@@ -7,25 +7,24 @@
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
     # writes gpu_decode[_NAME].json (``_results.py``)
 
-Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer,
-shared expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head),
-Mamba2 (Codestral's layer shapes narrowed to hidden 2048 x 32 layers), NemotronH-like (Mamba2 +
-attention + relu² MLPs) and gpt-oss-like (gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding
-128 / full with sinks, q/k/v/o biases, YaRN, 32 q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with
-the clamped SwiGLU: 1.04B active parameters per token, 6.75B in all) and LFM2 (LFM2-1.2B's shapes: 10 short convs
-and 6 q/k-normed attention layers, SwiGLU 8192, tied 65536-token vocabulary) and Qwen3-Next-like (Qwen3-Next's layer
-kinds at hidden 2048: 16 layers, 12 Gated DeltaNet (16 q/k heads, 32 v heads of 128) and 4 gated attention (16 q /
-2 kv heads of 256, a quarter rotated), 64 experts of 512 top-8 with a gated shared expert of 512, 151936-token
-vocabulary: ~1B active per token), Qwen3.5-MoE-like (the same shapes, the DeltaNet's projections unfused),
-OLMo-Hybrid-like (16 layers at hidden 2048, 12 Gated DeltaNet (16 heads, key / value dims 96 / 192) and 4
-post-norm attention layers (16 heads of 128), SwiGLU 8192) and Gemma-4-like (Gemma-4 E2B's layer kinds at hidden
-1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of 512, proportional RoPE), the
-last 8 reading earlier layers' KV with double-wide MLPs, per-layer inputs of 256; the global layers' head dim 512
-is past the Triton attention kernel's 256, so they run the torch reference and decode is not captured). ``triton`` runs decode steps as CUDA
-graphs when they capture, ``triton:eager`` never; ``triton:sync`` turns asynchronous scheduling off (host work
-of a step no longer under the device's work of the step before). The HF model (``Llama4ForCausalLM`` /
-``Gemma3ForCausalLM`` / ...) is built from its config, saved with ``save_pretrained`` and loaded by hybridkv's
-HF loader, so both run the SAME weights, dtype (bf16) and batch.
+Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer, shared
+expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head), Mamba2 (Codestral's
+layer shapes narrowed to hidden 2048 x 32 layers), NemotronH-like (Mamba2 + attention + relu² MLPs) and gpt-oss-like
+(gpt-oss's layer kinds at hidden 2048: 16 layers alternating sliding 128 / full with sinks, q/k/v/o biases, YaRN, 32
+q / 8 kv heads of 64, 32 biased experts of 2048 top-4 with the clamped SwiGLU: 1.04B active parameters per token,
+6.75B in all) and LFM2 (LFM2-1.2B's shapes: 10 short convs and 6 q/k-normed attention layers, SwiGLU 8192, tied
+65536-token vocabulary) and Qwen3-Next-like (Qwen3-Next's layer kinds at hidden 2048: 16 layers, 12 Gated DeltaNet
+(16 q/k heads, 32 v heads of 128) and 4 gated attention (16 q / 2 kv heads of 256, a quarter rotated), 64 experts of
+512 top-8 with a gated shared expert of 512, 151936-token vocabulary: ~1B active per token), Qwen3.5-MoE-like (the
+same shapes, the DeltaNet's projections unfused), OLMo-Hybrid-like (16 layers at hidden 2048, 12 Gated DeltaNet (16
+heads, key / value dims 96 / 192) and 4 post-norm attention layers (16 heads of 128), SwiGLU 8192) and Gemma-4-like
+(Gemma-4 E2B's layer kinds at hidden 1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of
+512, proportional RoPE), the last 8 reading earlier layers' KV with double-wide MLPs, per-layer inputs of 256; the
+global layers' head dim 512 is past the Triton attention kernel's 256, so they run the torch reference and decode is
+not captured). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager`` never;
+``triton:sync`` turns asynchronous scheduling off (host work of a step no longer under the device's work of the step
+before). The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built from its config, saved with
+``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME weights, dtype (bf16) and batch.
 
 Per batch size B: B random 512-token prompts, greedy, ``ignore_eos``. Decode tokens/s = B * steps / time of
 the decode steps (prefill excluded: hybridkv steps are timed one by one, from one step's return to the next, HF

@@ -316,26 +316,10 @@ class CLIServer:
                    "--log-level", "warning", *flags]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hybridkv serve exited:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"hybridkv serve did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        _await_health(self.proc, self.url, log, "hybridkv serve", timeout=600)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        _terminate(self.proc, 90)
 
 
 class PeerServer:
@@ -362,26 +346,35 @@ class PeerServer:
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([*base, *flags, *model], stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"transformers serve did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        _await_health(self.proc, self.url, log, "transformers serve", timeout=300)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        _terminate(self.proc, 30)
+
+
+def _await_health(proc: subprocess.Popen, url: str, log: Path, what: str, *, timeout: float) -> None:
+    """Return once ``url``/health answers 200; raise (after stopping ``proc``) if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            _terminate(proc, 30)
+            raise RuntimeError(f"{what} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _terminate(proc: subprocess.Popen, timeout: float) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 # -- one model ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _layer_harness import LayerHarness
 from _triton import gpu
-from test_layers_vs_hf import BATCH_STEPS, SCHEDULES, SEQ, assert_close, hidden, randomize
+from test_layers_vs_hf import SCHEDULES, SEQ, assert_batched_equals_one_by_one, assert_close, hidden, randomize
 
 from hybridkv.layers.kimi_delta import KimiDeltaAttentionLayer
 from hybridkv.layers.parallel import TensorParallel
@@ -85,26 +85,7 @@ def test_kda_layer_matches_hf_cached_decode() -> None:
 
 def test_kda_layer_batched_equals_one_by_one() -> None:
     layer, _ = build(seed=8)
-    lengths: dict[str, int] = {}
-    last_step: dict[str, int] = {}
-    for i, step in enumerate(BATCH_STEPS):
-        for r, n in step.items():
-            lengths[r] = lengths.get(r, 0) + n
-            last_step[r] = i
-    xs = {r: hidden(n, H, seed=10 + i) for i, (r, n) in enumerate(sorted(lengths.items()))}
-    harness = LayerHarness(layer, max_len=max(lengths.values()), max_reqs=3, seed=11)
-    got: dict[str, list[torch.Tensor]] = {r: [] for r in lengths}
-    done = dict.fromkeys(lengths, 0)
-    for i, step in enumerate(BATCH_STEPS):
-        out = harness.step({r: xs[r][done[r]:done[r] + n] for r, n in step.items()})
-        for r, n in step.items():
-            got[r].append(out[r])
-            done[r] += n
-            if last_step[r] == i:
-                harness.finish(r)
-    for r, n in lengths.items():
-        alone = LayerHarness(layer, max_len=n, max_reqs=1, seed=12).run(xs[r], [n])
-        assert_close(torch.cat(got[r]), alone)
+    assert_batched_equals_one_by_one(layer, H)
 
 
 def test_tensor_parallel_rule_and_state_shapes() -> None:

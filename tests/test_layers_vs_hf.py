@@ -352,17 +352,16 @@ BATCH_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["full", "sliding", "chunked", "mamba2", "mamba1"])
-def test_batched_equals_one_by_one(kind: str) -> None:
-    layer, block_size = _batch_layer(kind)
+def assert_batched_equals_one_by_one(layer: torch.nn.Module, dim: int, *, block_size: int = 4) -> None:
+    """``layer`` stepped through ``BATCH_STEPS`` (requests joining, leaving and chunking at different steps) gives
+    each request what it gets alone."""
     lengths: dict[str, int] = {}
     last_step: dict[str, int] = {}
     for i, step in enumerate(BATCH_STEPS):
         for r, n in step.items():
             lengths[r] = lengths.get(r, 0) + n
             last_step[r] = i
-    xs = {r: hidden(n, 32, seed=10 + i) for i, (r, n) in enumerate(sorted(lengths.items()))}
-
+    xs = {r: hidden(n, dim, seed=10 + i) for i, (r, n) in enumerate(sorted(lengths.items()))}
     harness = LayerHarness(layer, max_len=max(lengths.values()), max_reqs=3, block_size=block_size, seed=11)
     got: dict[str, list[torch.Tensor]] = {r: [] for r in lengths}
     done = dict.fromkeys(lengths, 0)
@@ -376,6 +375,12 @@ def test_batched_equals_one_by_one(kind: str) -> None:
     for r, n in lengths.items():
         alone = LayerHarness(layer, max_len=n, max_reqs=1, block_size=block_size, seed=12).run(xs[r], [n])
         assert_close(torch.cat(got[r]), alone)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "chunked", "mamba2", "mamba1"])
+def test_batched_equals_one_by_one(kind: str) -> None:
+    layer, block_size = _batch_layer(kind)
+    assert_batched_equals_one_by_one(layer, 32, block_size=block_size)
 
 
 # ----------------------------------------------------------------------------- feed-forward

@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from _layer_harness import LayerHarness
-from test_layers_vs_hf import BATCH_STEPS, SCHEDULES, SEQ, additive_mask, assert_close, hidden, randomize
+from test_layers_vs_hf import (
+    SCHEDULES,
+    SEQ,
+    additive_mask,
+    assert_batched_equals_one_by_one,
+    assert_close,
+    hidden,
+    randomize,
+)
 
 from hybridkv.kv_groups.plan import group_layers
 from hybridkv.kv_groups.specs import FullAttentionSpec, MLAAttentionSpec
@@ -81,26 +89,7 @@ def test_mla_matches_hf_cached_decode() -> None:
 
 def test_mla_batched_equals_one_by_one() -> None:
     layer, _ = build(seed=8, q_lora_rank=10)
-    lengths: dict[str, int] = {}
-    last_step: dict[str, int] = {}
-    for i, step in enumerate(BATCH_STEPS):
-        for r, n in step.items():
-            lengths[r] = lengths.get(r, 0) + n
-            last_step[r] = i
-    xs = {r: hidden(n, H, seed=10 + i) for i, (r, n) in enumerate(sorted(lengths.items()))}
-    harness = LayerHarness(layer, max_len=max(lengths.values()), max_reqs=3, seed=11)
-    got: dict[str, list[torch.Tensor]] = {r: [] for r in lengths}
-    done = dict.fromkeys(lengths, 0)
-    for i, step in enumerate(BATCH_STEPS):
-        out = harness.step({r: xs[r][done[r]:done[r] + n] for r, n in step.items()})
-        for r, n in step.items():
-            got[r].append(out[r])
-            done[r] += n
-            if last_step[r] == i:
-                harness.finish(r)
-    for r, n in lengths.items():
-        alone = LayerHarness(layer, max_len=n, max_reqs=1, seed=12).run(xs[r], [n])
-        assert_close(torch.cat(got[r]), alone)
+    assert_batched_equals_one_by_one(layer, H)
 
 
 def test_latent_spec_page_bytes_and_grouping() -> None:
