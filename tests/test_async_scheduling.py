@@ -74,8 +74,8 @@ def assert_all_free(llm: LLM) -> None:
     assert coord.slots.num_free_slots == coord.slots.num_working_slots
 
 
-@pytest.mark.slow       # 30 random workloads run both ways; the tests below keep one of each case quick
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.slow       # 15 random workloads run both ways; the tests below keep one of each case quick
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), budget=st.sampled_from([1, 3, 7, 16, 64]), tight=st.booleans(),
        caching=st.booleans())
 def test_async_equals_sync(model, seed: int, budget: int, tight: bool, caching: bool) -> None:
