@@ -18,11 +18,11 @@ from pathlib import Path
 import _hf_models as hf_models
 import pytest
 import torch
-from _parity import check_engine_matches_hf, check_prompt_logprobs
+from _parity import check_engine_matches_hf, check_logprobs, check_prompt_logprobs
 from test_parity_gemma4 import NEW_TOKENS, TOL, _prompts
 from transformers import PreTrainedModel
 
-from hybridkv import LLM
+from hybridkv import LLM, SamplingParams
 from hybridkv.engine.model_runner import reference_logits
 from hybridkv.loaders import hf_config_to_hybrid
 from hybridkv.loaders.checkpoint import load_hf_checkpoint
@@ -143,3 +143,44 @@ def test_unsupported_configs_are_refused() -> None:
         hf_config_to_hybrid(base | {"intermediate_size": [48] * 7})
     with pytest.raises(ValueError, match="tensor parallelism"):
         hf_config_to_hybrid(base).check_tensor_parallel(2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_backend_and_cuda_graphs_on_gpu_match_hf(checkpoint: tuple[str, PreTrainedModel, Path, dict]) -> None:
+    """On CUDA with the triton backend (KV-sharing layers reading their donors' blocks, AltUp's streams and the
+    sparse gates inside captured decode graphs too): eager steps and CUDA-graph decode steps, with prefix caching,
+    give HF's tokens and log-probabilities within 1e-4."""
+    name, _, path, expected = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    prompts = _prompts()
+    for graphs in (False, True):
+        llm = LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cuda", backend="triton",
+                  kv_cache_memory="8MiB", enable_prefix_caching=True, cuda_graphs=graphs)
+        assert (llm.engine.runner.graphs is not None) == graphs
+        for rerun in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            for prompt, out in zip(prompts, outs, strict=True):
+                where = f"{name}: prompt of {len(prompt)}, pass {rerun}, cuda graphs {graphs}"
+                assert out.error is None, out.error
+                tokens, full = expected[tuple(prompt)]
+                assert list(out.outputs[0].token_ids) == tokens, where
+                check_logprobs(out, prompt, tokens, full, where)
+        assert llm.stats().prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparsity", [0.95, 0.6, 0.3])
+def test_gaussian_topk_is_hfs(dtype: torch.dtype, sparsity: float) -> None:
+    """``gaussian_topk`` equals HF's ``Gemma3nTextMLP._gaussian_topk`` bit for bit (the quantile rounded to the
+    dtype as HF rounds it), and zeroes about ``sparsity`` of a Gaussian row."""
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    from hybridkv.layers.mlp import DenseMLP, gaussian_topk
+
+    config = hf_models.gemma3n_text_config(activation_sparsity_pattern=[sparsity] * 8)
+    theirs = Gemma3nTextMLP(config, layer_idx=0)
+    ours = DenseMLP(32, 48, activation="gelu_tanh", activation_sparsity=sparsity)
+    gate = torch.randn(64, 4096, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = gaussian_topk(gate, ours.std_multiplier)
+    assert torch.equal(out, theirs._gaussian_topk(gate))
+    assert abs((out == 0).float().mean().item() - sparsity) < 0.02

@@ -79,6 +79,6 @@ class DenseMLP(nn.Module):
 def gaussian_topk(gate: torch.Tensor, std_multiplier: float) -> torch.Tensor:
     """Gemma-3n's activation sparsity: ``relu(g - (mean(g) + std(g) * m))`` per row (population std), with m the
     standard normal quantile of the target sparsity: about that fraction of a Gaussian row is zeroed."""
-    m = torch.tensor(std_multiplier, dtype=gate.dtype, device=gate.device)
+    m = torch.tensor(std_multiplier).to(gate.dtype).item()     # rounded to the dtype as HF's; a host scalar
     cutoff = gate.mean(dim=-1, keepdim=True) + gate.std(dim=-1, keepdim=True, unbiased=False) * m
     return torch.relu(gate - cutoff)
