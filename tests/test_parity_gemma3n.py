@@ -184,3 +184,15 @@ def test_gaussian_topk_is_hfs(dtype: torch.dtype, sparsity: float) -> None:
     out = gaussian_topk(gate, ours.std_multiplier)
     assert torch.equal(out, theirs._gaussian_topk(gate))
     assert abs((out == 0).float().mean().item() - sparsity) < 0.02
+
+
+@pytest.mark.parametrize("overrides", [dict(altup_correct_scale=False), dict(altup_active_idx=1, altup_num_inputs=2),
+                                       dict(num_kv_shared_layers=0, laurel_rank=1)])
+def test_reference_forward_variants_match_hf(overrides: dict, tmp_path: Path) -> None:
+    """The other AltUp settings (no output scale; another active stream, 2 streams) and no KV sharing: the loaded
+    model's no-cache forward against HF's."""
+    hf = hf_models._gemma3n_finish(hf_models.Gemma3nForCausalLM(hf_models.gemma3n_text_config(**overrides)), 0)
+    model = load_hf_checkpoint(hf_models.save(hf, tmp_path), dtype=torch.float32, device="cpu")
+    prompt = _prompts()[1]
+    diff = (reference_logits(model, prompt) - hf_models.full_logits(hf, prompt)).abs().max().item()
+    assert diff <= TOL, f"{overrides}: max |logit diff| {diff}"

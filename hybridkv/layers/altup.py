@@ -20,7 +20,7 @@ class AltUp(nn.Module):
     def __init__(self, hidden_size: int, spec: AltUpSpec, *, eps: float) -> None:
         super().__init__()
         n = spec.num_inputs
-        self.num_inputs, self.active = n, spec.active_index
+        self.num_inputs, self.active, self.correct_scale = n, spec.active_index, spec.correct_scale
         self.correct_output_scale = nn.Parameter(torch.ones(hidden_size))
         self.correction_coefs = nn.Linear(n, n, bias=False)
         self.prediction_coefs = nn.Linear(n, n * n, bias=False)
@@ -49,6 +49,10 @@ class AltUp(nn.Module):
         return (innovation.unsqueeze(0) * coefs.t().unsqueeze(-1) + predictions).contiguous()
 
     def scale_corrected(self, x: torch.Tensor) -> torch.Tensor:
+        """The corrected active stream as the per-layer input reads it: times ``correct_output_scale`` when
+        ``correct_scale``."""
+        if not self.correct_scale:
+            return x
         return (x.type_as(self.correct_output_scale) * self.correct_output_scale).type_as(x)
 
 

@@ -210,7 +210,6 @@ class DecoderLayer(nn.Module):
                           if config.per_layer_input_size else None)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalar else None
         self.altup = AltUp(config.hidden_size, config.altup, eps=config.norm_eps) if config.altup else None
-        self.altup_correct_scale = config.altup is not None and config.altup.correct_scale
         self.laurel = (Laurel(config.hidden_size, config.laurel_rank, eps=config.norm_eps)
                        if config.laurel_rank else None)
 
@@ -284,9 +283,7 @@ class DecoderLayer(nn.Module):
         out = self.ffn(_normed(self.ffn_norm, h, ops))
         corrected = altup.correct(predictions, h + _normed(self.post_ffn_norm, out, ops))
         if self.per_layer is not None:
-            first = corrected[altup.active]
-            if self.altup_correct_scale:
-                first = altup.scale_corrected(first)
+            first = altup.scale_corrected(corrected[altup.active])
             corrected[1:] += self.per_layer.post_norm(self.per_layer(first, per_layer_input))   # HF: streams 1..
         return corrected
 
