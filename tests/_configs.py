@@ -754,6 +754,73 @@ GEMMA4_E4B = {
     "tie_word_embeddings": True
 }
 
+# google/gemma-3n-E4B-it: the text decoder of the multimodal checkpoint (vision / audio configs left out).
+# RECONSTRUCTED without the hub file, from transformers 5.24's Gemma3nTextConfig, whose defaults are documented as
+# the E4B configuration; each number's source is in its ``_source`` entry.
+GEMMA3N_E4B = {
+    "_source": {
+        "model":
+            ("google/gemma-3n-E4B-it (text decoder; vision and audio configs left out: hybridkv reads only "
+             "text_config)"),
+        ("text_config.vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
+         "num_key_value_heads, head_dim, sliding_window, layer_types (4 sliding : 1 global), rope_parameters, "
+         "final_logit_softcapping, vocab_size_per_layer_input, hidden_size_per_layer_input, altup_*, laurel_rank, "
+         "num_kv_shared_layers, activation_sparsity_pattern, rms_norm_eps, hidden_activation"):
+            ("transformers 5.24 Gemma3nTextConfig defaults (configuration_gemma3n.py: @auto_docstring(checkpoint="
+             "'google/gemma-3n-E4B'); its docstring: 'Initializing a Gemma3nText gemma3n_text-E4B style "
+             "configuration' with Gemma3nTextConfig(); the instruction-tuned -it checkpoint shares the base "
+             "model's architecture). layer_types and activation_sparsity_pattern are what its __post_init__ "
+             "expands the defaults to (every 5th layer global; 0.95 on the first 10 of 35 layers)"),
+        "text_config.max_position_embeddings":
+            ("transformers 5.24 Gemma3nTextConfig default 32768; Google's Gemma 3n model card: a total input "
+             "context of 32K tokens"),
+        "dtype":
+            "bfloat16, the precision Gemma checkpoints are released in",
+    },
+    "architectures": [
+        "Gemma3nForConditionalGeneration"
+    ],
+    "dtype": "bfloat16",
+    "model_type": "gemma3n",
+    "text_config": {
+        "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 25,
+        "altup_active_idx": 0,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_num_inputs": 4,
+        "attention_bias": False,
+        "final_logit_softcapping": 30.0,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2048,
+        "hidden_size_per_layer_input": 256,
+        "intermediate_size": [16384] * 35,
+        "laurel_rank": 64,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3n_text",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 35,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": 15,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {
+                "rope_theta": 1000000.0,
+                "rope_type": "default"
+            },
+            "sliding_attention": {
+                "rope_theta": 10000.0,
+                "rope_type": "default"
+            }
+        },
+        "sliding_window": 512,
+        "vocab_size": 262400,
+        "vocab_size_per_layer_input": 262144
+    },
+    "tie_word_embeddings": True
+}
+
 # bundled name (hybridkv/configs/<name>.json) -> config
 RELEASED = {
     "command-r7b": COMMAND_R7B,
@@ -763,6 +830,7 @@ RELEASED = {
     "llama4-scout": LLAMA4_SCOUT,
     "gemma3-27b": GEMMA3_27B,
     "gemma4-e4b": GEMMA4_E4B,
+    "gemma3n-e4b": GEMMA3N_E4B,
     "mistral-7b-v0.1": MISTRAL_7B,
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
     "nemotron-h-8b": NEMOTRON_H_8B,

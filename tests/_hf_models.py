@@ -25,6 +25,10 @@ from transformers import (
     Gemma3Config,
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
+    Gemma3nConfig,
+    Gemma3nForCausalLM,
+    Gemma3nForConditionalGeneration,
+    Gemma3nTextConfig,
     Gemma3TextConfig,
     Gemma4Config,
     Gemma4ForCausalLM,
@@ -303,11 +307,72 @@ def gemma4_multimodal(seed: int = 0) -> PreTrainedModel:
     return _gemma4_finish(Gemma4ForConditionalGeneration(config), seed)
 
 
+def gemma3n_text_config(**overrides) -> Gemma3nTextConfig:
+    """8 layers "SSFSSFSF", window 6; the last 3 share KV (layer 5 reads 2's, 6 reads 4's, 7 reads 2's); MLP widths
+    per layer with activation sparsity 0.95 and 0.6 on the first two; 4 AltUp streams, Laurel rank 4, per-layer
+    inputs of 8 from a table of 128 rows (ids past it read row 0); final softcap."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=[48, 64, 48, 40, 48, 64, 48, 56], num_hidden_layers=8,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6, layer_types=_GEMMA4_TYPES,
+              num_kv_shared_layers=3, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+              activation_sparsity_pattern=[0.95, 0.6] + [0.0] * 6, altup_num_inputs=4, laurel_rank=4,
+              final_logit_softcapping=30.0, max_position_embeddings=256,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    kw.update(overrides)
+    return _eager(Gemma3nTextConfig(**kw))
+
+
+@torch.no_grad()
+def _gemma3n_finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """Gemma-4's scales (norms near 1, q/k norms near 0.5), with AltUp's output scales drawn around 1 and its
+    router and coefficients larger than ``randomize`` makes them, so each layer's stream mixing is visible."""
+    _gemma4_finish(model, seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    for name, p in model.named_parameters():
+        if name.endswith("correct_output_scale"):
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+        elif name.endswith(("altup.modality_router.weight", "prediction_coefs.weight", "correction_coefs.weight")):
+            p.mul_(4.0 if "router" in name else 0.5)
+    return model.eval()
+
+
+def gemma3n(seed: int = 0) -> PreTrainedModel:
+    return _gemma3n_finish(Gemma3nForCausalLM(gemma3n_text_config()), seed)
+
+
+def gemma3n_multimodal(seed: int = 0) -> PreTrainedModel:
+    """The text decoder inside ``Gemma3nForConditionalGeneration``, beside a tiny audio tower and the multimodal
+    embedders (all skipped by the loader). HF builds the vision tower through timm, which the tests do not need:
+    it stands in as one small linear (text-only input never reaches it; its tensors are still in the checkpoint
+    under ``model.vision_tower.``)."""
+    from unittest import mock
+
+    from transformers import Gemma3nAudioConfig, Gemma3nVisionConfig
+    from transformers.models.gemma3n import modeling_gemma3n
+
+    config = _eager(Gemma3nConfig(text_config=gemma3n_text_config().to_dict(),
+                                  vision_config=Gemma3nVisionConfig(hidden_size=16, vocab_size=8).to_dict(),
+                                  audio_config=Gemma3nAudioConfig(
+                                      hidden_size=16, vocab_size=8, conf_num_attention_heads=2,
+                                      conf_num_hidden_layers=1, sscp_conv_channel_size=[4, 4]).to_dict()))
+    build = modeling_gemma3n.AutoModel.from_config
+
+    def from_config(cfg, *args, **kwargs):
+        if isinstance(cfg, Gemma3nVisionConfig):
+            return torch.nn.Linear(4, 4, bias=False)
+        return build(cfg, *args, **kwargs)
+
+    with mock.patch.object(modeling_gemma3n.AutoModel, "from_config", side_effect=from_config):
+        model = Gemma3nForConditionalGeneration(config)
+    return _gemma3n_finish(model, seed)
+
+
 FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
     "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa, "gemma4": gemma4,
     "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_moe": gemma4_moe, "gemma4_multimodal": gemma4_multimodal,
+    "gemma3n": gemma3n, "gemma3n_multimodal": gemma3n_multimodal,
 }
 
 

@@ -124,8 +124,14 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
         + ["full_attention", "sliding_attention", "full_attention"], num_kv_shared_layers=3,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, use_double_wide_mlp=True)),
+    "gemma3n": ("Gemma3nTextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=[128, 96, 128, 128, 64, 128], num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, activation_sparsity_pattern=[0.95] + [0.0] * 5,
+        altup_num_inputs=3, laurel_rank=8)),
 }
-MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+MODEL_TYPE = {"llama4": "llama4_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 
 
 def hf_config(family: str) -> Any:
@@ -210,6 +216,7 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
                                    for layer in _layers(model)],
     "granite_swa": _hf_gemma,
     "gemma4": _hf_gemma,
+    "gemma3n": _hf_gemma,
     "lfm2": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv", "mlp")
                                 for layer in _layers(model)],
     "lfm2_moe": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv",
@@ -268,7 +275,8 @@ def test_every_supported_architecture_is_tested() -> None:
     tested = {MODEL_TYPES[MODEL_TYPE.get(f, f)] for f in HF_KWARGS}
     tested |= {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}  # test_parity_qwen3_5
     tested |= {"Llama4ForConditionalGeneration", "Gemma3ForConditionalGeneration",  # test_multimodal_*
-               "Gemma4ForConditionalGeneration"}                                     # test_parity_gemma4
+               "Gemma4ForConditionalGeneration",                                     # test_parity_gemma4
+               "Gemma3nForConditionalGeneration"}                                    # test_parity_gemma3n
     assert tested == set(supported_architectures())
 
 

@@ -19,6 +19,7 @@ from _configs import (
     COMMAND_R7B,
     EXAONE4_32B,
     GEMMA3_27B,
+    GEMMA3N_E4B,
     GEMMA4_E4B,
     GPT_OSS_20B,
     GPT_OSS_120B,
@@ -389,6 +390,33 @@ def test_kv_dtype_and_block_size_options() -> None:
 def test_budget_too_small_says_how_many_bytes() -> None:
     with pytest.raises(ValueError, match=r"too small for one request .* it needs"):
         plan(MISTRAL_7B, max_model_len=32768, kv_memory="100MiB")
+
+
+def test_gemma3n_e4b_shares_kv_across_its_last_15_layers() -> None:
+    """35 layers, 4 sliding (512) : 1 global, all 2 kv heads of 256; the last 15 read the KV of layer 18 (sliding)
+    or 19 (global) and own no pages. The 20 owners (16 sliding, 4 global) fill 4 sliding groups and 1 global group
+    of 4 layers: a 16-token page of 128 KiB, no padding. AltUp (4 streams), Laurel and activation sparsity on the
+    first 10 layers come through the converter."""
+    config = hf_config_to_hybrid(GEMMA3N_E4B)
+    assert (config.dtype, config.norm, config.final_softcap, config.per_layer_input_size, config.laurel_rank) == (
+        "bfloat16", "rms", 30.0, 256, 64)
+    assert config.altup is not None and config.altup.num_inputs == 4
+    assert [layer.ffn.activation_sparsity for layer in config.layers] == [0.95] * 10 + [0.0] * 25
+    donors = {i: layer.mixer.kv_source for i, layer in enumerate(config.layers) if layer.mixer.kv_source is not None}
+    assert donors == {i: 19 if (i + 1) % 5 == 0 else 18 for i in range(20, 35)}
+    result = plan(GEMMA3N_E4B, max_model_len=32768, kv_memory=BUDGET)
+    kinds = groups_by_kind(result)
+    assert [layer_ids(g) for g in kinds["sliding_window(512)"]] == [[0, 1, 2, 3], [5, 6, 7, 8], [10, 11, 12, 13],
+                                                                     [15, 16, 17, 18]]
+    assert [layer_ids(g) for g in kinds["full"]] == [[4, 9, 14, 19]]
+    token = 2 * 2 * 256 * 2                                                  # K and V, 2 heads of 256, bf16
+    page = 16 * 4 * token                                                    # 131072 B
+    assert result.page_bytes == page and result.padding_bytes == 0 and result.block_size == 16
+    sliding_blocks = -(-(511 + 1) // 16) + 1                                 # the window + 1 block
+    assert result.bytes_per_request_max == (4 * sliding_blocks + 32768 // 16) * page
+    assert {r for g in result.groups for r, _ in g.readers} == {f"layers.{i}" for i in range(20, 35)}
+    # what the 15 readers would hold with caches of their own: 12 sliding + 3 global layers
+    assert result.kv_shared_bytes_per_request == (12 * sliding_blocks * 16 + 3 * 32768) * token
 
 
 def test_gemma4_e4b_shares_kv_and_sizes_groups_by_shape() -> None:

@@ -24,6 +24,7 @@ from hybridkv.models.config import (
     MAX_DIM,
     MAX_LAYERS,
     MLP,
+    AltUp,
     Attention,
     DenseMoE,
     GatedDeltaNet,
@@ -52,6 +53,8 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3n_text": "Gemma3nForCausalLM",
+    "gemma3n": "Gemma3nForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
     "cohere2": "Cohere2ForCausalLM",
@@ -117,7 +120,8 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings")
 _PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "no_rope_layers", "moe_layers",
-                   "attn_layer_indices", "full_attn_idxs", "layer_rope_theta")
+                   "attn_layer_indices", "full_attn_idxs", "layer_rope_theta", "intermediate_size",
+                   "activation_sparsity_pattern")
 
 
 def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
@@ -126,11 +130,14 @@ def _check_sizes(arch: str, config: Mapping[str, Any]) -> None:
         value = config.get(key)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{arch}: {key} must be an integer, got {value!r} ({type(value).__name__})")
-        limit = MAX_LAYERS if key == "num_hidden_layers" else MAX_DIM
-        if not 1 <= value <= limit:
-            raise ValueError(f"{arch}: {key}={value} is out of range (1 to {limit})")
+        # Gemma-3n: one MLP width per layer
+        values = value[:MAX_LAYERS + 1] if key == "intermediate_size" and isinstance(value, list) else [value]
+        for value in values:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{arch}: {key} must be an integer, got {value!r} ({type(value).__name__})")
+            limit = MAX_LAYERS if key == "num_hidden_layers" else MAX_DIM
+            if not 1 <= value <= limit:
+                raise ValueError(f"{arch}: {key}={value} is out of range (1 to {limit})")
     for key in _PER_LAYER_KEYS:
         value = config.get(key)
         if isinstance(value, list | str) and len(value) > MAX_LAYERS:
@@ -470,6 +477,14 @@ def gemma3(config: Mapping[str, Any]) -> HybridConfig:
     pattern = cfg["sliding_window_pattern"]
     types = cfg["layer_types"] or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    outer = config if cfg.raw is not config else None
+    tie = config.get("tie_word_embeddings", True) if outer is not None else None
+    return _gemma(cfg, types, _gemma3_ropes(cfg), qk_norm="rms", outer=outer, tie=tie)
+
+
+def _gemma3_ropes(cfg: _Fields) -> dict[str, Rope]:
+    """Gemma-3 / 3n RoPE per layer type: 5.x's ``rope_parameters`` (one dict per type), else the hub spelling
+    (global: ``rope_theta`` and ``rope_scaling``; local: ``rope_local_base_freq``, no scaling)."""
     nested = cfg.get("rope_parameters") or {}
     if isinstance(nested, Mapping) and "full_attention" in nested:      # 5.x: one dict per layer type
         full, local = dict(nested["full_attention"]), dict(nested.get("sliding_attention") or {})
@@ -477,11 +492,7 @@ def gemma3(config: Mapping[str, Any]) -> HybridConfig:
         full = dict(cfg.get("rope_scaling") or nested or {})
         full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
         local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    ropes = {"full_attention": _rope(full, theta=1_000_000.0),
-             "sliding_attention": _rope(local, theta=10_000.0)}
-    outer = config if cfg.raw is not config else None
-    tie = config.get("tie_word_embeddings", True) if outer is not None else None
-    return _gemma(cfg, types, ropes, qk_norm="rms", outer=outer, tie=tie)
+    return {"full_attention": _rope(full, theta=1_000_000.0), "sliding_attention": _rope(local, theta=10_000.0)}
 
 
 # -- Gemma-4 --------------------------------------------------------------------------------------------------
@@ -597,6 +608,72 @@ def gemma4(config: Mapping[str, Any]) -> HybridConfig:
                   final_softcap=float(final_softcap) if final_softcap else None, tie_word_embeddings=bool(tie),
                   per_layer_input_size=per_layer,
                   per_layer_vocab_size=cfg["vocab_size_per_layer_input"] if per_layer else None, layer_scalar=True)
+
+
+# -- Gemma-3n ------------------------------------------------------------------------------------------------
+_GEMMA3N_TEXT_DEFAULTS = dict(
+    vocab_size=262400, hidden_size=2048, intermediate_size=16384, num_hidden_layers=35, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+    rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, rope_parameters=None,
+    attention_bias=False, sliding_window=512, layer_types=None, final_logit_softcapping=30.0,
+    vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, altup_active_idx=0, altup_coef_clip=120.0,
+    altup_correct_scale=True, altup_num_inputs=4, num_kv_shared_layers=15, laurel_rank=64,
+    activation_sparsity_pattern=None)
+
+
+def _per_layer_values(cfg: _Fields, key: str, value: Any, n: int, kind: type | tuple[type, ...]) -> list:
+    """A per-layer list of ``n`` values of ``kind`` (a single value: every layer's)."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * n
+    if len(values) != n or not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{cfg.arch}: {key} must be one number or one per layer ({n}), got {value!r}")
+    return values
+
+
+@register("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration")
+def gemma3n(config: Mapping[str, Any]) -> HybridConfig:
+    """Gemma-3n's text decoder (``Gemma3nTextModel``): Gemma-4's attention (q/k RMS norms with a weight, a weightless
+    value norm, softmax scale 1, the last ``num_kv_shared_layers`` layers reading an earlier layer's KV cache) with
+    one head dim, Gemma-3's RoPE per layer type (every 5th layer global by default), MLP widths per layer with
+    activation sparsity on the first layers (``activation_sparsity_pattern``, default 0.95 on the first 10 of more
+    than 10), per-layer inputs, ``altup_num_inputs`` AltUp streams, the Laurel branch (``laurel_rank``) and the
+    final softcap. Norms scale by w. ``altup_coef_clip`` is a training-time clamp (HF's inference ignores it)."""
+    arch = architecture_of(config)
+    cfg = _Fields(arch, _text_part(config), _GEMMA3N_TEXT_DEFAULTS)
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"] or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)]
+    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES)
+    if len(types) != n:
+        raise ValueError(f"{arch}: layer_types has {len(types)} entries for {n} layers")
+    widths = _per_layer_values(cfg, "intermediate_size", cfg["intermediate_size"], n, int)
+    sparsity = cfg["activation_sparsity_pattern"]
+    if sparsity is None:
+        sparse = 10 if n > 10 else 0
+        sparsity = [0.95] * sparse + [0.0] * (n - sparse)
+    sparsity = [float(s) for s in _per_layer_values(cfg, "activation_sparsity_pattern", sparsity, n, (float, int))]
+    ropes = _gemma3_ropes(cfg)
+    donors = _kv_donors(arch, types, cfg["num_kv_shared_layers"])
+    act = _activation(cfg["hidden_activation"], arch)
+    layers = []
+    for i, kind in enumerate(types):
+        attention = Attention(
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.kv_heads(), head_dim=cfg["head_dim"],
+            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None, rope=ropes[kind],
+            qk_norm="rms", scale=1.0, qkv_bias=cfg["attention_bias"], o_bias=cfg["attention_bias"],
+            value_norm=donors[i] is None, kv_source=donors[i])
+        mlp = MLP(intermediate_size=widths[i], activation=act, activation_sparsity=sparsity[i])
+        layers.append(Layer(mixer=attention, ffn=mlp, sandwich_norm=True))
+    per_layer = cfg["hidden_size_per_layer_input"] or 0
+    final_softcap = cfg["final_logit_softcapping"]
+    outer = config if cfg.raw is not config else None
+    tie = config.get("tie_word_embeddings", True) if outer is not None else cfg["tie_word_embeddings"]
+    altup = AltUp(num_inputs=cfg["altup_num_inputs"], active_index=cfg["altup_active_idx"],
+                  correct_scale=bool(cfg["altup_correct_scale"]))
+    return _model(cfg, layers, outer=outer, norm="rms", norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+                  final_softcap=float(final_softcap) if final_softcap else None, tie_word_embeddings=bool(tie),
+                  per_layer_input_size=per_layer,
+                  per_layer_vocab_size=cfg["vocab_size_per_layer_input"] if per_layer else None,
+                  altup=altup, laurel_rank=cfg["laurel_rank"] or 0)
 
 
 # -- Sliding-window hybrids: Cohere2 (Command-R7B), Exaone-4, Granite-SWA ------------------------------------

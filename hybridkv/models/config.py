@@ -532,7 +532,9 @@ class MLP:
     """Dense feed-forward: gated (SwiGLU / GeGLU) or plain (e.g. relu² in NemotronH).
 
     Gated: ``down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier`` (the multipliers are
-    Falcon-H1's µP factors, 1 elsewhere)."""
+    Falcon-H1's µP factors, 1 elsewhere). ``activation_sparsity`` s > 0 (Gemma-3n's first layers): the gate keeps
+    only what exceeds its per-token Gaussian s-quantile, ``relu(g - (mean(g) + std(g) * Phi^-1(s)))``, before
+    the activation."""
 
     intermediate_size: int
     activation: str = "silu"
@@ -540,12 +542,16 @@ class MLP:
     bias: bool = False
     gate_multiplier: float = 1.0
     down_multiplier: float = 1.0
+    activation_sparsity: float = 0.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive("MLP", intermediate_size=self.intermediate_size)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MLP.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not 0.0 <= self.activation_sparsity < 1.0 or (self.activation_sparsity and not self.gated):
+            raise ValueError(f"MLP.activation_sparsity must be in [0, 1) and needs a gated MLP, got "
+                             f"{self.activation_sparsity} (gated={self.gated})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -667,6 +673,27 @@ class DenseMoE:
         return self.mlp.activation
 
 
+@dataclass(frozen=True, kw_only=True)
+class AltUp:
+    """Gemma-3n's alternating updates: the residual stream is ``num_inputs`` parallel streams. The embeddings
+    become stream 0 and ``num_inputs - 1`` projections of them (rescaled to its RMS); each layer first *predicts*
+    every stream as a router-weighted mix of all of them (the router reads the stream ``active_index``), runs on
+    the active prediction only, then *corrects* every prediction by the layer's innovation (its output minus the
+    active prediction) times router-given coefficients; the per-layer input (scaled by the learned
+    ``correct_output_scale`` when ``correct_scale``) joins streams 1 onwards. The final hidden state is the mean of
+    stream 0 and the other streams' unembedding projections (each rescaled to stream 0's RMS)."""
+
+    num_inputs: int
+    active_index: int = 0
+    correct_scale: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.num_inputs < 2 or not 0 <= self.active_index < self.num_inputs:
+            raise ValueError(f"AltUp: num_inputs must be >= 2 and active_index in [0, num_inputs), got "
+                             f"{self.num_inputs}, {self.active_index}")
+
+
 Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet | KimiDeltaAttention | MultiLatentAttention
 FeedForward = MLP | MoE | DenseMoE
 
@@ -723,7 +750,11 @@ class HybridConfig:
     (``per_layer_vocab_size`` x layers * P, scaled by sqrt(P)) plus a projection of the scaled token embeddings
     (x hidden^-0.5, then an RMS norm over P), summed and scaled by 2^-0.5, gives every layer its own P-wide input;
     after its feed-forward each layer adds ``norm(proj(act(gate(x)) * input))`` (act: the first feed-forward's
-    activation). ``layer_scalar``: each layer's output is multiplied by a learned scalar (a checkpoint tensor)."""
+    activation). ``layer_scalar``: each layer's output is multiplied by a learned scalar (a checkpoint tensor).
+
+    Gemma-3n: ``altup`` (see ``AltUp``) and ``laurel_rank`` R > 0, the learned augmented residual: beside the mixer
+    every layer computes ``n + norm(right(left(n)))`` (n: the normed layer input, a rank-R bottleneck) and the
+    residual after the mixer becomes ``(h + laurel) / sqrt(2)``. Both need sandwich-normed attention + MLP layers."""
 
     vocab_size: int
     hidden_size: int
@@ -744,6 +775,8 @@ class HybridConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int | None = None
     layer_scalar: bool = False
+    altup: AltUp | None = None
+    laurel_rank: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, tuple | list) and len(self.layers) > MAX_LAYERS:   # before looking at each
@@ -770,6 +803,7 @@ class HybridConfig:
         if self.per_layer_input_size and not any(layer.ffn is not None for layer in self.layers):
             raise ValueError("HybridConfig.per_layer_input_size needs feed-forwards (their activation gates the input)")
         self._check_kv_sharing()
+        self._check_altup()
         shared: dict[int, SharedBlock] = {}
         for i, layer in enumerate(self.layers):
             block = layer.shared_block
@@ -779,6 +813,22 @@ class HybridConfig:
                         block.attention, block.mlp, block.concat_embeddings):
                     raise ValueError(f"HybridConfig.layers[{i}]: shared block {block.block_id} differs from "
                                      f"its first use; uses of one block share weights, so must match")
+
+    def _check_altup(self) -> None:
+        if self.laurel_rank < 0:
+            raise ValueError(f"HybridConfig.laurel_rank must be >= 0, got {self.laurel_rank}")
+        if self.altup is None and not self.laurel_rank:
+            return
+        if self.altup is None:
+            raise ValueError("HybridConfig.laurel_rank needs altup (Gemma-3n's layer is the only one built with it)")
+        for i, layer in enumerate(self.layers):
+            if not (isinstance(layer.mixer, Attention) and isinstance(layer.ffn, MLP | MoE) and layer.sandwich_norm
+                    and layer.pre_norm and layer.parallel_mixer is None and layer.shared_block is None
+                    and not layer.parallel_ffn):
+                raise ValueError(f"HybridConfig.layers[{i}]: altup needs sandwich-normed attention + MLP layers")
+        if self.layer_scalar or self.residual_multiplier != 1.0 or self.residual_in_fp32:
+            raise ValueError("HybridConfig.altup does not combine with layer_scalar, residual_multiplier or "
+                             "residual_in_fp32")
 
     def _check_kv_sharing(self) -> None:
         """A KV-sharing layer (``Attention.kv_source``) names an earlier attention layer that owns its cache, with
@@ -847,6 +897,8 @@ class HybridConfig:
                 check_ffn(where, ffn.moe)
                 return
             check(where, ffn.intermediate_size, f"{type(ffn).__name__}.intermediate_size")
+            if isinstance(ffn, MLP) and ffn.activation_sparsity and tp > 1:     # its statistics span the full width
+                raise ValueError(f"{where}: MLP.activation_sparsity is not supported with tensor parallelism")
             if isinstance(ffn, MoE) and ffn.shared_intermediate_size:
                 check(where, ffn.shared_intermediate_size, "MoE.shared_intermediate_size")
 
@@ -934,7 +986,7 @@ class HybridConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
         types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet,
-                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE, DenseMoE,
+                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE, DenseMoE, AltUp,
                                          SharedBlock, Layer, HybridConfig)}
 
         def decode(obj: Any, where: str) -> Any:

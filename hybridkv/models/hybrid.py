@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
+from hybridkv.layers.altup import AltUp, Laurel, collapse_streams, expand_streams
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
 from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
 from hybridkv.layers.kimi_delta import KimiDeltaAttentionLayer
@@ -82,7 +83,8 @@ def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: Tensor
 
 def _make_mlp(hidden_size: int, mlp: MLP, tp: TensorParallel) -> DenseMLP:
     return DenseMLP(hidden_size, mlp.intermediate_size, activation=mlp.activation, gated=mlp.gated,
-                    bias=mlp.bias, gate_multiplier=mlp.gate_multiplier, down_multiplier=mlp.down_multiplier, tp=tp)
+                    bias=mlp.bias, gate_multiplier=mlp.gate_multiplier, down_multiplier=mlp.down_multiplier, tp=tp,
+                    activation_sparsity=mlp.activation_sparsity)
 
 
 def _make_ffn(config: HybridConfig, ffn: object, tp: TensorParallel) -> nn.Module:
@@ -207,6 +209,9 @@ class DecoderLayer(nn.Module):
         self.per_layer = (PerLayerInput(config, _per_layer_activation(config, layer))
                           if config.per_layer_input_size else None)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalar else None
+        self.altup = AltUp(config.hidden_size, config.altup, eps=config.norm_eps) if config.altup else None
+        self.laurel = (Laurel(config.hidden_size, config.laurel_rank, eps=config.norm_eps)
+                       if config.laurel_rank else None)
 
     def cache_modules(self) -> list[nn.Module]:
         """The modules of this layer that own a cache, in execution order."""
@@ -262,6 +267,26 @@ class DecoderLayer(nn.Module):
             normed = _normed(next_norm, x, ops)
         return x, normed
 
+    def forward_altup(self, streams: torch.Tensor, positions: torch.Tensor,
+                      per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        """Gemma-3n's layer (HF ``Gemma3nTextDecoderLayer``) on (streams, num_tokens, hidden) -> the same shape:
+        predict, the sandwich-normed attention (with Laurel beside it) and MLP on the active prediction, correct,
+        then the per-layer input into streams 1 onwards."""
+        ops = current_ops()
+        altup = self.altup
+        predictions = altup.predict(streams)
+        active = predictions[altup.active]
+        normed = _normed(self.input_norm, active, ops)
+        h = active + _normed(self.post_mixer_norm, self.mixer(normed, positions), ops)
+        if self.laurel is not None:
+            h = (h + self.laurel(normed)) / math.sqrt(2)
+        out = self.ffn(_normed(self.ffn_norm, h, ops))
+        corrected = altup.correct(predictions, h + _normed(self.post_ffn_norm, out, ops))
+        if self.per_layer is not None:
+            first = altup.scale_corrected(corrected[altup.active])
+            corrected[1:] += self.per_layer.post_norm(self.per_layer(first, per_layer_input))   # HF: streams 1..
+        return corrected
+
     def _add_norm(self, post: RMSNorm | None, nxt: RMSNorm | None) -> dict:
         """``add_rms_norm`` arguments: the branch's post-norm, the next pre-norm, the residual multiplier."""
         norm = next((n for n in (post, nxt, self.input_norm, self.ffn_norm) if n is not None), None)
@@ -297,6 +322,11 @@ class HybridModel(nn.Module):
             self.embed_tokens_per_layer = nn.Embedding(config.per_layer_vocab_size or config.vocab_size, width)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.per_layer_projection_norm = _norm(config, config.per_layer_input_size)
+        if config.altup is not None:        # Gemma-3n: embeddings -> streams 1.. and back (``AltUp``), replicated
+            def projections() -> nn.ModuleList:
+                return nn.ModuleList(nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+                                     for _ in range(config.altup.num_inputs - 1))
+            self.altup_projections, self.altup_unembed_projections = projections(), projections()
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -332,6 +362,13 @@ class HybridModel(nn.Module):
         final = None if self.config.residual_in_fp32 else self.norm
         next_norms = [layer.entry_norm() for layer in layers[1:]] + [final] if layers else []
         per_layer = self._per_layer_inputs(input_ids, embeddings) if self.config.per_layer_input_size else None
+        if self.config.altup is not None:
+            streams = expand_streams(x, self.altup_projections)          # (streams, num_tokens, hidden)
+            for i, layer in enumerate(layers):
+                streams = layer.forward_altup(streams, positions, per_layer[:, i] if per_layer is not None else None)
+            x = collapse_streams(streams, self.altup_unembed_projections)
+            return current_ops().rms_norm(x, self.norm.weight, eps=self.norm.eps, gemma=self.norm.gemma,
+                                          centered=self.norm.centered)
         normed = None
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms, strict=True)):
             x, normed = layer(x, positions, embeddings, normed=normed, next_norm=next_norm,

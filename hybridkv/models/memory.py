@@ -151,6 +151,9 @@ def parameter_lower_bound(config: HybridConfig, tensor_parallel_size: int = 1) -
     # Per-layer inputs (Gemma-4): their table and projections are replicated on every rank.
     size, layers = config.per_layer_input_size, len(config.layers)
     per_layer = size * layers * ((config.per_layer_vocab_size or config.vocab_size) + 3 * hidden) if size else 0
+    # Gemma-3n's AltUp stream projections (2 per extra stream) and Laurel branches, replicated too.
+    streams = config.altup.num_inputs - 1 if config.altup is not None else 0
+    per_layer += 2 * streams * hidden * hidden + 2 * layers * hidden * config.laurel_rank
     return (total + sum(blocks.values())) // tensor_parallel_size + per_layer
 
 

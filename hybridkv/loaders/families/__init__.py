@@ -10,6 +10,7 @@ from hybridkv.loaders.families import (  # noqa: F401
     exaone4,
     falcon_h1,
     gemma,
+    gemma3n,
     gemma4,
     gpt_oss,
     granite_moe_hybrid,

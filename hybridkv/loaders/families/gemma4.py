@@ -36,7 +36,7 @@ _MODEL_LEVEL = {"embed_tokens_per_layer.weight", "per_layer_model_projection.wei
 _KV_MODULES = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
 
 
-def _decoder(name: str, config: HybridConfig) -> list[Target] | None:
+def decoder(name: str, config: HybridConfig) -> list[Target] | None:
     """A tensor of the text decoder, named relative to the HF ``Gemma4TextModel``."""
     if name.endswith(IGNORED_SUFFIXES):
         return []
@@ -65,7 +65,7 @@ def _decoder(name: str, config: HybridConfig) -> list[Target] | None:
 def gemma4_causal_lm(name: str, config: HybridConfig) -> list[Target] | None:
     if name == "lm_head.weight":
         return [Target(name="lm_head.weight")]
-    return _decoder(name.removeprefix("model."), config) if name.startswith("model.") else None
+    return decoder(name.removeprefix("model."), config) if name.startswith("model.") else None
 
 
 @register_weight_map("Gemma4ForConditionalGeneration")
@@ -74,7 +74,7 @@ def gemma4_conditional_generation(name: str, config: HybridConfig) -> list[Targe
         return [Target(name="lm_head.weight")]
     for prefix in ("model.language_model.", "language_model.model."):
         if name.startswith(prefix):
-            return _decoder(name.removeprefix(prefix), config)
+            return decoder(name.removeprefix(prefix), config)
     if name.startswith(("model.", "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")):
         return []                               # vision / audio towers and their embedders
     return None
