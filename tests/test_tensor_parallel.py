@@ -76,8 +76,13 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # gpt-oss ~11 s, Qwen3-Next ~16 s, Qwen3.5 ~12 s, OLMo-Hybrid ~26 s; LFM2-MoE's sharded experts are those of the
 # other MoE families, its short convs LFM2's (quick); Jamba's, Zamba2's and Bamba's Mamba and attention shards are
 # NemotronH's and Falcon-H1's (quick). Qwen3.5-MoE's and the multimodal Qwen3.5's shards are Qwen3.5's and
-# Qwen3-Next's, OLMo-Hybrid NoPE's OLMo-Hybrid's: their loading is checked below, not served again.
-_TP2_SLOW = ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba", "qwen3_5", "olmo_hybrid")
+# Qwen3-Next's, OLMo-Hybrid NoPE's OLMo-Hybrid's: their loading is checked below, not served again. Falcon-H1 with
+# its gated norm and the Granite hybrids shard as Falcon-H1, NemotronH and the MoE families do; the multimodal
+# wrappers' decoders are Llama-4's and Gemma-3's; Mistral's, Cohere2's, EXAONE-4's and Granite-SWA's attention
+# shards are Gemma-2's and Gemma-3's (full and sliding, q/k norms, sinks in gpt-oss): each quick elsewhere.
+_TP2_SLOW = ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba", "qwen3_5", "olmo_hybrid",
+             "falcon_h1_gated_norm", "granite_dense_rope", "granite_moe_hybrid", "llama4_multimodal",
+             "gemma3_multimodal", "mistral", "cohere2", "exaone4", "granite_swa")
 _TP2_SHARDS_ONLY = ("qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid_nope")
 
 
