@@ -6,12 +6,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _hf_models as hf_models
 import torch
+from transformers import PreTrainedModel
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.model_runner import reference_logits
+from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
 TOL = 1e-4
+
+
+def hf_checkpoint(name: str, seed: int, directory: Path, prompts: list[list[int]], *, new_tokens: int
+                  ) -> tuple[str, PreTrainedModel, Path, dict]:
+    """The family ``name``'s tiny HF model (``seed``) saved in ``directory``, and HF's greedy tokens and logits per
+    prompt: (name, the HF model, its checkpoint, prompt -> (tokens, (len, vocab) logits))."""
+    hf = hf_models.FAMILIES[name](seed)
+    path = hf_models.save(hf, directory)
+    expected = {}
+    for prompt in prompts:
+        tokens = hf_models.hf_greedy(hf, prompt, new_tokens)
+        expected[tuple(prompt)] = (tokens, hf_models.full_logits(hf, prompt + tokens))
+    return name, hf, path, expected
+
+
+def check_reference_forward(hf: PreTrainedModel, path: Path, prompts: list[list[int]], *, label: str = "") -> None:
+    """The loaded model alone (one no-cache forward per prompt), independent of the engine, within ``TOL``."""
+    model = load_hf_checkpoint(path, dtype=torch.float32, device="cpu")
+    for prompt in prompts:
+        diff = (reference_logits(model, prompt) - hf_models.full_logits(hf, prompt)).abs().max().item()
+        assert diff <= TOL, f"{label}max |logit diff| {diff}"
 
 
 def tiny_llm(path: Path, **kwargs) -> LLM:
@@ -50,6 +74,27 @@ def check_engine_matches_hf(path: Path, prompts: list[list[int]], expected: dict
     assert hits > 0 if prefix_caching else hits == 0
     sequence = prompts[2] + expected[tuple(prompts[2])][0]
     assert (reference_logits(llm.model, sequence) - expected[tuple(prompts[2])][1]).abs().max().item() <= TOL
+
+
+def check_triton_graphs_match_hf(name: str, path: Path, prompts: list[list[int]], expected: dict, *, new_tokens: int,
+                                 graphs_capture: bool = True) -> None:
+    """On CUDA with the triton backend, eager steps and decode steps captured as CUDA graphs (``graphs_capture``:
+    the graphs are built), with prefix caching, give HF's tokens and logprobs on both passes."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=5)
+    for graphs in (False, True):
+        llm = LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cuda", backend="triton",
+                  kv_cache_memory="8MiB", enable_prefix_caching=True, cuda_graphs=graphs)
+        if graphs_capture:
+            assert (llm.engine.runner.graphs is not None) == graphs
+        for rerun in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            for prompt, out in zip(prompts, outs, strict=True):
+                where = f"{name}: prompt of {len(prompt)}, pass {rerun}, cuda graphs {graphs}"
+                assert out.error is None, out.error
+                tokens, full = expected[tuple(prompt)]
+                assert list(out.outputs[0].token_ids) == tokens, where
+                check_logprobs(out, prompt, tokens, full, where)
+        assert llm.stats().prefix_hit_tokens > 0
 
 
 def check_prompt_logprobs(path: Path, prompt: list[int], expected: dict, *, label: str = "") -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import _hf_models as hf_models
 import pytest
 import torch
+from _parity import check_reference_forward
 from transformers import PreTrainedModel
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.model_runner import reference_logits
-from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
 TOL = 1e-4
 NEW_TOKENS = 32
@@ -99,7 +99,4 @@ def test_engine_matches_hf(checkpoint: tuple[str, PreTrainedModel, Path]) -> Non
 def test_reference_forward_matches_hf(checkpoint: tuple[str, PreTrainedModel, Path]) -> None:
     """The loaded model alone (single no-cache prefill per step), independent of the engine."""
     name, hf, path = checkpoint
-    model = load_hf_checkpoint(path, dtype=torch.float32, device="cpu")
-    for prompt in _prompts():
-        diff = (reference_logits(model, prompt) - hf_models.full_logits(hf, prompt)).abs().max().item()
-        assert diff <= TOL, f"{name}: max |logit diff| {diff}"
+    check_reference_forward(hf, path, _prompts(), label=f"{name}: ")

@@ -19,11 +19,8 @@ from pathlib import Path
 import _hf_models as hf_models
 import pytest
 import torch
-from _parity import TOL, check_engine_matches_hf, check_prompt_logprobs
+from _parity import check_engine_matches_hf, check_prompt_logprobs, check_reference_forward
 from transformers import PreTrainedModel
-
-from hybridkv.engine.model_runner import reference_logits
-from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
 NEW_TOKENS = 32
 SEED = 0           # greedy output stays diverse (no single-token attractor) for these prompts
@@ -63,7 +60,4 @@ def test_prompt_logprobs_match_hf(checkpoint: tuple[PreTrainedModel, Path, dict]
 def test_reference_forward_matches_hf(checkpoint: tuple[PreTrainedModel, Path, dict]) -> None:
     """The loaded model alone (one no-cache forward), independent of the engine."""
     hf, path, _ = checkpoint
-    model = load_hf_checkpoint(path, dtype=torch.float32, device="cpu")
-    for prompt in _prompts():
-        diff = (reference_logits(model, prompt) - hf_models.full_logits(hf, prompt)).abs().max().item()
-        assert diff <= TOL, f"max |logit diff| {diff}"
+    check_reference_forward(hf, path, _prompts())

@@ -20,12 +20,14 @@ from pathlib import Path
 import _hf_models as hf_models
 import pytest
 import torch
-from _parity import TOL, check_engine_matches_hf, check_logprobs, check_prompt_logprobs
+from _parity import (
+    check_engine_matches_hf,
+    check_prompt_logprobs,
+    check_reference_forward,
+    check_triton_graphs_match_hf,
+    hf_checkpoint,
+)
 from transformers import PreTrainedModel
-
-from hybridkv import LLM, SamplingParams
-from hybridkv.engine.model_runner import reference_logits
-from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
 NEW_TOKENS = 32
 # family -> seed: greedy output stays diverse (no single-token attractor) for these prompts.
@@ -46,14 +48,8 @@ QUICK = ("cohere2",)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[str, PreTrainedModel, Path, dict]:
     """The family, the HF model, its checkpoint, and HF's greedy tokens and logits per prompt."""
-    name = request.param
-    hf = hf_models.FAMILIES[name](SEEDS[name])
-    path = hf_models.save(hf, tmp_path_factory.mktemp(name))
-    expected = {}
-    for prompt in _prompts():
-        tokens = hf_models.hf_greedy(hf, prompt, NEW_TOKENS)
-        expected[tuple(prompt)] = (tokens, hf_models.full_logits(hf, prompt + tokens))
-    return name, hf, path, expected
+    return hf_checkpoint(request.param, SEEDS[request.param], tmp_path_factory.mktemp(request.param), _prompts(),
+                         new_tokens=NEW_TOKENS)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -72,10 +68,7 @@ def test_prompt_logprobs_match_hf(checkpoint: tuple[str, PreTrainedModel, Path, 
 def test_reference_forward_matches_hf(checkpoint: tuple[str, PreTrainedModel, Path, dict]) -> None:
     """The loaded model alone (one no-cache forward), independent of the engine."""
     name, hf, path, _ = checkpoint
-    model = load_hf_checkpoint(path, dtype=torch.float32, device="cpu")
-    for prompt in _prompts():
-        diff = (reference_logits(model, prompt) - hf_models.full_logits(hf, prompt)).abs().max().item()
-        assert diff <= TOL, f"{name}: max |logit diff| {diff}"
+    check_reference_forward(hf, path, _prompts(), label=f"{name}: ")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -84,17 +77,4 @@ def test_triton_backend_and_cuda_graphs_on_gpu_match_hf(checkpoint: tuple[str, P
     ieee precision): eager steps and decode steps captured as CUDA graphs, with prefix caching, both give HF's tokens
     and log-probabilities within 1e-4."""
     name, _, path, expected = checkpoint
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    prompts = _prompts()
-    for graphs in (False, True):
-        llm = LLM(path, block_size=4, max_num_batched_tokens=8, dtype="float32", device="cuda", backend="triton",
-                  kv_cache_memory="8MiB", enable_prefix_caching=True, cuda_graphs=graphs)
-        for rerun in range(2):
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            for prompt, out in zip(prompts, outs, strict=True):
-                where = f"{name}: prompt of {len(prompt)}, pass {rerun}, cuda graphs {graphs}"
-                assert out.error is None, out.error
-                tokens, full = expected[tuple(prompt)]
-                assert list(out.outputs[0].token_ids) == tokens, where
-                check_logprobs(out, prompt, tokens, full, where)
-        assert llm.stats().prefix_hit_tokens > 0
+    check_triton_graphs_match_hf(name, path, _prompts(), expected, new_tokens=NEW_TOKENS, graphs_capture=False)
