@@ -214,3 +214,25 @@ def schedule(n: int, prefill_chunks: Sequence[int], num_decodes: int) -> list[in
     if rest < 0:
         raise ValueError(f"schedule: {list(prefill_chunks)} + {num_decodes} decodes exceed {n} tokens")
     return [*prefill_chunks, *([rest] if rest else []), *([1] * num_decodes)]
+
+
+def torch_and_triton_outputs(layer: nn.Module, xs: dict[str, torch.Tensor], steps: list[dict[str, int]], *,
+                             max_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer`` stepped through ``steps`` (request -> tokens this step, rows of ``xs[request]`` in order) on the
+    torch backend, then on the triton backend: each run's outputs, concatenated in step and request order."""
+    from hybridkv.backends.triton_backend import triton_backend
+
+    outs = []
+    for backend in ("torch", "triton"):
+        harness = LayerHarness(layer, max_len=max_len, max_reqs=len(xs), seed=seed)
+        if backend == "triton":
+            harness.backend = triton_backend()
+        done, got = dict.fromkeys(xs, 0), []
+        for step in steps:
+            out = harness.step({r: xs[r][done[r]:done[r] + n] for r, n in step.items()})
+            got += [out[r] for r in sorted(out)]
+            for r, n in step.items():
+                done[r] += n
+        outs.append(torch.cat(got))
+    return outs[0], outs[1]
+

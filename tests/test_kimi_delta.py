@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _layer_harness import LayerHarness
+from _layer_harness import LayerHarness, torch_and_triton_outputs
 from _triton import gpu
 from test_layers_vs_hf import SCHEDULES, SEQ, assert_batched_equals_one_by_one, assert_close, hidden, randomize
 
@@ -129,23 +129,10 @@ def test_kda_layer_triton_backend_equals_torch() -> None:
     """The real call sites (strided q/k/v views of the conv output, A_log / dt_bias views, the raw per-channel gate,
     decodes first) through the triton backend's conv1d and KDA kernels (interpreted without a GPU) on mixed steps of
     decodes, fresh prefills and chunked-prefill continuations, against the torch backend."""
-    from hybridkv.backends.triton_backend import triton_backend
-
     layer, _ = build(seed=13)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layer = layer.to(device)
     steps = [{"a": 6, "b": 3}, {"a": 1, "b": 11, "c": 5}, {"c": 1, "a": 1, "b": 4}]
     xs = {r: hidden(24, H, seed=20 + i).to(device) for i, r in enumerate("abc")}
-    outs = []
-    for backend in ("torch", "triton"):
-        harness = LayerHarness(layer, max_len=24, max_reqs=3, seed=14)
-        if backend == "triton":
-            harness.backend = triton_backend()
-        done, got = dict.fromkeys("abc", 0), []
-        for step in steps:
-            out = harness.step({r: xs[r][done[r]:done[r] + n] for r, n in step.items()})
-            got += [out[r] for r in sorted(out)]
-            for r, n in step.items():
-                done[r] += n
-        outs.append(torch.cat(got))
+    outs = torch_and_triton_outputs(layer, xs, steps, max_len=24, seed=14)
     assert_close(outs[1], outs[0], atol=1e-4)

@@ -373,9 +373,8 @@ def test_backend_wires_the_kernels():
 def test_mamba2_layer_triton_equals_torch_backend():
     """The real call sites (``Mamba2Layer.forward``: strided splits, Parameter D / dt_bias, decodes first)
     on mixed steps of decodes, fresh prefills and chunked-prefill continuations, torch vs triton backend."""
-    from _layer_harness import LayerHarness
+    from _layer_harness import torch_and_triton_outputs
 
-    from hybridkv.backends.triton_backend import triton_backend
     from hybridkv.layers.mamba2 import Mamba2Layer
     from hybridkv.models.config import Mamba2
 
@@ -390,18 +389,7 @@ def test_mamba2_layer_triton_equals_torch_backend():
     layer = layer.to(DEVICE)
     steps = [{"a": 6, "b": 3}, {"a": 1, "b": 19, "c": 5}, {"c": 1, "a": 1, "b": 4}, {"b": 1, "a": 1, "c": 9}]
     xs = {r: torch.randn(40, 32, generator=torch.Generator().manual_seed(i)) for i, r in enumerate("abc")}
-    outs = []
-    for backend in ("torch", "triton"):
-        h = LayerHarness(layer, max_len=40, max_reqs=3, seed=5)
-        if backend == "triton":
-            h.backend = triton_backend()
-        done, got = dict.fromkeys("abc", 0), []
-        for step in steps:
-            out = h.step({r: xs[r][done[r]:done[r] + n] for r, n in step.items()})
-            got += [out[r] for r in sorted(out)]
-            for r, n in step.items():
-                done[r] += n
-        outs.append(torch.cat(got))
+    outs = torch_and_triton_outputs(layer, xs, steps, max_len=40, seed=5)
     assert torch.isfinite(outs[1]).all()
     _close(outs[1], outs[0], 1e-4)
 
