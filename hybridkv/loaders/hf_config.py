@@ -295,13 +295,17 @@ def _rope_params(cfg: _Fields) -> dict[str, Any]:
     return params
 
 
-def _check_layer_types(arch: str, types: Iterable[str], allowed: Iterable[str]) -> list[str]:
+def _check_layer_types(arch: str, types: Iterable[str], allowed: Iterable[str], *, count: int | None = None,
+                       key: str = "layer_types") -> list[str]:
+    """``types`` as a list, each one of ``allowed``, and (``count``) one per layer."""
     allowed = tuple(allowed)
     types = list(types)
     for i, kind in enumerate(types):
         if kind not in allowed:
             raise ValueError(f"{arch}: layer {i} has unknown layer type {kind!r} (expected one of "
                              f"{', '.join(allowed)})")
+    if count is not None and len(types) != count:
+        raise ValueError(f"{arch}: {key} has {len(types)} entries for {count} layers")
     return types
 
 
@@ -573,9 +577,7 @@ def gemma4(config: Mapping[str, Any]) -> HybridConfig:
         raise ValueError(f"{arch}: use_bidirectional_attention='all' is not supported (not a causal decoder)")
     n = cfg["num_hidden_layers"]
     types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES)
-    if len(types) != n:
-        raise ValueError(f"{arch}: layer_types has {len(types)} entries for {n} layers")
+    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES, count=n)
     types[-1] = "full_attention"                              # HF forces the last layer global
     ropes = {kind: _gemma4_rope(params) for kind, params in {**_GEMMA4_ROPE, **(cfg["rope_parameters"] or {})}.items()}
     shapes = _gemma4_layer_shapes(cfg, types)
@@ -641,9 +643,7 @@ def gemma3n(config: Mapping[str, Any]) -> HybridConfig:
     cfg = _Fields(arch, _text_part(config), _GEMMA3N_TEXT_DEFAULTS)
     n = cfg["num_hidden_layers"]
     types = cfg["layer_types"] or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)]
-    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES)
-    if len(types) != n:
-        raise ValueError(f"{arch}: layer_types has {len(types)} entries for {n} layers")
+    types = _check_layer_types(arch, types[:n], _GEMMA_LAYER_TYPES, count=n)
     widths = _per_layer_values(cfg, "intermediate_size", cfg["intermediate_size"], n, int)
     sparsity = cfg["activation_sparsity_pattern"]
     if sparsity is None:
@@ -1097,9 +1097,7 @@ def granite_moe_hybrid(config: Mapping[str, Any]) -> HybridConfig:
     n = cfg["num_hidden_layers"]
     legacy = {"mamba": "linear_attention", "attention": "full_attention"}
     types = [legacy.get(t, t) for t in cfg["layer_types"] or ["linear_attention"] * n]
-    types = _check_layer_types(cfg.arch, types, ("linear_attention", "full_attention"))
-    if len(types) != n:
-        raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+    types = _check_layer_types(cfg.arch, types, ("linear_attention", "full_attention"), count=n)
     _check_silu(cfg, "hidden_act")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     heads_m, head_dim_m = _mamba_heads(cfg, cfg["mamba_expand"] * hidden, "mamba_n_heads", "mamba_d_head")
@@ -1194,9 +1192,7 @@ def _lfm2_layer_types(cfg: _Fields) -> list[str]:
     HF's ``Lfm2Config``) and "conv" elsewhere."""
     n = cfg["num_hidden_layers"]
     if cfg["layer_types"] is not None:
-        types = _check_layer_types(cfg.arch, cfg["layer_types"], _LFM2_TYPES)
-        if len(types) != n:
-            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _LFM2_TYPES, count=n)
         return types
     idxs = cfg["full_attn_idxs"]
     attention = set(range(n)) if idxs is None else set(idxs)
@@ -1302,9 +1298,7 @@ def _qwen3_next_mixers(cfg: _Fields, projections: str) -> list[Attention | Gated
                          f"the MLPs use it; released checkpoints use 'silu')")
     n = cfg["num_hidden_layers"]
     if cfg["layer_types"] is not None:
-        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES)
-        if len(types) != n:
-            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES, count=n)
     else:
         interval = cfg["full_attention_interval"]
         if not isinstance(interval, int) or interval < 1:
@@ -1428,9 +1422,8 @@ def kimi_linear(config: Mapping[str, Any]) -> HybridConfig:
     types = _kimi_linear_layer_types(cfg, linear)
     n = cfg["num_hidden_layers"]
     if cfg["mlp_layer_types"] is not None:
-        mlp_types = _check_layer_types(cfg.arch, cfg["mlp_layer_types"], _KIMI_LINEAR_MLP_TYPES)
-        if len(mlp_types) != n:
-            raise ValueError(f"{cfg.arch}: mlp_layer_types has {len(mlp_types)} entries for {n} layers")
+        mlp_types = _check_layer_types(cfg.arch, cfg["mlp_layer_types"], _KIMI_LINEAR_MLP_TYPES, count=n,
+                                       key="mlp_layer_types")
     else:
         mlp_types = ["dense" if i < cfg["first_k_dense_replace"] else "sparse" for i in range(n)]
     kda = KimiDeltaAttention(num_heads=linear.get("num_heads", cfg["linear_num_heads"]),
@@ -1500,9 +1493,7 @@ def _olmo_hybrid_types(cfg: _Fields) -> list[str]:
     that gives none); at least one layer of each kind, as HF's config requires."""
     n = cfg["num_hidden_layers"]
     if cfg["layer_types"] is not None:
-        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES)
-        if len(types) != n:
-            raise ValueError(f"{cfg.arch}: layer_types has {len(types)} entries for {n} layers")
+        types = _check_layer_types(cfg.arch, cfg["layer_types"], _QWEN3_NEXT_TYPES, count=n)
     else:
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
         if "full_attention" not in types:
