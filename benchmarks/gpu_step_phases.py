@@ -9,11 +9,17 @@ graphs, ``max_num_seqs=64``, 512-token prompts, greedy. "replay-only" replays th
 back to back (GPU time of the forward, no host work); execute minus replay-only is the host work the runner
 does before the replay. The synced phases add their sync overheads, so they sum to more than a plain step.
 Prints one line per (family, batch); CUDA only.
+
+``--mixed P``: the steps measured are mixed, as under serving traffic: ``batch`` decodes plus one new request of P
+prompt tokens each step, with the mixed-step graphs (``engine/mixed_graphs.py``) and without (eager); besides the
+phases, the GPU kernel time per step (torch profiler) and the host work that takes the most time of such steps
+(cProfile, and torch profiler's host ops), to tell a host-bound mixed step from a device-bound one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -42,21 +48,8 @@ def ms_per_call(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def measure(eng, family: str, batch: int) -> str:
-    from hybridkv import SamplingParams
-
-    rng = np.random.default_rng(batch)
-    for i in range(batch):
-        eng.add_request(f"{family}{batch}-{i}", rng.integers(10, 30000, 512).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
-    while any(len(r.token_ids) <= 513 for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
-    for _ in range(3):
-        eng.step()
-    step = ms_per_call(lambda: eng.step(only_finished=True), 20)      # as LLM.generate drives it
-    graphs = eng.runner.graphs
-    graph, _, _ = graphs._graphs[graphs.bucket_for(batch)]
-    replay = ms_per_call(graph.replay, 50)
+def synced_phases(eng, step, n: int) -> tuple[float, str]:
+    """Mean ms of ``n`` calls of ``step`` with the device synced around each phase, and the phases' ms."""
     owners = {"scheduler": eng.scheduler, "engine": eng, "runner": eng.runner, "coordinator": eng.coordinator}
     spent: dict[str, float] = {}
 
@@ -72,27 +65,129 @@ def measure(eng, family: str, batch: int) -> str:
 
     for owner, name in PHASES:
         setattr(owners[owner], name, timed(name, getattr(owners[owner], name)))
-    total = ms_per_call(lambda: eng.step(only_finished=True), 10)
-    for owner, name in PHASES:
-        delattr(owners[owner], name)
+    try:
+        total = ms_per_call(step, n)
+    finally:
+        for owner, name in PHASES:
+            delattr(owners[owner], name)
+    return total, " ".join(f"{k.lstrip('_')}={v / n * 1e3:.3f}" for k, v in spent.items())
+
+
+def measure(eng, family: str, batch: int) -> str:
+    from hybridkv import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        eng.add_request(f"{family}{batch}-{i}", rng.integers(10, 30000, 512).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+    while any(len(r.token_ids) <= 513 for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    step = ms_per_call(lambda: eng.step(only_finished=True), 20)      # as LLM.generate drives it
+    graphs = eng.runner.graphs
+    graph, _, _ = graphs._graphs[graphs.bucket_for(batch)]
+    replay = ms_per_call(graph.replay, 50)
+    total, phases = synced_phases(eng, lambda: eng.step(only_finished=True), 10)
     while eng.has_unfinished:
         eng.step()
-    phases = " ".join(f"{k.lstrip('_')}={v / 10 * 1e3:.3f}" for k, v in spent.items())
     return (f"{family} B={batch}: step {step:.2f} ms, replay-only {replay:.2f} ms | synced phases (ms): {phases} "
             f"total={total:.2f}")
+
+
+def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -> str:
+    """``batch`` running decodes, then ``steps`` mixed steps, each adding one ``prefill``-token request that
+    finishes in its prefill step (so the decode batch stays ``batch``)."""
+    import cProfile
+    import io
+    import pstats
+
+    from hybridkv import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    vocab = min(30000, eng.vocab_size)
+    for i in range(batch):
+        eng.add_request(f"{family}{batch}-{i}", rng.integers(10, vocab, 512).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+    while eng.scheduler.waiting or any(len(r.token_ids) <= 513 for r in eng.scheduler.running):
+        eng.step()
+    counter = iter(range(10**9))
+
+    def mixed_step() -> None:
+        eng.add_request(f"p{family}{batch}-{next(counter)}", rng.integers(10, vocab, prefill).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        eng.step(only_finished=True)
+
+    for _ in range(3):
+        mixed_step()
+    step = ms_per_call(mixed_step, steps)
+    runner = eng.runner
+    mixed_graphs, runner.mixed_graphs = runner.mixed_graphs, None
+    try:
+        eager = ms_per_call(mixed_step, steps)              # the same steps without the mixed-step graphs
+    finally:
+        runner.mixed_graphs = mixed_graphs
+    decode = ms_per_call(lambda: eng.step(only_finished=True), steps)
+    synced, phases = synced_phases(eng, mixed_step, steps)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            mixed_step()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3 / steps
+    heavy = ", ".join(f"{n} {t:.3f}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:8])
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        mixed_step()
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    top = "\n".join(line for line in text.getvalue().splitlines() if line.strip()[:1].isdigit())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            mixed_step()
+        sync()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48)
+    for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        eng.abort(r.request_id)
+    while eng.has_unfinished:
+        eng.step()
+    graphed = "graphed" if mixed_graphs is not None else "eager: no mixed-step graphs"
+    return (f"{family} B={batch} +{prefill} prompt tokens: mixed step {step:.2f} ms ({graphed}; eager "
+            f"{eager:.2f} ms; decode-only {decode:.2f} ms), "
+            f"GPU kernels {gpu_ms:.2f} ms/step, {len(kernels) / steps:.0f} kernels/step\n"
+            f"heaviest kernels (ms/step): {heavy}\n"
+            f"synced phases (ms): {phases} total={synced:.2f}\n"
+            f"host functions by own time over {steps} mixed steps (cProfile, ncalls tottime percall cumtime):\n{top}\n"
+            f"host ops by own CPU time over {steps} mixed steps (torch profiler):\n{table}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="llama4,gemma3,mamba2,nemotronh")
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--mixed", type=int, default=0, help="measure mixed steps with this many prompt tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_phases.py needs a CUDA device")
     for family in args.families.split(","):
-        llm = random_llm(family, max_num_seqs=64)
-        for batch in (int(b) for b in args.batches.split(",")):
-            print(measure(llm.engine, family, batch), flush=True)
+        batches = [int(b) for b in args.batches.split(",")]
+        llm = random_llm(family, max_num_seqs=max(64, max(batches) + 8))
+        for batch in batches:
+            if args.mixed:
+                print(measure_mixed(llm.engine, family, batch, args.mixed), flush=True)
+            else:
+                print(measure(llm.engine, family, batch), flush=True)
+        llm.shutdown()
+        del llm                     # (its KV cache took 80% of free memory: give it back before the next family)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

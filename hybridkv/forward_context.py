@@ -7,14 +7,25 @@ concurrent (thread-local / task-local) steps cannot leak into each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from hybridkv.backends.registry import KernelBackend, torch_backend
+
+
+class GraphBreaks(Protocol):
+    """What a mixed-step graph capture puts in the context (``engine/mixed_graphs.py``): called instead of each
+    ``metadata_op``, it ends the graph being captured, records the op, starts the next graph and returns the
+    tensor the op will write at each replay."""
+
+    def __call__(self, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...],
+                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +35,7 @@ class ForwardContext:
 
     inputs: Mapping[str, Any]
     backend: KernelBackend
+    graph_breaks: GraphBreaks | None = None
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("hybridkv_forward_context", default=None)
@@ -44,6 +56,22 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError("a cache-using layer ran outside a step: wrap the forward in "
                            "`with forward_context(...)` (the model runner does this)")
     return ctx
+
+
+def metadata_op(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    """``fn(*tensors)``: the part of a layer's forward that reads the step's inputs (its group's ``inputs`` here:
+    KV writes, attention, state-slot updates), returning a ``shape`` / ``dtype`` tensor. Each tensor's first
+    dimension is the step's tokens, and so is the result's; ``fn`` reads the context when it runs, not before.
+    Use the result before the second ``metadata_op`` call after this one: that call may overwrite it.
+
+    A layer keeps every other part of its forward free of step inputs, so the mixed-step graphs
+    (``engine/mixed_graphs.py``) can capture it for a padded token count: they break the graph at each of these
+    calls and run ``fn`` eagerly on the step's real tokens at each replay. Elsewhere a plain call."""
+    ctx = _CURRENT.get()
+    if ctx is None or ctx.graph_breaks is None:
+        return fn(*tensors)
+    return ctx.graph_breaks(fn, tensors, shape, dtype)
 
 
 @cache

@@ -307,7 +307,7 @@ def test_nonfinite_logits_under_cuda_graphs(graphs: bool) -> None:
     first, *continuations = tokens(make(build()).generate(batch, GREEDY, use_tqdm=False))
     other = {*PROMPTS[0], *first}
     for j, (prompt, cont) in enumerate(zip(candidates, continuations, strict=True)):  # noqa: B007 (read after)
-        k, poison = next(((k, t) for k, t in enumerate(cont) if k >= 1 and t not in other
+        k, poison = next(((k, t) for k, t in enumerate(cont) if 1 <= k < len(cont) - 1 and t not in other
                           and t not in (*prompt, *cont[:k])), (None, None))
         if poison is not None:
             break

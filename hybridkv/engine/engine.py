@@ -150,7 +150,8 @@ class LLMEngine:
             max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
             self.coordinator)
         self.runner = runner if runner is not None else ModelRunner(
-            model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
+            model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens)
         # where the step's device tensors live: the runner's (a stand-in runner may hold no model), else the model's
         self.device = getattr(self.runner, "device", None) or next(model.parameters()).device
         self._seeds = np.random.default_rng(seed)

@@ -22,6 +22,7 @@ import torch
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
+from hybridkv.engine.mixed_graphs import MixedStepGraphs, mixed_buckets, unsupported_for_mixed_graphs
 from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -153,10 +154,13 @@ class StepRunner(Protocol):
 
 class ModelRunner:
     """``cuda_graphs``: capture decode steps (``engine/cuda_graphs.py``) for batch sizes up to
-    ``max_num_seqs``; None = when the device is CUDA and the backend allows it (logged either way)."""
+    ``max_num_seqs``, and the other steps in pieces (``engine/mixed_graphs.py``) up to ``max_num_batched_tokens``
+    tokens where every layer allows it; None = when the device is CUDA and the backend allows it (logged either
+    way)."""
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, backend: str | KernelBackend = "auto",
-                 cuda_graphs: bool | None = None, max_num_seqs: int = 256) -> None:
+                 cuda_graphs: bool | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.model = model
         self.plan = plan
         self.device = next(model.parameters()).device
@@ -180,18 +184,24 @@ class ModelRunner:
             else:                                     # state slots: one tensor per state
                 module.bind_cache(*tensors)
         self._decode_constants = _DecodeConstants()
-        self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs)
+        reason = self._graphs_unsupported()
+        self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs, reason)
+        self.mixed_graphs = (self._capture_mixed(max_num_batched_tokens)
+                             if cuda_graphs is not False and reason is None else None)
 
-    def _capture_graphs(self, wanted: bool | None, max_num_seqs: int) -> DecodeGraphs | None:
+    def _graphs_unsupported(self) -> str | None:
+        """Why no CUDA graph can run here; None when they can."""
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}"
+        if not self.backend.cuda_graph_safe:
+            return f"kernel backend {self.backend.name!r} reads host metadata inside its ops"
+        if self.model.tp.size > 1:
+            return "tensor parallelism is not supported with CUDA graphs yet"
+        return None
+
+    def _capture_graphs(self, wanted: bool | None, max_num_seqs: int, reason: str | None) -> DecodeGraphs | None:
         if wanted is False:
             return None
-        reason = None
-        if self.device.type != "cuda":
-            reason = f"the device is {self.device.type}"
-        elif not self.backend.cuda_graph_safe:
-            reason = f"kernel backend {self.backend.name!r} reads host metadata inside its ops"
-        elif self.model.tp.size > 1:
-            reason = "tensor parallelism is not supported with CUDA graphs yet"
         if reason is not None:
             if wanted:
                 raise ValueError(f"cuda_graphs=True: {reason}")
@@ -200,10 +210,27 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.plan, self.backend, buckets=default_buckets(max_num_seqs))
         try:
             graphs.capture()
-        except (RuntimeError, UnsupportedConfig) as e:   # an op that syncs, or one that refuses this config
+        except (RuntimeError, UnsupportedConfig, ValueError) as e:   # an op that syncs or refuses this config
+            # (ValueError: a reference op refusing the padded rows' shared null state slot, e.g. Mamba-1's update)
             if wanted:
                 raise RuntimeError(f"cuda_graphs=True: capturing the decode step failed: {e}") from e
             logger.warning("CUDA graphs off: capturing the decode step failed (%s)", str(e).splitlines()[0])
+            return None
+        return graphs
+
+    def _capture_mixed(self, max_num_batched_tokens: int) -> MixedStepGraphs | None:
+        """The mixed-step graphs (whether or not the decode graphs captured: their metadata ops run eagerly, so a
+        model whose decode step cannot be captured still runs its other steps in pieces)."""
+        reason = unsupported_for_mixed_graphs(self.model)
+        if reason is not None:
+            logger.info("CUDA graphs for mixed steps off: %s", reason)
+            return None
+        graphs = MixedStepGraphs(self.model, self.backend, buckets=mixed_buckets(max_num_batched_tokens))
+        try:
+            graphs.capture()
+        except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
+            # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
+            logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(e).splitlines()[0])
             return None
         return graphs
 
@@ -280,7 +307,8 @@ class ModelRunner:
             cam = CommonAttentionMetadata(
                 query_start_loc=qsl_dev, query_start_loc_cpu=qsl, seq_lens=seq_dev, seq_lens_cpu=seq,
                 num_computed_tokens_cpu=computed, key_start=key_start_dev, key_start_cpu=key_start,
-                block_table_tensor=to_dev(table), block_table_cpu=table,
+                block_table_tensor=to_dev(_pad_columns(table) if device.type == "cuda" else table),
+                block_table_cpu=table,
                 slot_mapping=to_dev(slots), block_size=bs, num_reqs=n, num_actual_tokens=num_tokens,
                 max_query_len=max_query_len, max_seq_len=max_seq)
             if debug:
@@ -322,8 +350,13 @@ class ModelRunner:
             ids = take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
         positions = host_to_device(batch.positions(), self.device)
         index = host_to_device(np.ascontiguousarray(batch.logits_indices, dtype=np.int64), self.device)
+        mixed = self.mixed_graphs
         with forward_context(self.build_context(batch)):      # the head too runs on the step's backend
-            hidden = self.model(ids, positions).index_select(0, index)
+            if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is not None:
+                hidden = mixed.run(ids, positions)
+            else:
+                hidden = self.model(ids, positions)
+            hidden = hidden.index_select(0, index)
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
                 if out is None:
@@ -347,6 +380,17 @@ class ModelRunner:
             for name in group.layer_names:
                 for state in self.caches[name]:
                     state[dst] = state[src]
+
+
+def _pad_columns(table: np.ndarray) -> np.ndarray:
+    """``table`` with null columns up to a multiple of 16: the Triton kernels specialize on the row stride, and
+    a step's varying width would otherwise be padded on the device by every layer of the group."""
+    extra = -table.shape[1] % 16
+    if not extra:
+        return table
+    out = np.zeros((table.shape[0], table.shape[1] + extra), np.int32)
+    out[:, :table.shape[1]] = table
+    return out
 
 
 def out_of_memory_message(what: str, asked: int | None, device: torch.device) -> str:

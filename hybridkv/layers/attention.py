@@ -26,10 +26,12 @@ wrote this step's keys before it runs).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from hybridkv.forward_context import get_forward_context
+from hybridkv.forward_context import current_ops, get_forward_context, metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedLinears, RowParallelLinear
 from hybridkv.layers.norms import AcrossHeadsRMSNorm, RMSNorm
 from hybridkv.layers.ops.fused_ref import QKPrep
@@ -41,6 +43,8 @@ from hybridkv.models.config import Attention
 class AttentionLayer(nn.Module):
     """``hidden_size`` is the input width; ``out_size`` (default: the same) the output width (Zamba2's
     shared attention reads concat(hidden, embeddings), 2 * hidden wide, and writes hidden)."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: Attention, *, cache_name: str, norm_eps: float,
                  gemma_norm: bool = False, tp: TensorParallel = SINGLE, out_size: int | None = None) -> None:
@@ -140,10 +144,25 @@ class AttentionLayer(nn.Module):
         if k is not None:
             k = k.view(n, self.num_kv_heads, cfg.head_dim)
             v = v.view(n, self.num_kv_heads, cfg.head_dim)
-        ctx = get_forward_context()
         if k is not None and cfg.value_norm:
-            v = ctx.backend.rms_norm(v.reshape(-1, cfg.head_dim), self.v_norm_weight,
-                                     eps=self.norm_eps).view(n, self.num_kv_heads, cfg.head_dim)
+            v = current_ops().rms_norm(v.reshape(-1, cfg.head_dim), self.v_norm_weight,
+                                       eps=self.norm_eps).view(n, self.num_kv_heads, cfg.head_dim)
+        tensors = (q, positions) if k is None else (q, positions, k, v)
+        out = metadata_op(partial(self._attend, owner), *tensors, shape=(n, self.num_heads, cfg.head_dim),
+                          dtype=q.dtype)
+        out = out.reshape(n, self.num_heads * cfg.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.o_proj(out)                                              # (num_tokens, out_size)
+        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
+
+    def _attend(self, owner: AttentionLayer | AttentionUse, q: torch.Tensor, positions: torch.Tensor,
+                k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): RoPE, this step's keys and values into ``owner``'s
+        cache (none without k: KV sharing), attention over its blocks. q: (n, heads, head_dim), k and v:
+        (n, kv_heads, head_dim) -> (n, heads, head_dim)."""
+        cfg = self.cfg
+        ctx = get_forward_context()
         if owner.kv_cache is None:
             raise RuntimeError(f"{owner.cache_name}: no KV cache bound (the model runner binds it)")
         inputs = ctx.inputs[owner.cache_name]
@@ -155,23 +174,20 @@ class AttentionLayer(nn.Module):
         attend = dict(scale=self.scale, sliding_window=inputs.sliding_window, softcap=cfg.softcap, sinks=self.sinks)
         if k is None:                           # KV sharing: q alone, then the donor's keys and values
             q = ctx.backend.qk_rope_write_kv(q, None, None, positions, **prep)
-            out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
-        elif inputs.cam.max_query_len <= 1:     # decode: one op, one launch on the triton backend
-            out = ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
-        else:                                   # prefill: the backend's own attention (flash-attn's if asked for)
-            q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
-            out = ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
-        out = out.reshape(n, self.num_heads * cfg.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        out = self.o_proj(out)                                              # (num_tokens, out_size)
-        return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
+            return ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
+        if inputs.cam.max_query_len <= 1:       # decode: one op, one launch on the triton backend
+            return ctx.backend.rope_attention(q, k, v, positions, cam=inputs.cam, **prep, **attend)
+        # prefill: the backend's own attention (flash-attn's if asked for)
+        q = ctx.backend.qk_rope_write_kv(q, k, v, positions, **prep)
+        return ctx.backend.paged_attention(q, k_cache, v_cache, inputs.cam, **attend)
 
 
 class AttentionUse(nn.Module):
     """One use of a shared ``AttentionLayer``: owns a KV cache (``cache_name``) and, with
     ``adapter_rank`` > 0, low-rank adapters added to q, k and v. The shared layer is held in a tuple so
     it is not registered here: its weights are saved, loaded and moved once, through their owner."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, shared: AttentionLayer, *, cache_name: str, adapter_rank: int = 0) -> None:
         super().__init__()

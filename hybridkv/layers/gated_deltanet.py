@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.forward_context import current_ops, metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.layers.state_slots import StateSlotMixer
@@ -30,6 +31,8 @@ class GatedDeltaNetLayer(StateSlotMixer):
     divide ``num_k_heads``; a clear error otherwise): the input projections column-parallel by key head, the
     conv channels (q, k, v sections), A_log and dt_bias by heads, out_proj row-parallel (one all-reduce); the delta
     rule and the per-head norm are local, and so are the conv and recurrent states."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: GatedDeltaNet, *, cache_name: str,
                  tp: TensorParallel = SINGLE) -> None:
@@ -67,20 +70,28 @@ class GatedDeltaNetLayer(StateSlotMixer):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
-        cfg, n = self.cfg, x.shape[0]
-        meta, be, conv_states, rec_states = self.step_inputs()
+        cfg = self.cfg
         mixed, z, b, a = self._project(x)
         beta = torch.sigmoid(b) if cfg.beta_scale == 1.0 else torch.sigmoid(b) * cfg.beta_scale
+        o = metadata_op(self._mix, mixed, a, beta, shape=(x.shape[0], self.num_v_heads, cfg.head_v_dim),
+                        dtype=x.dtype)
+        return self._output(o, z, current_ops())
+
+    def _mix(self, mixed: torch.Tensor, a: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): the conv and the gated delta rule over each request's
+        state slot, the decodes as one-step updates. mixed: (n, conv_dim), a and beta: (n, v heads) ->
+        (n, v heads, head_v_dim)."""
+        cfg = self.cfg
+        meta, be, conv_states, rec_states = self.step_inputs()
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
         rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into o
             mixed = be.causal_conv1d_update(mixed, conv_states=conv_states, weight=weight, bias=None,
                                             state_indices=meta.state_indices, activation="silu")
-            o = be.gated_delta_rule_update(rec_states, *self._split_qkv(mixed), a, beta,
-                                           state_indices=meta.state_indices, **rule)
-            return self._output(o, z, be)
-        o = torch.empty(n, self.num_v_heads, cfg.head_v_dim, dtype=x.dtype, device=x.device)
+            return be.gated_delta_rule_update(rec_states, *self._split_qkv(mixed), a, beta,
+                                              state_indices=meta.state_indices, **rule)
+        o = torch.empty(mixed.shape[0], self.num_v_heads, cfg.head_v_dim, dtype=mixed.dtype, device=mixed.device)
         if nd:
             idx = meta.state_indices[:nd]
             m = be.causal_conv1d_update(mixed[:ndt], conv_states=conv_states, weight=weight, bias=None,
@@ -96,7 +107,7 @@ class GatedDeltaNetLayer(StateSlotMixer):
                                           query_start_loc=meta.prefill_query_start_loc, ssm_states=rec_states,
                                           state_indices=idx, has_initial_state=init, chunk_size=cfg.chunk_size,
                                           **rule)
-        return self._output(o, z, be)
+        return o
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b and a (n, v heads);

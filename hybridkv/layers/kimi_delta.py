@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.forward_context import metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.ops.fused_ref import rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -30,6 +31,8 @@ class KimiDeltaAttentionLayer(StateSlotMixer):
 
     Parameter names and shapes are the hub's (``A_log`` (1, 1, heads, 1), ``dt_bias`` (heads * head_dim,)), except
     the three hub convs, stacked as ``conv1d.weight`` (3, heads * head_dim, 1, kernel) (q, k, v)."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: KimiDeltaAttention, *, cache_name: str,
                  tp: TensorParallel = SINGLE) -> None:
@@ -58,20 +61,28 @@ class KimiDeltaAttentionLayer(StateSlotMixer):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
-        cfg, n, h, d = self.cfg, x.shape[0], self.num_heads, self.cfg.head_dim
-        meta, be, conv_states, rec_states = self.step_inputs()
+        n, h, d = x.shape[0], self.num_heads, self.cfg.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)       # (n, 3 * qkv_dim)
         g = self.f_b_proj(self.f_a_proj(x)).view(n, h, d)          # raw gate: the op adds dt_bias, applies the decay
         beta = torch.sigmoid(self.b_proj(x))                                               # (n, heads)
+        o = metadata_op(self._mix, mixed, g, beta, shape=(n, h, d), dtype=x.dtype)
+        return self._output(o, x)
+
+    def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): the convs and KDA over each request's state slot, the
+        decodes as one-step updates. mixed: (n, 3 * qkv_dim), g: (n, heads, head_dim), beta: (n, heads) ->
+        (n, heads, head_dim)."""
+        cfg, h, d = self.cfg, self.num_heads, self.cfg.head_dim
+        meta, be, conv_states, rec_states = self.step_inputs()
         weight = self.conv1d.weight.view(3 * self.qkv_dim, cfg.conv_kernel)
         rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log.view(h), dt_bias=self.dt_bias.view(h, d))
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into o
             mixed = be.causal_conv1d_update(mixed, conv_states=conv_states, weight=weight, bias=None,
                                             state_indices=meta.state_indices, activation="silu")
-            o = be.kda_update(rec_states, *self._split_qkv(mixed), g, beta, state_indices=meta.state_indices, **rule)
-            return self._output(o, x)
-        o = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
+            return be.kda_update(rec_states, *self._split_qkv(mixed), g, beta, state_indices=meta.state_indices,
+                                 **rule)
+        o = torch.empty(mixed.shape[0], h, d, dtype=mixed.dtype, device=mixed.device)
         if nd:
             idx = meta.state_indices[:nd]
             m = be.causal_conv1d_update(mixed[:ndt], conv_states=conv_states, weight=weight, bias=None,
@@ -85,7 +96,7 @@ class KimiDeltaAttentionLayer(StateSlotMixer):
             o[ndt:] = be.kda(*self._split_qkv(m), g[ndt:], beta[ndt:], query_start_loc=meta.prefill_query_start_loc,
                              ssm_states=rec_states, state_indices=idx, has_initial_state=init,
                              chunk_size=cfg.chunk_size, **rule)
-        return self._output(o, x)
+        return o
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, 3 * qkv_dim) conv output -> q, k, v, each (n, heads, head_dim)."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridkv.forward_context import metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -24,6 +25,8 @@ class Mamba1Layer(StateSlotMixer):
     """Tensor parallel (``tp``): the inner channels split (x/z halves of in_proj, conv, dt_proj outputs,
     A, D); x_proj reads the split channels, so it is row-parallel and every rank gets the full dt/B/C (a
     small all-reduce); out_proj is row-parallel."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: Mamba1, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__(cache_name=cache_name)
@@ -51,8 +54,18 @@ class Mamba1Layer(StateSlotMixer):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         cfg = self.cfg
-        meta, be, conv_states, ssm_states = self.step_inputs()
         xs, z = self.in_proj(x).chunk(2, dim=-1)                            # (num_tokens, inter) each
+        u = metadata_op(self._conv, xs, shape=tuple(xs.shape), dtype=xs.dtype)
+        dt, B, C = self.x_proj(u).split([cfg.dt_rank, cfg.state_size, cfg.state_size], dim=-1)
+        if cfg.dt_norm:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        dt = F.linear(dt, self.dt_proj.weight)              # (num_tokens, inter); bias added in the scan
+        y = metadata_op(self._scan, u, dt, B, C, z, shape=tuple(xs.shape), dtype=xs.dtype)
+        return self.out_proj(y)                                             # (num_tokens, hidden_size)
+
+    def _conv(self, xs: torch.Tensor) -> torch.Tensor:
+        """The step's conv (``metadata_op``) over each request's conv state: (n, inter) -> (n, inter)."""
+        meta, be, conv_states, _ = self.step_inputs()
         weight = self.conv1d.weight.squeeze(1)                              # (inter, kernel)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         u = torch.empty_like(xs)
@@ -65,13 +78,16 @@ class Mamba1Layer(StateSlotMixer):
                                        query_start_loc=meta.prefill_query_start_loc,
                                        state_indices=meta.state_indices[nd:],
                                        has_initial_state=meta.has_initial_state[nd:], activation="silu")
+        return u
 
-        dt, B, C = self.x_proj(u).split([cfg.dt_rank, cfg.state_size, cfg.state_size], dim=-1)
-        if cfg.dt_norm:
-            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        dt = F.linear(dt, self.dt_proj.weight)              # (num_tokens, inter); bias added in the scan
+    def _scan(self, u: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, z: torch.Tensor
+              ) -> torch.Tensor:
+        """The step's selective scan (``metadata_op``) over each request's SSM state, the decodes as one-step
+        updates: u, dt, z (n, inter), B, C (n, state) -> y (n, inter)."""
+        meta, be, _, ssm_states = self.step_inputs()
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
         A = -torch.exp(self.A_log.float())                                  # (inter, state)
-        y = torch.empty_like(xs)
+        y = torch.empty_like(u)
         if nd:
             y[:ndt] = be.selective_state_update(ssm_states, u[:ndt], dt[:ndt], A, B[:ndt], C[:ndt],
                                                 state_indices=meta.state_indices[:nd], z=z[:ndt],
@@ -83,4 +99,4 @@ class Mamba1Layer(StateSlotMixer):
                                         has_initial_state=meta.has_initial_state[nd:],
                                         D=self.D, z=z[ndt:], delta_bias=self.dt_proj.bias,
                                         delta_softplus=True)
-        return self.out_proj(y)                                             # (num_tokens, hidden_size)
+        return y

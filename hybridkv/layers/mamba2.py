@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.forward_context import current_ops, metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
@@ -27,6 +28,8 @@ class Mamba2Layer(StateSlotMixer):
     channels; B/C groups split when n_groups divides by the ranks, else each rank keeps the one group its
     heads read (replicated); the conv channels follow x, B, C. in_proj is column-parallel section by section,
     out_proj row-parallel; the scans are local, the conv and SSM states per rank hold only its heads."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__(cache_name=cache_name)
@@ -68,13 +71,20 @@ class Mamba2Layer(StateSlotMixer):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
         cfg = self.cfg
-        meta, be, conv_states, ssm_states = self.step_inputs()
         if cfg.input_multiplier != 1.0:
             x = x * cfg.input_multiplier
         projected = self.in_proj(x)
         if self.mup_vector is not None:
             projected = projected * self.mup_vector
         z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        y = metadata_op(self._mix, xbc, dt, shape=(x.shape[0], self.num_heads, cfg.head_dim), dtype=x.dtype)
+        return self._output(y, z, current_ops())
+
+    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): conv and SSM over each request's state slot, the
+        decodes as one-step updates. xbc: (n, conv_dim), dt: (n, heads) -> y (n, heads, head_dim)."""
+        cfg = self.cfg
+        meta, be, conv_states, ssm_states = self.step_inputs()
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
         A = self._A()
         ssm_kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.time_step_limit)
@@ -83,9 +93,8 @@ class Mamba2Layer(StateSlotMixer):
             xbc_d = be.causal_conv1d_update(xbc, conv_states=conv_states, weight=weight, bias=self.conv1d.bias,
                                             state_indices=meta.state_indices, activation="silu")
             xs, B, C = self._split_xbc(xbc_d)
-            y = be.ssd_state_update(ssm_states, xs, dt, A, B, C, state_indices=meta.state_indices, **ssm_kw)
-            return self._output(y, z, be)
-        y = torch.empty(x.shape[0], self.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+            return be.ssd_state_update(ssm_states, xs, dt, A, B, C, state_indices=meta.state_indices, **ssm_kw)
+        y = torch.empty(xbc.shape[0], self.num_heads, cfg.head_dim, dtype=xbc.dtype, device=xbc.device)
         if nd:
             dec_idx = meta.state_indices[:nd]
             xbc_d = be.causal_conv1d_update(xbc[:ndt], conv_states=conv_states, weight=weight,
@@ -101,7 +110,7 @@ class Mamba2Layer(StateSlotMixer):
             y[ndt:] = be.ssd_chunk_scan(xs, dt[ndt:], A, B, C, chunk_size=cfg.chunk_size,
                                         query_start_loc=meta.prefill_query_start_loc, ssm_states=ssm_states,
                                         state_indices=idx, has_initial_state=init, **ssm_kw)
-        return self._output(y, z, be)
+        return y
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, be: KernelBackend) -> torch.Tensor:
         """y: (num_tokens, heads, head_dim) scan output, z: the gate -> out_proj(gated norm) (num_tokens, hidden)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.forward_context import get_forward_context
+from hybridkv.forward_context import get_forward_context, metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
@@ -32,6 +32,8 @@ class MLALayer(nn.Module):
     """Tensor parallel (``tp``): heads split: q_proj (or q_b_proj) and kv_b_proj column-parallel by heads, o_proj
     row-parallel; the latent path (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj, q_a_layernorm) and the latent cache
     are replicated, whole on every rank. Parameter names are the hub's."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: MultiLatentAttention, *, cache_name: str,
                  tp: TensorParallel = SINGLE) -> None:
@@ -64,8 +66,6 @@ class MLALayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (num_tokens, hidden_size); positions unused (NoPE)."""
         cfg, n, h = self.cfg, x.shape[0], self.num_heads
-        if self.cache is None:
-            raise RuntimeError(f"{self.cache_name}: no KV cache bound (the model runner binds it)")
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -73,9 +73,16 @@ class MLALayer(nn.Module):
         w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)       # (h, nope, L), (h, v, L)
         q_abs = torch.cat([torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_rope], dim=-1)      # (n, h, L + R)
+        o = metadata_op(self._attend, q_abs, row, shape=tuple(q_abs.shape), dtype=q_abs.dtype)
+        out = torch.einsum("nhl,hvl->nhv", o[..., :cfg.kv_lora_rank], w_uv)                  # (n, h, v_head_dim)
+        return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
+
+    def _attend(self, q_abs: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): this step's latent rows into the cache, attention over
+        the group's blocks. q_abs: (n, heads, L + R), row: (n, 1, L + R) -> (n, heads, L + R)."""
+        if self.cache is None:
+            raise RuntimeError(f"{self.cache_name}: no KV cache bound (the model runner binds it)")
         ctx = get_forward_context()
         inputs = ctx.inputs[self.cache_name]
         ctx.backend.write_kv(row, row, self.cache, self.cache, inputs.slot_mapping)
-        o = ctx.backend.paged_attention(q_abs, self.cache, self.cache, inputs.cam, scale=cfg.softmax_scale)
-        out = torch.einsum("nhl,hvl->nhv", o[..., :cfg.kv_lora_rank], w_uv)                  # (n, h, v_head_dim)
-        return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
+        return ctx.backend.paged_attention(q_abs, self.cache, self.cache, inputs.cam, scale=self.cfg.softmax_scale)

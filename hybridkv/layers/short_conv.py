@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.forward_context import metadata_op
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.layers.state_slots import StateSlotMixer
@@ -23,6 +24,8 @@ class ShortConvLayer(StateSlotMixer):
     """Tensor parallel (``tp``): the channels split: each of in_proj's B, C, x sections column-parallel, the conv
     channels and the conv state with them (everything between the projections is per channel), out_proj
     row-parallel (one all-reduce)."""
+
+    graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
 
     def __init__(self, hidden_size: int, cfg: ShortConv, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__(cache_name=cache_name)
@@ -38,15 +41,20 @@ class ShortConvLayer(StateSlotMixer):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
-        meta, be, conv_states = self.step_inputs()
         B, C, xs = self.in_proj(x).split(self.channels, dim=-1)            # (num_tokens, channels) each
         bx = B * xs
+        y = metadata_op(self._conv, bx, shape=tuple(bx.shape), dtype=bx.dtype)
+        return self.out_proj(C * y)                                         # (num_tokens, hidden_size)
+
+    def _conv(self, bx: torch.Tensor) -> torch.Tensor:
+        """The step's part of the forward (``metadata_op``): the causal conv over each request's conv state, the
+        decodes as one-step updates. bx: (n, channels) -> (n, channels)."""
+        meta, be, conv_states = self.step_inputs()
         weight, bias = self.conv.weight.squeeze(1), self.conv.bias         # (channels, kernel)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into y
-            y = be.causal_conv1d_update(bx, conv_states=conv_states, weight=weight, bias=bias,
-                                        state_indices=meta.state_indices, activation=None)
-            return self.out_proj(C * y)
+            return be.causal_conv1d_update(bx, conv_states=conv_states, weight=weight, bias=bias,
+                                           state_indices=meta.state_indices, activation=None)
         y = torch.empty_like(bx)
         if nd:
             y[:ndt] = be.causal_conv1d_update(bx[:ndt], conv_states=conv_states, weight=weight, bias=bias,
@@ -55,4 +63,4 @@ class ShortConvLayer(StateSlotMixer):
                                    query_start_loc=meta.prefill_query_start_loc,
                                    state_indices=meta.state_indices[nd:],
                                    has_initial_state=meta.has_initial_state[nd:], activation=None)
-        return self.out_proj(C * y)                                         # (num_tokens, hidden_size)
+        return y

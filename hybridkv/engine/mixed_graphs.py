@@ -1,0 +1,184 @@
+"""CUDA graphs for mixed steps (prefills, with or without decodes), captured in pieces.
+
+Under serving traffic nearly every step is mixed: a new request arrives before the running ones finish, so
+its prefill shares the step with their decodes. Run eagerly, such a step of a ~1B model costs ~19 ms of host
+time (a few hundred kernel launches through Python) for ~3-5 ms of GPU work (``benchmarks/gpu_step_phases.py
+--mixed``), and every running request waits that long for its next token. Decode steps replay whole-step
+graphs (``cuda_graphs.py``); a mixed step cannot, since its attention and state updates depend on how its
+tokens split into requests. Everything else in the forward depends on the token count only, and each layer
+keeps its step-dependent part inside ``metadata_op`` (attention with its KV writes, state-slot updates). So
+per token-count bucket the forward is captured as a chain of graphs broken at those calls, and replayed with
+the calls run eagerly in between on the step's real tokens (vLLM's piecewise graphs, with the breaks where
+the layers say instead of a compiler's graph split):
+
+    ids, positions -> the static inputs (padded rows keep earlier, valid values)
+    graph 0 | op 0 (eager: n real tokens) -> break buffer | graph 1 | op 1 -> break buffer | ... | graph L
+    -> hidden (bucket rows); the caller takes the first n, and the head runs eagerly on those it needs
+
+Padded rows run through the graphs on stale ids and stale op outputs; every captured op is row-wise, so
+they never reach the real rows, and nothing reads them. A ``metadata_op`` result is used before the second
+call after it (its contract), so the breaks take turns over two buffers per dtype, shared by every bucket:
+a few MB, where a buffer per break would hold layers x 4096 tokens x width.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.backends.registry import KernelBackend
+from hybridkv.forward_context import ForwardContext, forward_context
+from hybridkv.models.hybrid import HybridModel
+
+logger = logging.getLogger("hybridkv.engine")
+
+MAX_GRAPHED_TOKENS = 4096
+"""Steps with more tokens run eagerly: their GPU time hides the host's (a ~1B model's 4096-token step is ~15 ms
+of matmuls)."""
+
+
+def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Token counts captured: 16, 32, 64, then every 128 to 1024, every 256 to 2048, every 512 to 4096 (at most
+    12.5% of a step's tokens are padding past 1024), up to the step budget."""
+    top = min(max_num_batched_tokens, MAX_GRAPHED_TOKENS)
+    sizes = [16, 32, 64, *range(128, 1025, 128), *range(1280, 2049, 256), *range(2560, 4097, 512)]
+    return tuple(sorted({s for s in sizes if s < top} | {top}))
+
+
+def unsupported_for_mixed_graphs(model: HybridModel) -> str | None:
+    """Why the model's forward cannot be captured in pieces; None when it can."""
+    if model.tp.size > 1:
+        return "tensor parallelism is not supported with CUDA graphs yet"
+    for name, module in model.cache_layers().items():
+        if not getattr(module, "graph_breaks", False):
+            return f"layer {name} ({type(module).__name__}) does not keep its step inputs inside metadata_op"
+    return None
+
+
+@dataclass(frozen=True)
+class _Break:
+    """One ``metadata_op`` of the captured forward: ``fn`` on ``tensors`` (graph outputs, bucket rows), its
+    result copied into ``out`` (a view of the shared break buffer) for the next graph to read."""
+
+    fn: Callable[..., torch.Tensor]
+    tensors: tuple[torch.Tensor, ...]
+    out: torch.Tensor
+
+    def run(self, n: int) -> None:
+        result = self.fn(*(t[:n] for t in self.tensors))
+        out = self.out[:n]
+        out.copy_(result.reshape(out.shape))
+
+
+class _Recorder:
+    """The forward context's ``graph_breaks`` while one bucket is captured (or, ``dry``, warmed up outside a
+    capture): each ``metadata_op`` ends the graph being captured, is recorded, and starts the next."""
+
+    def __init__(self, owner: MixedStepGraphs, pool: tuple[int, int] | None) -> None:
+        self.owner, self.pool = owner, pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[_Break] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def start(self) -> None:
+        if self.pool is not None:
+            self._graph = torch.cuda.CUDAGraph()
+            self._graph.capture_begin(pool=self.pool)
+
+    def stop(self) -> None:
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            graph.capture_end()
+            self.graphs.append(graph)
+
+    def __call__(self, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...],
+                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.stop()
+        out = self.owner.break_buffer(shape, dtype, turn=len(self.breaks) % 2)
+        self.breaks.append(_Break(fn, tensors, out))
+        self.start()
+        return out
+
+
+class MixedStepGraphs:
+    """The model's forward captured in pieces per token-count bucket, over static inputs and one memory pool."""
+
+    def __init__(self, model: HybridModel, backend: KernelBackend, *, buckets: Sequence[int]) -> None:
+        if not backend.cuda_graph_safe:
+            raise ValueError(f"kernel backend {backend.name!r} reads host metadata inside its ops; "
+                             "CUDA graphs need one that reads device metadata only (e.g. 'triton')")
+        reason = unsupported_for_mixed_graphs(model)
+        if reason is not None:
+            raise ValueError(f"mixed-step CUDA graphs: {reason}")
+        self.model, self.backend = model, backend
+        self.device = next(model.parameters()).device
+        self.buckets = tuple(sorted(set(buckets)))
+        top = self.buckets[-1]
+        self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
+
+    def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
+        """A ``shape`` view of break buffer ``turn`` (0 or 1) of ``dtype``, sized by the largest bucket (captured
+        first; a larger request replaces it: the breaks recorded keep their views of the old one alive)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get((dtype, turn))
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[(dtype, turn)] = torch.zeros(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one memory pool; each warmed up first outside a capture."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            ids, positions = self._ids[:b], self._positions[:b]
+            with forward_context(self._context(_Recorder(self, None))):
+                self.model(ids, positions)                 # compile and warm up outside the capture
+            torch.cuda.synchronize(self.device)
+            recorder = _Recorder(self, pool)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), forward_context(self._context(recorder)):
+                recorder.start()
+                try:
+                    hidden = self.model(ids, positions)
+                finally:
+                    recorder.stop()         # (after a failure too: the stream leaves capture mode)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._captured[b] = (recorder.graphs, recorder.breaks, hidden)
+        torch.cuda.synchronize(self.device)
+        breaks = len(self._captured[self.buckets[-1]][1])
+        logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each) "
+                    "in %.1f s", self.buckets[-1], len(self.buckets), breaks, time.perf_counter() - t0)
+
+    def _context(self, recorder: _Recorder) -> ForwardContext:
+        # no step inputs: a layer that reads them outside metadata_op fails here, at capture, not silently later
+        return ForwardContext(inputs={}, backend=self.backend, graph_breaks=recorder)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        return None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states (n, hidden_size) of a step's (n,) ``ids`` at ``positions`` (both on the device), run
+        under the step's forward context (the breaks read its inputs); valid until the next run."""
+        n = int(ids.shape[0])
+        b = self.bucket_for(n)
+        assert b is not None, f"{n} tokens: more than the largest bucket ({self.buckets[-1]})"
+        graphs, breaks, hidden = self._captured[b]
+        self._ids[:n].copy_(ids)
+        self._positions[:n].copy_(positions)
+        for graph, brk in zip(graphs, [*breaks, None], strict=True):
+            graph.replay()
+            if brk is not None:
+                brk.run(n)
+        return hidden[:n]

@@ -1,0 +1,145 @@
+"""Mixed-step CUDA graphs (``engine/mixed_graphs.py``): the forward captured in pieces, broken at ``metadata_op``.
+
+On the CPU: the buckets; every layer kind keeps its step inputs inside ``metadata_op`` (a forward with no step
+inputs at all, each op answered by the recorder, completes, with the breaks each kind declares); outside a
+capture ``metadata_op`` is a plain call. On a GPU: generation whose steps mix prefills and decodes equals
+eager for every layer kind (fp32), with the mixed graphs replaying those steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.backends.registry import torch_backend
+from hybridkv.engine.mixed_graphs import MAX_GRAPHED_TOKENS, _Recorder, mixed_buckets, unsupported_for_mixed_graphs
+from hybridkv.forward_context import ForwardContext, forward_context, metadata_op
+from hybridkv.models import (
+    MLP,
+    Attention,
+    GatedDeltaNet,
+    HybridConfig,
+    KimiDeltaAttention,
+    Layer,
+    Mamba1,
+    Mamba2,
+    MoE,
+    MultiLatentAttention,
+    ShortConv,
+)
+from hybridkv.models.hybrid import HybridModel
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    (8, (8,)),
+    (16, (16,)),
+    (100, (16, 32, 64, 100)),
+    (640, (16, 32, 64, 128, 256, 384, 512, 640)),
+    (1100, (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1100)),
+    (8192, (16, 32, 64, *range(128, 1025, 128), *range(1280, 2049, 256), *range(2560, 4097, 512))),
+])
+def test_mixed_buckets(budget: int, expected: tuple[int, ...]) -> None:
+    assert mixed_buckets(budget) == expected
+    assert mixed_buckets(budget)[-1] == min(budget, MAX_GRAPHED_TOKENS)
+
+
+_ATTN = dict(num_heads=4, num_kv_heads=2, head_dim=8)
+# mixer, breaks per layer (metadata_op calls)
+_KINDS = {
+    "full": (Attention(**_ATTN), 1),
+    "sliding": (Attention(sliding_window=8, **_ATTN), 1),
+    "chunked": (Attention(attention_chunk_size=8, **_ATTN), 1),
+    "mamba2": (Mamba2(num_heads=4, head_dim=8, state_size=8, n_groups=1, chunk_size=8), 1),
+    "mamba1": (Mamba1(intermediate_size=32, state_size=8, dt_rank=4, dt_norm=True), 2),
+    "short_conv": (ShortConv(channels=32, bias=True), 1),
+    "gated_deltanet": (GatedDeltaNet(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8), 1),
+    "kimi_delta": (KimiDeltaAttention(num_heads=4, head_dim=8), 1),
+    "mla": (MultiLatentAttention(num_heads=4, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                 v_head_dim=6), 1),
+}
+
+
+class _Buffers:
+    def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_layer_kind_reads_step_inputs_only_inside_metadata_op(kind: str) -> None:
+    """A forward under a context with no step inputs (what a capture gives) completes when each metadata_op is
+    answered by the recorder: nothing else in the layer reads the step. MoE FFN beside it, two layers."""
+    mixer, breaks = _KINDS[kind]
+    moe = MoE(num_experts=4, top_k=2, intermediate_size=32, router="softmax")
+    config = HybridConfig(vocab_size=64, hidden_size=32, max_position_embeddings=64, dtype="float32",
+                          layers=(Layer(mixer=mixer, ffn=MLP(intermediate_size=48)), Layer(mixer=mixer, ffn=moe)))
+    model = HybridModel(config)
+    assert unsupported_for_mixed_graphs(model) is None
+    recorder = _Recorder(_Buffers(), None)          # type: ignore[arg-type]
+    ids = torch.arange(10) % 64
+    with torch.inference_mode(), forward_context(ForwardContext(inputs={}, backend=torch_backend(),
+                                                                graph_breaks=recorder)):
+        hidden = model(ids, torch.arange(10))
+    assert hidden.shape == (10, 32) and bool(torch.isfinite(hidden).all())
+    assert len(recorder.breaks) == 2 * breaks
+    assert all(t.shape[0] == 10 for b in recorder.breaks for t in b.tensors)
+
+
+def test_metadata_op_outside_a_capture_is_a_plain_call() -> None:
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(metadata_op(lambda t: t * 2, x, shape=(3, 2), dtype=x.dtype), x * 2)
+    with forward_context(ForwardContext(inputs={}, backend=torch_backend())):
+        assert torch.equal(metadata_op(lambda t: t + 1, x, shape=(3, 2), dtype=x.dtype), x + 1)
+
+
+def _all_kinds_config() -> HybridConfig:
+    moe = MoE(num_experts=4, top_k=2, intermediate_size=64, router="softmax")
+    layers = tuple(Layer(mixer=mixer, ffn=MLP(intermediate_size=96) if i % 2 else moe)
+                   for i, (mixer, _) in enumerate(_KINDS.values()))
+    return HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
+
+
+@gpu
+@pytest.mark.parametrize("budget", [24, 160])
+def test_mixed_graphs_match_eager(budget: int) -> None:
+    """Requests arriving while others decode, chunked prefills (a step budget of ``budget`` tokens): the mixed
+    steps replay the captured pieces (counted), and the greedy tokens and their logprobs equal an eager run's,
+    every layer kind in one model (fp32)."""
+    from hybridkv import LLM, SamplingParams
+
+    rng = np.random.default_rng(budget)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 120, 10)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(_all_kinds_config(), device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=budget, cuda_graphs=graphs, seed=0)
+        runner = llm.engine.runner
+        assert (runner.mixed_graphs is not None) == graphs
+        replays = []
+        if graphs:
+            def counted(ids, positions, run=runner.mixed_graphs.run, replays=replays):
+                replays.append(ids.shape[0])
+                return run(ids, positions)
+
+            runner.mixed_graphs.run = counted
+        eng, done = llm.engine, {}
+        for step in range(400):
+            if step % 3 == 0 and step // 3 < len(prompts):
+                eng.add_request(str(step // 3), prompts[step // 3], params)
+            for out in eng.step(only_finished=True):
+                done[out.request_id] = out.outputs[0]
+            if len(done) == len(prompts):
+                break
+        assert len(done) == len(prompts)
+        if graphs:
+            assert len(replays) > 5 and max(replays) > 8
+        runs.append(done)
+    eager, graphed = runs
+    for rid, out in eager.items():
+        assert graphed[rid].token_ids == out.token_ids, rid
+        ours = [lp[t].logprob for lp, t in zip(graphed[rid].logprobs, out.token_ids, strict=True)]
+        ref = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
