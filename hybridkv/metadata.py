@@ -54,6 +54,29 @@ def host_to_device(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
 
+def host_to_device_many(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Device twins of several small host arrays made with one copy: packed into one pinned buffer (each from an
+    8-byte boundary), one non-blocking copy, the twins views of it (a step's metadata is tens of arrays of a
+    few KB: one copy each costs ~20 µs of host time). On the CPU: zero-copy, as ``host_to_device``."""
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    if dev.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets = np.cumsum([0] + [-(-a.nbytes // 8) * 8 for a in arrays])
+    host = torch.empty(max(int(offsets[-1]), 8), dtype=torch.uint8, pin_memory=True)
+    buf = host.numpy()
+    for a, off in zip(arrays, offsets.tolist(), strict=False):
+        buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    flat = host.to(dev, non_blocking=True)     # (the pinned block is reused only once this copy has run)
+    return [flat[off:off + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+            for a, off in zip(arrays, offsets.tolist(), strict=False)]
+
+
+@cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
 def _spec(kind: str, **extra: Any) -> dict[str, Any]:
     return {"slice": kind, **extra}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.metadata import SLICE_KINDS, CommonAttentionMetadata, field_rules
+from hybridkv.metadata import SLICE_KINDS, CommonAttentionMetadata, field_rules, host_to_device_many
 from hybridkv.transforms import split_microbatches
 
 
@@ -176,3 +176,23 @@ def test_debug_env_validates_on_replace(monkeypatch):
         cam.replace(max_seq_len=99)
     monkeypatch.setenv("HYBRIDKV_DEBUG", "0")
     assert cam.replace(max_seq_len=99).max_seq_len == 99
+
+
+_ARRAYS = [np.arange(5, dtype=np.int32), np.arange(12, dtype=np.int64).reshape(3, 4) * 7, np.zeros(0, np.int32),
+           np.array([True, False, True]), np.arange(6, dtype=np.int32).reshape(2, 3)[:, ::2],   # not contiguous
+           np.array([-1, 2**40], np.int64)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_host_to_device_many_equals_each_array(device: str) -> None:
+    """One packed copy gives every array's twin: same values, dtype and shape (odd sizes, bools, an empty and a
+    non-contiguous array among them); on the CPU the twins share memory with the arrays."""
+    twins = host_to_device_many(_ARRAYS, device)
+    assert len(twins) == len(_ARRAYS)
+    for a, t in zip(_ARRAYS, twins, strict=True):
+        assert t.device.type == device and tuple(t.shape) == a.shape
+        assert t.dtype == torch.from_numpy(np.empty(0, a.dtype)).dtype
+        np.testing.assert_array_equal(t.cpu().numpy(), a)
+    if device == "cpu":
+        assert np.shares_memory(twins[0].numpy(), _ARRAYS[0])
