@@ -180,6 +180,7 @@ def correctness(quick: bool) -> list[dict]:
         ("mixed llama-like", [1, 1, 1, 1, 300, 129, 1], [700, 33, 2048, 1500, 300, 900, 5], 16, 32, 8, 128, None, None),
         ("mixed window+softcap", [1, 1, 200, 64, 1], [3000, 800, 1200, 64, 4100], 16, 32, 8, 128, 1024, 50.0),
         ("gemma-1B-like w512", [1, 1, 400, 1], [2000, 600, 1000, 3], 16, 4, 1, 256, 512, None),
+        ("gemma-4 global 8/1/512", [1, 1, 300, 1], [2000, 600, 900, 3], 16, 8, 1, 512, None, None),
         ("block size 1, group 5", [1, 40, 1, 7], [300, 40, 17, 90], 1, 40, 8, 128, None, None),
         ("block size 5, d 64", [1, 13, 100], [1000, 50, 100], 5, 16, 2, 64, 77, 20.0),
         ("decode B=32 ctx~4k (split)", [1] * 32, list(range(3000, 3000 + 32 * 37, 37)), 16, 32, 8, 128, None, None),
@@ -266,7 +267,8 @@ def copy_bandwidth() -> float:
 
 def decode_bench(copy_bw: float, quick: bool) -> list[dict]:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256)]
+    shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256),
+              ("gemma-4 global 8/1/512", 8, 1, 512)]
     batches = [1, 8, 32, 128] if not quick else [1, 32]
     ctxs = [1024, 8192] if not quick else [4096]
     rows = []
@@ -369,7 +371,8 @@ def sinks_bench(quick: bool) -> list[dict]:
 
 def prefill_bench(quick: bool) -> list[dict]:
     rows = []
-    shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256)]
+    shapes = [("llama-like 32/8/128", 32, 8, 128), ("gemma-1B-like 4/1/256", 4, 1, 256),
+              ("gemma-4 global 8/1/512", 8, 1, 512)]
     for sname, h, kv, d in shapes:
         for B, S in ([(1, 2048), (1, 8192), (4, 2048)] if not quick else [(1, 4096)]):
             b = PagedBatch([S] * B, [S] * B, bs=16, heads=h, kv_heads=kv, d=d, dtype=torch.bfloat16, seed=S + B,

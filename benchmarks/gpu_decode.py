@@ -20,8 +20,8 @@ same shapes, the DeltaNet's projections unfused), OLMo-Hybrid-like (16 layers at
 heads, key / value dims 96 / 192) and 4 post-norm attention layers (16 heads of 128), SwiGLU 8192) and Gemma-4-like
 (Gemma-4 E2B's layer kinds at hidden 1536: 20 layers, 4 sliding (512, one KV head of 256) : 1 global (one KV head of
 512, proportional RoPE), the last 8 reading earlier layers' KV with double-wide MLPs, per-layer inputs of 256; the
-global layers' head dim 512 is past the Triton attention kernel's 256, so they run the torch reference and decode is
-not captured). ``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager`` never;
+Triton attention kernel runs the global layers' head dim 512 too, so every layer is on triton and decode is captured).
+``triton`` runs decode steps as CUDA graphs when they capture, ``triton:eager`` never;
 ``triton:sync`` turns asynchronous scheduling off (host work of a step no longer under the device's work of the step
 before). The HF model (``Llama4ForCausalLM`` / ``Gemma3ForCausalLM`` / ...) is built from its config, saved with
 ``save_pretrained`` and loaded by hybridkv's HF loader, so both run the SAME weights, dtype (bf16) and batch.
@@ -597,10 +597,6 @@ def main() -> None:
         for variant in args.backends.split(","):
             backend, _, mode = variant.partition(":")       # "triton:eager+sync": no CUDA graphs, no async
             modes = set(mode.split("+"))
-            if family == "gemma4" and backend == "triton":
-                # an explicit backend lets its refusals through: the global layers' head dim 512 needs the fallback
-                print("gemma4: backend auto (triton; the torch reference for head dim 512, past the Triton kernel)")
-                backend = "auto"
             llm = LLM(tmp, dtype=dtype, device=str(device), backend=backend,
                       max_model_len=args.max_model_len or max(ctx_end, args.prefill) + 64,
                       max_num_seqs=args.max_num_seqs or max(batches) + 1,

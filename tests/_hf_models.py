@@ -295,6 +295,12 @@ def gemma4_k_eq_v(seed: int = 0) -> PreTrainedModel:
                           seed)
 
 
+def gemma4_global512(seed: int = 0) -> PreTrainedModel:
+    """The released global shape: 8 q heads on one KV head of 512 (sliding layers: one KV head of 16)."""
+    return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config(num_attention_heads=8, num_key_value_heads=1,
+                                                               global_head_dim=512)), seed)
+
+
 def gemma4_moe(seed: int = 0) -> PreTrainedModel:
     """The 26B-A4B block: every layer's dense MLP beside 4 routed experts of 24 (top 2)."""
     return _gemma4_finish(Gemma4ForCausalLM(gemma4_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -371,7 +377,8 @@ FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
     "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa, "gemma4": gemma4,
-    "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_moe": gemma4_moe, "gemma4_multimodal": gemma4_multimodal,
+    "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_global512": gemma4_global512, "gemma4_moe": gemma4_moe,
+    "gemma4_multimodal": gemma4_multimodal,
     "gemma3n": gemma3n, "gemma3n_multimodal": gemma3n_multimodal,
 }
 

@@ -181,3 +181,12 @@ def test_triton_backend_and_cuda_graphs_on_gpu_match_hf(checkpoint: tuple[str, P
     log-probabilities within 1e-4."""
     name, _, path, expected = checkpoint
     check_triton_graphs_match_hf(name, path, _prompts(), expected, new_tokens=NEW_TOKENS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_global_head_dim_512_on_gpu_runs_triton_and_graphs(tmp_path: Path) -> None:
+    """Gemma-4's released global shape (8 q heads on one KV head of 512) on the explicit triton backend, which
+    lets any refusal through: the paged kernel runs it, eager and inside captured decode graphs, with HF's tokens
+    and log-probabilities within 1e-4."""
+    name, _, path, expected = hf_checkpoint("gemma4_global512", 0, tmp_path, _prompts(), new_tokens=NEW_TOKENS)
+    check_triton_graphs_match_hf(name, path, _prompts(), expected, new_tokens=NEW_TOKENS)

@@ -293,13 +293,17 @@ ROPE_PREPS = {  # name -> (QKPrep kwargs, rope); rot_dim for head_dim 16
                     Rope(theta=500000.0, interleaved=True)),
     "llama4_nope": (dict(temperature_tuning=(0.1, 8.0)), None),
 }
+# Gemma-4's global layers (d = 512): proportional RoPE over the whole head (its partial factor zeroes frequencies)
+GEMMA4_GLOBAL_PREP = (dict(rot_dim=512, qk_norm="rms", gemma_norm=True),
+                      Rope(theta=1e6, scaling="proportional", partial_rotary_factor=0.25))
 
 
 def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, segs: int | None, seed: int,
                          heads: int = 4, kv_heads: int = 2, d: int = 16, long: int = 40, sinks: bool = False):
     """A decode batch with a padding request, raw q/k/v, and a cache whose new-token slots are NaN: the fused
-    op must prepare q and k, write k and v, and attend; returns (got, want, got cache, want cache)."""
-    prep_kw, rope = ROPE_PREPS[name]
+    op must prepare q and k, write k and v, and attend; returns (got, want, got cache, want cache). ``name``: a
+    key of ``ROPE_PREPS`` or "gemma4_global"."""
+    prep_kw, rope = GEMMA4_GLOBAL_PREP if name == "gemma4_global" else ROPE_PREPS[name]
     s_lens = [3, 21, 9, long]
     b = make_batch([1] * len(s_lens), s_lens, 4, seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
                    extra_cols=1)
@@ -428,6 +432,123 @@ def test_backend_registry_entry():
         assert be.name == "triton" and be.paged_attention is ta.paged_attention_triton
 
 
+# ------------------------------------------------------------------------------------------ head dim 512
+
+# launch_config's choice per (head_dim, group, max_query_len, elem_bytes): the tuned shapes up to d = 256 (pinned:
+# they come from GPU sweeps) and the d = 512 ones (Gemma-4's global layers)
+CONFIGS = [
+    ((128, 4, 1, 2), (16, 4, 64, 4, 2)),
+    ((128, 4, 64, 2), (64, 16, 64, 4, 2)),
+    ((64, 8, 64, 2), (128, 16, 128, 4, 2)),
+    ((256, 4, 1, 2), (16, 4, 16, 4, 4)),
+    ((256, 4, 64, 2), (128, 32, 64, 8, 2)),
+    ((256, 4, 64, 4), (64, 16, 32, 8, 2)),
+    ((512, 8, 1, 2), (16, 2, 16, 4, 4)),
+    ((512, 8, 1, 4), (16, 2, 16, 4, 2)),
+    ((512, 32, 1, 2), (32, 1, 16, 8, 4)),
+    ((512, 8, 64, 2), (32, 4, 16, 8, 2)),
+    ((512, 8, 64, 4), (16, 2, 16, 8, 2)),
+    ((512, 1, 64, 2), (32, 32, 16, 8, 2)),
+]
+
+
+@pytest.mark.parametrize(("args", "want"), CONFIGS)
+def test_launch_config_table(args, want):
+    d, group, mql, elem = args
+    cfg = ta.launch_config(head_dim=d, group=group, max_query_len=mql, elem_bytes=elem)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_Q"], cfg["TILE"], cfg["num_warps"], cfg["num_stages"]) == want
+
+
+@pytest.mark.parametrize("elem", [2, 4])
+@pytest.mark.parametrize("d", [16, 24, 64, 128, 256, 320, 512])
+def test_launch_config_fits_shared_memory(d, elem):
+    """Every shape launch_config picks (decode and prefill, GQA groups 1-16) has a shared-memory bound within an
+    H100 / H200 block's 227 KiB; the bound catches the fp32 d = 256 prefill shape that asked for 288 KiB."""
+    for group in (1, 2, 3, 4, 5, 8, 16):
+        for mql in (1, 2, 512):
+            cfg = ta.launch_config(head_dim=d, group=group, max_query_len=mql, elem_bytes=elem)
+            assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+            need = ta.shared_memory_bound(cfg, head_dim=d, elem_bytes=elem)
+            assert need <= ta.SHARED_MEMORY_PER_BLOCK, (d, elem, group, mql, cfg, need)
+    old_fp32 = {"BLOCK_M": 128, "BLOCK_Q": 32, "TILE": 64, "num_warps": 8, "num_stages": 2}
+    assert ta.shared_memory_bound(old_fp32, head_dim=256, elem_bytes=4) > ta.SHARED_MEMORY_PER_BLOCK
+
+
+# Gemma-4's global layers: one KV head of 512, GQA group 8 (unless said). (name, q_lens, s_lens, block_size,
+# heads, window, softcap, sinks, num_segments); segments 64 > 32: the reduction loops in the graph form too
+D512_CASES = [
+    ("prefill_chunked_decode", [1, 9, 5], [23, 9, 17], 4, 8, None, None, False, 1),
+    ("decode_split", [1, 1, 1], [5, 40, 18], 16, 8, None, None, False, 4),
+    ("decode_split_64", [1, 1], [3, 37], 16, 8, None, None, False, 64),
+    ("prefill_split", [12, 1], [20, 30], 8, 8, None, None, False, 2),
+    ("window_softcap", [6, 1, 1], [14, 33, 7], 4, 8, 5, 20.0, False, 1),
+    ("window_softcap_split", [1, 1, 4], [33, 7, 20], 4, 8, 9, 0.5, False, 4),
+    ("sinks", [7, 1], [11, 25], 8, 8, None, None, True, 1),
+    ("sinks_split_window", [1, 5, 1], [30, 12, 2], 8, 8, 6, None, True, 8),
+    ("group_2", [9, 1], [9, 21], 8, 2, None, None, False, 1),
+]
+
+
+@pytest.mark.parametrize("graph_split", [False, True])
+@pytest.mark.parametrize(("name", "q_lens", "s_lens", "bs", "heads", "window", "softcap", "sinks", "segs"),
+                         D512_CASES, ids=[c[0] for c in D512_CASES])
+def test_head_dim_512_matches_reference_and_oracle(name, q_lens, s_lens, bs, heads, window, softcap, sinks, segs,
+                                                   graph_split, monkeypatch):
+    """d = 512 through every path of the kernel (prefill, chunked prefill, decode, split-KV and the reduction in
+    both forms, sinks, trimmed window, softcap) against the reference and the dense oracle; blocks no row
+    references are NaN."""
+    monkeypatch.setattr(ta, "capturing", lambda t: graph_split)
+    seed = len(name)
+    b = make_batch(q_lens, s_lens, bs, seed, num_heads=heads, num_kv_heads=1, head_dim=512, extra_cols=1)
+    sink_logits = _sinks(heads, seed) if sinks else None
+    cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
+    kc, vc = poison_unreferenced(b, cam)
+    want = dense_attention(b, window=window, softcap=softcap, sinks=sink_logits)
+    ref = paged_attention_ref(b.q, kc, vc, cam, scale=b.scale, sliding_window=window, softcap=softcap,
+                              sinks=sink_logits)
+    _assert_close(ref, want)
+    k, v = _strided_pool(kc, vc)
+    out = _run(_to(b.q), k, v, cam, scale=b.scale, sliding_window=window, softcap=softcap,
+               sinks=_to(sink_logits) if sinks else None, num_segments=segs)
+    _assert_close(out, want)
+
+
+@pytest.mark.parametrize("segs", [1, 8])
+def test_rope_attention_decode_head_dim_512(segs):
+    """The fused decode (Gemma q/k norm + proportional RoPE + KV write inside the attention kernel) at Gemma-4's
+    global shape: 8 q heads on one KV head of 512."""
+    got, want, (k_got, v_got), (k_want, v_want) = _rope_attention_case(
+        "gemma4_global", window=None, chunk=None, segs=segs, seed=512 + segs, heads=8, kv_heads=1,
+        d=512, long=37)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_got.cpu(), k_want, equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_got.cpu(), v_want, equal_nan=True, atol=0, rtol=0)
+
+
+def test_rope_attention_prefill_head_dim_512():
+    """A batch with a prefill at d = 512: ``qk_rope_write_kv_triton`` then the paged kernel, output and cache."""
+    d, heads = 512, 8
+    b = make_batch([5, 1], [5, 12], 4, 5, num_heads=heads, num_kv_heads=1, head_dim=d)
+    kc, vc = poison_unreferenced(b, b.cam)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(6, h, d, generator=g) for h in (heads, 1, 1))
+    positions = torch.tensor([0, 1, 2, 3, 4, 11])
+    prep_kw, rope = GEMMA4_GLOBAL_PREP
+    prep = QKPrep(head_dim=d, eps=1e-6, **prep_kw)
+    kw = dict(prep=prep, inv_freq=rope_inv_freq(rope, prep.rot_dim),
+              q_norm_weight=torch.randn(d, generator=g) * 0.3 + 1, k_norm_weight=torch.randn(d, generator=g) * 0.3 + 1,
+              scale=1.0)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=b.cam.slot_mapping,
+                              cam=b.cam, **kw)
+    k_dev, v_dev = _strided_pool(kc, vc)
+    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
+                                   slot_mapping=b.cam.slot_mapping.to(DEVICE), cam=_cam_to(b.cam), **dev)
+    _assert_close(got, want)
+    torch.testing.assert_close(k_dev.cpu(), want_k, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ GPU only
 
 def _eager_bf16(b, window, softcap, sinks=None) -> torch.Tensor:
@@ -488,17 +609,44 @@ def test_gpu_bf16_error_within_2x_of_bf16_torch(seed):
     assert err <= 2 * err_base, (float(err), float(err_base))
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_bf16_head_dim_512_error_within_2x_of_bf16_torch(seed):
+    """Gemma-4's global shape in bf16 at GPU sizes (rows up to 1500 keys, prefills of a few hundred tokens,
+    split decode): error vs fp32 at most ~2x that of bf16 torch; softcap / window / sinks on some seeds."""
+    rng = np.random.default_rng(512 + seed)
+    q_lens, s_lens = _random_spec(rng, max_reqs=6, max_len=1500)
+    window = int(rng.integers(64, 600)) if seed % 2 else None
+    softcap = 30.0 if seed == 1 else None
+    sinks = _sinks(8, seed).bfloat16().float() if seed == 2 else None
+    b = make_batch(q_lens, s_lens, 16, seed, num_heads=8, num_kv_heads=1, head_dim=512)
+    b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
+                v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
+                v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+    cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
+    kc, vc = poison_unreferenced(b, cam)
+    k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
+    ref32 = dense_attention(b, window=window, softcap=softcap, sinks=sinks).to(DEVICE)
+    ours = _run(_to(b.q, torch.bfloat16), k16, v16, cam, scale=b.scale, sliding_window=window, softcap=softcap,
+                sinks=_to(sinks, torch.bfloat16) if sinks is not None else None)
+    assert not torch.isnan(ours).any()
+    err = (ours.float() - ref32).norm() / ref32.norm()
+    err_base = (_eager_bf16(b, window, softcap, sinks) - ref32).norm() / ref32.norm()
+    assert err <= 2 * err_base, (float(err), float(err_base))
+
+
 def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkeypatch, caplog):
-    """head_dim > 256: the explicit triton backend refuses with the constraint named; ``auto`` runs the
+    """head_dim > 512: the explicit triton backend refuses with the constraint named; ``auto`` runs the
     torch reference for that call instead and logs it once."""
     import logging
 
     from hybridkv.backends import registry
     from hybridkv.backends.registry import UnsupportedConfig, get_backend
 
-    b = make_batch([3, 1], [5, 9], 4, 0, num_heads=2, num_kv_heads=1, head_dim=320)
+    b = make_batch([3, 1], [5, 9], 4, 0, num_heads=2, num_kv_heads=1, head_dim=640)
     ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
-    with pytest.raises(UnsupportedConfig, match=r"head_dim 320 > 256"):
+    with pytest.raises(UnsupportedConfig, match=r"head_dim 640 > 512"):
         ta.paged_attention_triton(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
     monkeypatch.setattr(registry, "_FALLBACKS_LOGGED", set())
     be = get_backend("auto", "cuda")        # built for CUDA; the fallback decision does not need a GPU
@@ -507,4 +655,4 @@ def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkey
             out = be.paged_attention(b.q, b.k_cache, b.v_cache, b.cam, scale=b.scale)
             torch.testing.assert_close(out, ref)
     lines = [r.getMessage() for r in caplog.records if "falls back to torch" in r.getMessage()]
-    assert len(lines) == 1 and "head_dim 320" in lines[0]
+    assert len(lines) == 1 and "head_dim 640" in lines[0]

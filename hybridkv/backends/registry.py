@@ -176,7 +176,7 @@ _AUTO_OPS: dict[str, frozenset[str]] = {
 }
 
 
-# Triton ops that raise ``UnsupportedConfig`` for some configurations (attention: head_dim > 256).
+# Triton ops that raise ``UnsupportedConfig`` for some configurations (attention: head_dim > 512).
 _TRITON_REFUSING_OPS = ("paged_attention", "rope_attention")
 
 

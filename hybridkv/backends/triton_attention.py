@@ -60,7 +60,8 @@ from hybridkv.backends.triton_fused import _prep_heads, qk_prep_arguments, qk_ro
 from hybridkv.layers.ops.fused_ref import QKPrep
 from hybridkv.metadata import CommonAttentionMetadata
 
-__all__ = ["launch_config", "paged_attention_triton", "rope_attention_triton", "write_kv_triton"]
+__all__ = ["MAX_HEAD_DIM", "launch_config", "paged_attention_triton", "rope_attention_triton", "shared_memory_bound",
+           "write_kv_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SEGMENTS = 128
@@ -330,14 +331,15 @@ def _reduce_segments(
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine the (max, sum, accumulator) partials of the segments. ``SEGS`` > 0 (a captured graph): that many,
-    in one shot. ``SEGS`` = 0 (eager steps): ``num_seg`` of them, ``SEG_BLOCK`` at a time with an online
-    rescale, so one compiled kernel serves every split. ``HAS_SINKS``: head h's sink logit joins the max and the
-    sum here, once (the segments never see it), as a segment with a sum of one and no accumulator."""
+    in one shot (at d = 512 up to 32 of them: 64 spilled 5.1 KiB per program, 128 9.3 KiB; looped, none).
+    Otherwise (eager steps: ``SEGS`` = 0) ``num_seg`` of them, ``SEG_BLOCK`` at a time with an online rescale, so
+    one compiled kernel serves every split. ``HAS_SINKS``: head h's sink logit joins the max and the sum here,
+    once (the segments never see it), as a segment with a sum of one and no accumulator."""
     pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    if SEGS > 0:
+    if SEGS > 0 and (HEAD_DIM_P <= 256 or SEGS <= 32):
         row = (tok * num_heads + h) * SEGS + tl.arange(0, SEGS)
         m = tl.load(part_ml_ptr + row * 2)
         lsum = tl.load(part_ml_ptr + row * 2 + 1)
@@ -355,7 +357,8 @@ def _reduce_segments(
         acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], mask=has_keys, other=0.0)
         o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     else:
-        base = (tok * num_heads + h) * num_seg
+        n_seg = SEGS if SEGS > 0 else num_seg
+        base = (tok * num_heads + h) * n_seg
         offs_s = tl.arange(0, SEG_BLOCK)
         m_run = tl.max(tl.full([SEG_BLOCK], float("-inf"), tl.float32), 0)
         denom = tl.sum(tl.zeros([SEG_BLOCK], tl.float32), 0)
@@ -363,8 +366,8 @@ def _reduce_segments(
             m_run = tl.maximum(m_run, tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634)
             denom += 1.0
         acc = tl.zeros([HEAD_DIM_P], tl.float32)
-        for s0 in range(0, num_seg, SEG_BLOCK):
-            ok = s0 + offs_s < num_seg
+        for s0 in range(0, n_seg, SEG_BLOCK):
+            ok = s0 + offs_s < n_seg
             row = base + s0 + offs_s
             m = tl.load(part_ml_ptr + row * 2, mask=ok, other=float("-inf"))
             lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0)
@@ -444,25 +447,35 @@ def _num_sms(index: int) -> int:
 def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
     """Tile shapes, the best of sweeps on an H100 (tiles, warps, stages, segments, each checked against the
     reference): decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
-    and 64-key tiles, 16 at d = 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
+    and 64-key tiles, 16 at d >= 256 (one block: more split-KV segments of shorter dependent chains, 11.8 ->
     7.4 µs at B = 1 over 544 keys) in a 4-stage pipeline (their one loop streams; 14.3 vs 15.6 µs at B = 32,
     equal at B = 1); ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192); each with the same error against fp32 SDPA as the shape
     it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256 with prefills: 64 rows x 32 keys, as 128 x 64
-    needs 288 KiB of shared memory (an H100 / H200 SM has 227 KiB)."""
+    needs 288 KiB of shared memory (an H100 / H200 SM has 227 KiB).
+
+    d = 512 (Gemma-4's global layers) is sized by what sm_90a code compiled from it holds, not yet by timings:
+    the (rows x 512) fp32 accumulator is the register budget (rows x 2 KiB over the block's threads), so rows
+    stay at 16-32 and keys at 16. Decode: the d >= 256 shape (16 x 16, 4 warps: 196-215 registers, no spill),
+    8 warps once a group needs 32+ rows (4 warps spill), 2 stages with fp32 caches (within
+    ``shared_memory_bound``). Prefill: 32 rows x 16 keys, 8 warps (at most 12 bytes of spill; 64 rows spill
+    0.5-1.8 KiB, 16 x 32 does not but reloads every key tile for half as many rows); fp32 caches 16 x 16 with
+    8 warps (4 warps spill in the split form)."""
     hd_p = max(16, _next_pow2(head_dim))
     g_p = _next_pow2(group)
     stages = 2
     if max_query_len <= 1:
         block_m = max(16, g_p)
         tile = 16 if hd_p >= 256 else 64
-        warps = 4
-        if hd_p >= 256:
+        warps = 8 if hd_p >= 512 and block_m > 16 else 4
+        if hd_p >= 256 and not (hd_p >= 512 and elem_bytes > 2):
             stages = 4
     elif hd_p <= 64:
         block_m, tile, warps = max(128, g_p), 128, 4
+    elif hd_p >= 512:
+        block_m, tile, warps = max(32 if elem_bytes <= 2 else 16, g_p), 16, 8
     elif hd_p >= 256 and elem_bytes > 2:
         block_m, tile, warps = max(64, g_p), 32, 8
     else:
@@ -473,15 +486,28 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: 
             "num_stages": stages}
 
 
-MAX_HEAD_DIM = 256      # the largest head dim tuned and verified on the GPU (Gemma's 256)
+SHARED_MEMORY_PER_BLOCK = 227 * 1024    # the opt-in maximum of an H100 / H200 SM
+
+
+def shared_memory_bound(cfg: dict[str, int], *, head_dim: int, elem_bytes: int) -> int:
+    """An upper bound on the shared memory of ``_paged_attention_kernel`` under ``cfg``: ``num_stages`` buffers of
+    a K and a V tile, the q tile and the fp32 score tile. What Triton 3.9 allocates for sm_90a is at most this
+    (fp32 caches at d = 256, 128 x 64: 288.5 KiB allocated, bound 416 KiB; d = 512 decode, fp32: 97 vs 161 KiB;
+    d = 512 prefill, bf16: 49 vs 98 KiB), so a config within ``SHARED_MEMORY_PER_BLOCK`` launches."""
+    hd_p = max(16, _next_pow2(head_dim))
+    kv_tiles = 2 * cfg["TILE"] * hd_p * elem_bytes
+    return cfg["num_stages"] * kv_tiles + cfg["BLOCK_M"] * hd_p * elem_bytes + cfg["BLOCK_M"] * cfg["TILE"] * 4
+
+
+MAX_HEAD_DIM = 512      # Gemma-4's global layers; larger heads would need the accumulator split over programs
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: CommonAttentionMetadata,
            sliding_window: int | None, *, sinks: torch.Tensor | None = None, op: str = "paged_attention") -> None:
     num_tokens, num_heads, head_dim = q.shape
     if head_dim > MAX_HEAD_DIM:
-        raise UnsupportedConfig("triton", op, f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 "
-                                "accumulator tile would spill out of registers)")
+        raise UnsupportedConfig("triton", op, f"head_dim {head_dim} > {MAX_HEAD_DIM} (the fp32 accumulator "
+                                "tile, rows x head_dim, would not fit the registers of one program)")
     if num_tokens != cam.num_actual_tokens:
         raise ValueError(f"q: has {num_tokens} tokens, metadata has {cam.num_actual_tokens}")
     if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
