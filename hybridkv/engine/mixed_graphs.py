@@ -76,7 +76,7 @@ class _Break:
 
 
 class _Recorder:
-    """The forward context's ``graph_breaks`` while one bucket is captured (or, ``dry``, warmed up outside a
+    """The forward context's ``graph_breaks`` while one bucket is captured (with no ``pool``: warmed up outside a
     capture): each ``metadata_op`` ends the graph being captured, is recorded, and starts the next."""
 
     def __init__(self, owner: MixedStepGraphs, pool: tuple[int, int] | None) -> None:
