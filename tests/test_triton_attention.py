@@ -489,9 +489,13 @@ D512_CASES = [
 ]
 
 
-@pytest.mark.parametrize("graph_split", [False, True])
-@pytest.mark.parametrize(("name", "q_lens", "s_lens", "bs", "heads", "window", "softcap", "sinks", "segs"),
-                         D512_CASES, ids=[c[0] for c in D512_CASES])
+_D512_QUICK = ("prefill_chunked_decode", "decode_split_64", "sinks_split_window")   # the rest: slow tier
+
+
+@pytest.mark.parametrize(
+    ("name", "q_lens", "s_lens", "bs", "heads", "window", "softcap", "sinks", "segs", "graph_split"),
+    [pytest.param(*c, g, id=f"{c[0]}-{g}", marks=() if c[0] in _D512_QUICK and not g else (pytest.mark.slow,))
+     for c in D512_CASES for g in (False, True)])
 def test_head_dim_512_matches_reference_and_oracle(name, q_lens, s_lens, bs, heads, window, softcap, sinks, segs,
                                                    graph_split, monkeypatch):
     """d = 512 through every path of the kernel (prefill, chunked prefill, decode, split-KV and the reduction in

@@ -285,7 +285,8 @@ def _sliding_hybrid(norm: str):
 
 
 @pytest.mark.parametrize(("residual_in_fp32", "norm", "variant"), [
-    (False, "gemma_rms", "every"), (True, "rms", "every"), (False, "layer", "sliding"), (False, "rms", "sliding")])
+    (False, "gemma_rms", "every"), (True, "rms", "every"), (False, "layer", "sliding"),
+    pytest.param(False, "rms", "sliding", marks=pytest.mark.slow)])
 def test_model_on_fused_ops_matches_torch(residual_in_fp32, norm, variant) -> None:
     """Prefill logits (reference_logits) and greedy decode through the engine on the fused ops == the torch
     references, with the projections packed (the runner packs them)."""
