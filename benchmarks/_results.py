@@ -2,7 +2,9 @@
 
 A run writes ``benchmarks/out/<name>.json`` (git-ignored), so running a benchmark never changes a tracked
 file. ``--save`` writes ``benchmarks/results/<name>.json`` instead: the one current, tracked result of that
-benchmark (the numbers ``docs/performance.md`` and the README quote); ``--out PATH`` writes anywhere else.
+benchmark (the numbers ``docs/performance.md`` and the README quote); ``--out PATH`` writes anywhere else. A
+benchmark run in several scenarios (``gpu_decode.py --tag``, ``engine_cpu.py --no-mamba``, ...) keeps them all in
+its one file, ``{"scenarios": {name: result}}`` (``with_scenario``).
 """
 
 from __future__ import annotations
@@ -35,10 +37,23 @@ def output_path(args: argparse.Namespace, name: str) -> Path:
     return (RESULTS if args.save else SCRATCH) / f"{name}.json"
 
 
-def write_json(args: argparse.Namespace, name: str, data: Any, **dump_kwargs: Any) -> Path:
-    """Write ``data`` where ``args`` says (``output_path``) and print the path."""
+def with_scenario(path: Path, scenario: str, data: Any) -> dict[str, Any]:
+    """What a benchmark with scenarios writes to ``path``: ``{"scenarios": {name: result}}``, its other scenarios
+    as the file already holds them. One file per benchmark; each scenario's result names its own commit."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    scenarios = dict(old.get("scenarios", {})) if isinstance(old, dict) else {}
+    scenarios[scenario] = data
+    return {"scenarios": dict(sorted(scenarios.items()))}
+
+
+def write_json(args: argparse.Namespace, name: str, data: Any, *, scenario: str | None = None,
+               **dump_kwargs: Any) -> Path:
+    """Write ``data`` where ``args`` says (``output_path``) and print the path; with ``scenario``, as that scenario
+    of the benchmark's one file (``with_scenario``)."""
     path = output_path(args, name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if scenario is not None:
+        data = with_scenario(path, scenario, data)
     path.write_text(json.dumps(data, **({"indent": 1} | dump_kwargs)) + "\n")
     print(f"wrote {path}", flush=True)
     return path

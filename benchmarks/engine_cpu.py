@@ -9,9 +9,9 @@ without running the model), then each timed step does exactly what ``LLMEngine.s
 host, with a fixed token standing in for sampling. "metadata" is the eager path's per-group CAMs and
 transforms (the CPU engine's); "graph_packing" is what a CUDA decode step does instead (the step tables
 packed into the captured graph's buffers, here host arrays of that layout); "total" and "total_graphs"
-add schedule, step batch and commit to each. Prints a table and writes ``engine_cpu.json``
-(``engine_cpu_no_mamba.json``; ``--save``: the tracked result, see ``_results.py``). Target: <= 300 µs per
-step at 256 requests.
+add schedule, step batch and commit to each. Prints a table and writes ``engine_cpu.json`` (scenario
+``default``, or ``no_mamba``; ``--save``: the tracked result, see ``_results.py``). Target: <= 300 µs per step at
+256 requests.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--no-mamba", action="store_true",
                         help="3 attention groups only: every decode block is hashed and registered for prefix "
                              "caching (with Mamba, only blocks up to the last state checkpoint are)")
-    add_output_args(parser, "engine_cpu[_no_mamba]")
+    add_output_args(parser, "engine_cpu")
     args = parser.parse_args()
     rows = {}
     for n in args.requests:
@@ -117,10 +117,10 @@ def main() -> None:
     for n, r in rows.items():
         table.add_row(str(n), *(f"{v:.0f}" for v in r.values()), "<= 300" if n == 256 else "")
     Console().print(table)
-    write_json(args, "engine_cpu_no_mamba" if args.no_mamba else "engine_cpu",
-               {"cpu": platform.processor() or platform.machine(), "commit": commit(), "groups": groups,
-                "context": args.context, "command": " ".join(sys.argv),
-                "us_per_step": {str(k): v for k, v in rows.items()}})
+    write_json(args, "engine_cpu", {"cpu": platform.processor() or platform.machine(), "commit": commit(),
+                                     "groups": groups, "context": args.context, "command": " ".join(sys.argv),
+                                     "us_per_step": {str(k): v for k, v in rows.items()}},
+               scenario="no_mamba" if args.no_mamba else "default")
 
 
 if __name__ == "__main__":

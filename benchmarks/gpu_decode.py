@@ -5,7 +5,7 @@
                                      olmo_hybrid,gemma4]
                                     [--batches 1,8,32]
                                     [--backends triton,triton:eager] [--tiny] [--tag NAME] [--save]
-    # writes gpu_decode[_NAME].json (``_results.py``)
+    # writes gpu_decode.json, scenario NAME (default: "default"; ``_results.py``)
 
 Models: random-init ~1B Llama-4-like (3 chunked-local RoPE : 1 global NoPE layers, MoE every other layer, shared
 expert), Gemma-3-like (Gemma-3-1B shapes: 5 sliding(512) : 1 global, head_dim 256, one KV head), Mamba2 (Codestral's
@@ -36,8 +36,8 @@ and written per step) / copy bandwidth (measured here). A short torch.profiler t
 (``--profile-batch``) decode steps gives GPU busy time vs wall time and the top kernels, which explains the gap
 (launch-bound vs kernel-bound).
 ``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless, nothing written).
-``--tag`` names the scenario in the file name (the tracked results keep one file per scenario:
-``docs/performance.md`` lists the commands).
+``--tag`` names the scenario: ``gpu_decode.json`` keeps every scenario's latest result under ``"scenarios"``
+(``docs/performance.md`` lists the commands).
 """
 
 from __future__ import annotations
@@ -559,10 +559,9 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one --prefill step's kernels")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
-    ap.add_argument("--tag", default="", help="scenario name: the result is gpu_decode_TAG.json")
-    add_output_args(ap, "gpu_decode[_TAG]")
+    ap.add_argument("--tag", default="", help="scenario name: the result is that scenario of gpu_decode.json")
+    add_output_args(ap, "gpu_decode")
     args = ap.parse_args()
-    name = f"gpu_decode_{args.tag}" if args.tag else "gpu_decode"
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
@@ -665,7 +664,7 @@ def main() -> None:
         del hf
     result = {"meta": meta, "rows": rows, "profiles": profiles, "logits": logit_rows, "prefill": prefill_rows}
     if not args.tiny:
-        write_json(args, name, result)
+        write_json(args, "gpu_decode", result, scenario=args.tag or "default")
     print_table("logits of one prompt, all positions (rel. error vs HF in fp32; argmax agreement)",
                 ["family", "engine", "len", "rel err", "argmax = fp32", "HF bf16 rel err", "HF bf16 argmax = fp32"],
                 [[r["family"], r["engine"], r["len"], f"{r['rel_err']:.2e}", f"{r['argmax_agree']:.3f}",

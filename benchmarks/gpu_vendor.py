@@ -4,7 +4,7 @@
     bash benchmarks/build_vendor.sh start; bash benchmarks/build_vendor.sh wait   # mamba-ssm, causal-conv1d
     VENDOR_PACKAGES=flash_attn bash benchmarks/build_vendor.sh start   # flash-attn (reduced build, ~7.5 min)
     PYTHONPATH=/tmp/site:. python benchmarks/gpu_vendor.py [--quick] [--save]
-    # writes gpu_vendor_<the importable packages>.json, e.g. gpu_vendor_mamba_ssm.json (``_results.py``)
+    # writes gpu_vendor.json, scenario <the importable packages>, e.g. mamba_ssm (``_results.py``)
 
 1. Correctness: random packed batches (new requests, continuations, 0/1-token requests, shuffled slots; fresh
    slots hold NaN that must never be read), fp32 and bf16 inputs. Relative Frobenius error of the output and of
@@ -314,7 +314,7 @@ def timing(mamba_ops, flash_ops, triton_be, quick: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    add_output_args(ap, "gpu_vendor_<packages>")
+    add_output_args(ap, "gpu_vendor")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -352,7 +352,7 @@ def main() -> None:
         "versions": {d: version(d) for d in ("mamba-ssm", "causal-conv1d", "flash-attn")},
         "status": status, "correctness": corr, "timing": speed,
     }
-    write_json(args, "_".join(["gpu_vendor", *(p for p, s in sorted(status.items()) if s == "ok")]), result)
+    write_json(args, "gpu_vendor", result, scenario="_".join(p for p, s in sorted(status.items()) if s == "ok"))
     failed = [r for r in corr if r.get("pass") is False or ("traceback" in r)]
     if failed:
         print(f"{len(failed)} correctness case(s) failed or crashed")

@@ -3,8 +3,8 @@
 decode speed against the HBM floor), a truncated one at tp 1 vs tp 2 (correctness), the MoE layer's
 sync-free paths on the GPU, and what a dead or stuck rank does to rank 0.
 
-    python benchmarks/tp_decode.py                 # full Scout, tp 2 -> tp_decode_full.json
-    python benchmarks/tp_decode.py --layers 4 --compare   # truncated, tp 1 vs tp 2 -> tp_decode.json
+    python benchmarks/tp_decode.py                 # full Scout, tp 2 -> tp_decode.json, scenario full
+    python benchmarks/tp_decode.py --layers 4 --compare   # truncated, tp 1 vs tp 2 -> scenario compare
     python benchmarks/tp_decode.py --tiny          # CPU smoke test (gloo, tiny dims; numbers meaningless)
     # options: --batches 1,32 --prompt 512 --steps 128 --cases ... (robustness; '' for none) --save | --out PATH
     # (the JSON goes to benchmarks/out/ unless --save: ``_results.py``)
@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import add_output_args, commit, output_path  # noqa: E402
+from _results import add_output_args, commit, output_path, with_scenario  # noqa: E402
 from gpu_attention import print_table  # noqa: E402
 from gpu_decode import copy_bandwidth, profile_steps, sync  # noqa: E402
 
@@ -607,10 +607,10 @@ def timed_build_model(timing: dict) -> None:
     llm_module.build_model = timed
 
 
-def save(result: dict, out: Path) -> None:
-    """Written after every phase, so a run cut short still leaves what it measured."""
+def save(result: dict, out: Path, scenario: str) -> None:
+    """Written after every phase, so a run cut short still leaves what it measured (as ``scenario`` of the file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    out.write_text(json.dumps(with_scenario(out, scenario, result), indent=1, default=str))
 
 
 def main() -> None:
@@ -630,7 +630,7 @@ def main() -> None:
     ap.add_argument("--no-moe-check", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (gloo): a smoke test of the script")
-    add_output_args(ap, "tp_decode[_full]")
+    add_output_args(ap, "tp_decode")
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     ap.add_argument("--case-device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--case-dtype", default="bfloat16", help=argparse.SUPPRESS)
@@ -653,7 +653,7 @@ def main() -> None:
         raise SystemExit(f"needs {args.tp} GPUs, found {torch.cuda.device_count()}")
     args.batch_list = [int(b) for b in args.batches.split(",")]
     full = args.layers >= 48 and not args.compare
-    out = output_path(args, "tp_decode_full" if full else "tp_decode")
+    out, scenario = output_path(args, "tp_decode"), "full" if full else "compare"
     from hybridkv import LLM
     from hybridkv.models.hybrid import build_model
 
@@ -680,14 +680,14 @@ def main() -> None:
     bw = min(bws) if bws else float("nan")
     log(f"meta {json.dumps(meta)}")
     result: dict = {"meta": meta, "init": {}, "rows": []}
-    save(result, out)
+    save(result, out, scenario)
 
     if cuda and not args.no_moe_check:
         log("MoE layer on one GPU: every expert implementation against the reference loop")
         result["moe_gpu"] = moe_gpu_check(cfg, args.tp, torch.device("cuda", 0), dtype)
         gc.collect()
         torch.cuda.empty_cache()
-        save(result, out)
+        save(result, out, scenario)
 
     engine_kw = dict(max_model_len=args.prompt + max(args.steps, args.check_steps) + 64,
                      max_num_seqs=max(args.batch_list + [args.check_prompts]) + 1, enable_prefix_caching=False,
@@ -717,7 +717,7 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        save(result, out)
+        save(result, out, scenario)
 
     log(f"tp {args.tp}: LLM(...) with {meta['params_per_rank'] / 1e9:.2f} B parameters "
         f"({meta['weights_GB_per_rank']:.1f} GB) per rank")
@@ -730,7 +730,7 @@ def main() -> None:
         result["memory_after_construct"] = gpu_memory(args.tp)
     log(f"tp {args.tp} LLM constructed in {result['init'][f'tp{args.tp}_construct_s']:.1f}s; "
         f"memory {result.get('memory_after_construct')}")
-    save(result, out)
+    save(result, out, scenario)
     try:
         if args.compare:
             runs[args.tp] = correctness(llm, cfg, args.tp, args, device)
@@ -757,20 +757,20 @@ def main() -> None:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    save(result, out)
+    save(result, out, scenario)
 
     if args.compare:
         result["correctness"] = compare(runs[1], runs[args.tp])
         forced[f"tp{args.tp}"] = runs[args.tp]["forced"]
         result["teacher_forced"] = compare_forced(forced, args.prompt)
         result["check_tokens"] = {f"tp{t}": runs[t]["check_tokens"] for t in runs}
-        save(result, out)
+        save(result, out, scenario)
 
     cases = [c for c in args.cases.split(",") if c]
     if cases:
         log(f"robustness cases (concurrently): {cases}")
         result["robustness"] = robustness(str(device), "float32" if args.tiny else "bfloat16", cases)
-        save(result, out)
+        save(result, out, scenario)
     report(result, args, dtype)
     log(f"done; results in {out}")
 
