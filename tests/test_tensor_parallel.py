@@ -484,7 +484,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script), "--tiny", "--layers", "4", "--batches", "2", "--cases", "",
                            "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["scenarios"]["compare"]       # (4 layers: not the full model)
     assert result["warmup"]["first_logits_finite"] and [r["batch"] for r in result["rows"]] == [2]
     assert result["meta"]["params_per_rank"] < result["meta"]["params"]
     out = tmp_path / "tp_decode.json"
@@ -492,7 +492,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
                            "--cases", "died_in_forward", "--out", str(out)], capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["scenarios"]["compare"]
     assert result["correctness"]["tokens_identical_fraction"] == 1.0
     assert [(r["tp"], r["batch"]) for r in result["rows"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(r["decode_steps"] > 0 and r["tok_s"] > 0 for r in result["rows"])

@@ -364,12 +364,14 @@ class ModelRunner:
                 sources=batch.input_sources, prev_tokens=batch.prev_tokens,
                 logits=batch.needs_logits or not batch.greedy)
             return StepOutput(logits=logits, greedy=greedy, report=reported)
-        ids = host_to_device(np.ascontiguousarray(batch.input_ids, dtype=np.int64), self.device)
+        arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(),
+                  np.asarray(batch.logits_indices, dtype=np.int64)]
         if batch.input_sources is not None:
+            arrays.append(batch.input_sources)
+        ids, positions, index, *sources = host_to_device_many(arrays, self.device)
+        if sources:
             assert batch.prev_tokens is not None
-            ids = take_pending(ids, host_to_device(batch.input_sources, self.device), batch.prev_tokens)
-        positions = host_to_device(batch.positions(), self.device)
-        index = host_to_device(np.ascontiguousarray(batch.logits_indices, dtype=np.int64), self.device)
+            ids = take_pending(ids, sources[0], batch.prev_tokens)
         mixed = self.mixed_graphs
         with forward_context(self.build_context(batch)):      # the head too runs on the step's backend
             if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is not None:
