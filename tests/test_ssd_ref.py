@@ -220,8 +220,9 @@ def test_state_update_equals_packed_one_token_requests(batch_size, spare, hg, us
         dt_limit=dt_limit,
     )
     y_b = run_scan(p, pool_b, Batch([1] * batch_size, slots, [True] * batch_size, num_slots, 0), 4, dt_limit)
-    torch.testing.assert_close(y_a, y_b, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(pool_a, pool_b, rtol=1e-6, atol=1e-6)
+    # fp32's default tolerances: the two paths sum in other orders (1.4e-6 apart on a 0.066 output was seen)
+    torch.testing.assert_close(y_a, y_b)
+    torch.testing.assert_close(pool_a, pool_b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
