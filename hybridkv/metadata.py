@@ -54,15 +54,26 @@ def host_to_device(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
 
+PACK_ALIGN = 16
+"""Byte alignment of each array in ``host_to_device_many``'s buffer. Triton compiles a kernel per pointer alignment
+class (16 bytes or not): with 8, whether a twin is 16-aligned would depend on the lengths of the arrays packed
+before it, and a step whose metadata fell the other way compiled a new kernel (~1 s) inside the serving loop."""
+
+
+def packed_offsets(nbytes: Sequence[int]) -> np.ndarray:
+    """Start of each of arrays of ``nbytes`` bytes packed from ``PACK_ALIGN`` boundaries, then the total size."""
+    return np.cumsum([0] + [-(-n // PACK_ALIGN) * PACK_ALIGN for n in nbytes])
+
+
 def host_to_device_many(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """Device twins of several small host arrays made with one copy: packed into one pinned buffer (each from an
-    8-byte boundary), one non-blocking copy, the twins views of it (a step's metadata is tens of arrays of a
-    few KB: one copy each costs ~20 µs of host time). On the CPU: zero-copy, as ``host_to_device``."""
+    """Device twins of several small host arrays made with one copy: packed into one pinned buffer (each from a
+    ``PACK_ALIGN``-byte boundary), one non-blocking copy, the twins views of it (a step's metadata is tens of
+    arrays of a few KB: one copy each costs ~20 µs of host time). On the CPU: zero-copy, as ``host_to_device``."""
     dev = device if isinstance(device, torch.device) else torch.device(device)
     if dev.type == "cpu":
         return [torch.from_numpy(a) for a in arrays]
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    offsets = np.cumsum([0] + [-(-a.nbytes // 8) * 8 for a in arrays])
+    offsets = packed_offsets([a.nbytes for a in arrays])
     host = torch.empty(max(int(offsets[-1]), 8), dtype=torch.uint8, pin_memory=True)
     buf = host.numpy()
     for a, off in zip(arrays, offsets.tolist(), strict=False):

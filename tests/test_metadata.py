@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.metadata import SLICE_KINDS, CommonAttentionMetadata, field_rules, host_to_device_many
+from hybridkv.metadata import (
+    PACK_ALIGN,
+    SLICE_KINDS,
+    CommonAttentionMetadata,
+    field_rules,
+    host_to_device_many,
+    packed_offsets,
+)
 from hybridkv.transforms import split_microbatches
 
 
@@ -194,5 +201,14 @@ def test_host_to_device_many_equals_each_array(device: str) -> None:
         assert t.device.type == device and tuple(t.shape) == a.shape
         assert t.dtype == torch.from_numpy(np.empty(0, a.dtype)).dtype
         np.testing.assert_array_equal(t.cpu().numpy(), a)
+        if device == "cuda":        # Triton specializes on it: a twin's alignment must not depend on its neighbours
+            assert t.data_ptr() % PACK_ALIGN == 0
     if device == "cpu":
         assert np.shares_memory(twins[0].numpy(), _ARRAYS[0])
+
+
+@pytest.mark.parametrize(("nbytes", "expected"), [
+    ((), [0]), ((20,), [0, 32]), ((4, 8, 16, 0, 17), [0, 16, 32, 48, 48, 80]), ((0, 0), [0, 0, 0])])
+def test_packed_offsets_start_each_array_on_a_16_byte_boundary(nbytes, expected) -> None:
+    assert PACK_ALIGN == 16
+    assert packed_offsets(nbytes).tolist() == expected
