@@ -60,7 +60,8 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
     ignores the order of the free queues (blocks freed in one batch call vs one call per request)."""
     order = (lambda v: list(v)) if free_order else (lambda v: sorted(v))
     out: list[Any] = [c.block_tables.np.tobytes(), c._num_cols.tobytes(), c._num_computed.tobytes(),
-                      c._num_cached.tobytes(), sorted(c._slotless), dict(c._rows), sorted(c._free_rows),
+                      c._num_cached.tobytes(), sorted(c.state._slotless) if c.state else [],
+                      dict(c._rows), sorted(c._free_rows),
                       [list(h) for h in c._hashes],
                       [m.num_skipped.tobytes() for m in c.managers], [m.next_free.tobytes() for m in c.managers]]
     if c.pool:
@@ -68,10 +69,10 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
         out += [p.ref_count.tobytes(), order(p._stack[:p._top].tolist()), order(p._lru),
                 dict(p._key_index), p._entry_blocks.tobytes(), p._block_entry.tobytes(),
                 p._entry_count.tobytes(), p._free_entries[:p._entries_top].tobytes(), p._owner.tobytes()]
-    if c.slots and c.mamba:
+    if c.slots and c.state:
         s = c.slots
         out += [list(s._free), dict(s._ckpt), list(s._pins), list(s._wants), [list(q) for q in s._lru],
-                dict(c.mamba._copies), [a.tobytes() for a in c.mamba.row_arrays()]]
+                dict(c.state._copies), [a.tobytes() for a in c.state.row_arrays()]]
     return out
 
 
@@ -112,7 +113,7 @@ def brute_force_hit(c: KVCacheCoordinator, tokens: Sequence[int]) -> int:
     hashes = c.hasher.chain(tokens, (len(tokens) - 1) // bs)
     cached = {g.group_id: set(c.pool.cached_hashes(g.group_id)) for g in c.plan.attention_groups} \
         if c.pool else {}
-    ckpts = set(c.slots.checkpoints()) if (c.slots and c._checkpoints_on) else set()
+    ckpts = set(c.slots.checkpoints()) if (c.state and c.state.checkpoints) else set()
     best = 0
     for length in range(0, len(hashes) * bs + 1, bs):
         if all(accepts(g.spec, length, cached.get(g.group_id, set()), hashes, ckpts, bs)

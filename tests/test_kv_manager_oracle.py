@@ -147,7 +147,7 @@ class Oracle:
                 assert b != 0, "a token to compute has no block"
                 assert c.pool.block_hash(b) is None, "write into a registered (shareable) block"
                 self.content[b] = (g.group_id, tuple(q.tokens[:min(q.nc + k, (col + 1) * bs)]))
-        if c.mamba:
+        if c.state:
             src, dst = c.take_state_copies()
             assert np.unique(dst).size == dst.size
             apply_copies(self.states, src, dst)
@@ -299,7 +299,7 @@ class Oracle:
                     holders.setdefault(b, []).append((g.group_id, col, rid))
                 held = int((ids != 0).sum())
                 assert held <= g.spec.max_blocks_per_request(num_tokens=max(q.nc, 1), step_tokens=1)
-            if c.mamba and q.nc > 0 and c.mamba_slot(rid):
+            if c.state and q.nc > 0 and c.mamba_slot(rid):
                 assert self.states.get(c.mamba_slot(rid)) == tuple(q.tokens[:q.nc]), "stale Mamba state"
         for b, where in holders.items():
             assert int(c.pool.ref_count[b]) == len(where), "ref count != entries holding the block"
@@ -427,10 +427,10 @@ def test_attention_hit_rules(spec: KVCacheSpec, cached: set[int], max_len: int, 
 def test_mamba_hit_rule(mbs: int, ckpts: list[int], max_len: int, want: int) -> None:
     c = _coordinator({"a": full(2), "m": mamba(mbs)})
     hashes = c.hasher.chain(TOKENS, 11)
-    assert c.slots is not None and c.mamba is not None
+    assert c.slots is not None and c.state is not None
     for length in ckpts:
         c.slots.store_checkpoint(hashes[length // 2 - 1])
-    assert c.mamba.find_longest_cache_hit(hashes, max_len) == want
+    assert c.state.find_longest_cache_hit(hashes, max_len) == want
 
 
 def test_hybrid_hit_is_a_fixed_point() -> None:
@@ -473,7 +473,7 @@ def test_sliding_window_frees_as_it_decodes() -> None:
 def test_state_copies_compose_sequentially() -> None:
     c = _coordinator({"m": mamba(2)})
     for src, dst in [(1, 4), (4, 2), (3, 1), (5, 5), (2, 2)]:
-        c.mamba.queue_copy(src, dst)
+        c.state.queue_copy(src, dst)
     src, dst = c.take_state_copies()
     assert dict(zip(dst.tolist(), src.tolist(), strict=True)) == {4: 1, 2: 1, 1: 3}
     assert c.take_state_copies()[0].size == 0
@@ -488,7 +488,7 @@ def test_state_copies_parallel_equals_pairwise(seed: int) -> None:
     truth = {s: s for s in range(6)}
     for _ in range(rng.randint(1, 12)):
         src, dst = rng.randrange(6), rng.randrange(6)
-        c.mamba.queue_copy(src, dst)
+        c.state.queue_copy(src, dst)
         truth[dst] = truth[src]
     src, dst = c.take_state_copies()
     assert np.unique(dst).size == dst.size

@@ -178,7 +178,7 @@ def test_a_workload_larger_than_the_kv_budget_preempts_and_finishes(models, mix:
     assert tokens(llm.generate(prompts, long, use_tqdm=False)) == roomy
     assert llm.stats().preemptions > 0 and llm.stats().prefix_hit_tokens > 0
     coord = llm.engine.coordinator
-    assert coord.num_requests == 0 and not coord._wanted and len(coord.sharing) == 0
+    assert coord.num_requests == 0 and (coord.state is None or not coord.state._wanted) and len(coord.sharing) == 0
     assert coord.num_free_blocks == llm.plan.num_blocks - 1
 
 

@@ -126,8 +126,8 @@ def make_engine(layers: dict[str, KVCacheSpec], *, caching: bool, budget: int, n
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB, eos_token_ids=()))
     engine = OracleEngine(model, plan, max_num_seqs=seqs, max_num_batched_tokens=budget,  # type: ignore[arg-type]
                           enable_prefix_caching=caching, runner=machine)
-    if interval is not None and engine.coordinator.mamba is not None:
-        engine.coordinator.mamba.decode_interval = interval
+    if interval is not None and engine.coordinator.state is not None:
+        engine.coordinator.state.decode_interval = interval
     machine.engine = engine
     hits: dict[str, int] = {}
     find = engine.coordinator.find_prefix_hit
@@ -244,7 +244,7 @@ def check_waves(mix: str, seed: int, *, bs: int, m: int, budget: int, n: int) ->
     for e in (engine, off):
         c = e.coordinator
         c.check_invariants()
-        assert c.num_requests == 0 and len(c.sharing) == 0 and not c._wanted
+        assert c.num_requests == 0 and len(c.sharing) == 0 and (c.state is None or not c.state._wanted)
         assert not e.scheduler._owner and not e.scheduler._claims and not e.scheduler._stops
     return total_hit, total_lower
 

@@ -18,7 +18,7 @@ is still computing is passed over (later arrivals are admitted meanwhile) and jo
 that reaches the stop is committed, together with every other such request, as a prefix hit. With Mamba
 groups and prefix caching (``align_prefill_chunks``) a state exists only where a step ends, so prefill
 chunks end at the stops, at the prompt's last block boundary, and otherwise on block boundaries: every
-checkpoint a later request can use lands there (``MambaManager``).
+checkpoint a later request can use lands there (``StateManager``).
 No request is ever lost or duplicated: every request is in exactly one of waiting / running / finished.
 """
 
@@ -107,7 +107,7 @@ class Scheduler:
         self._owner: dict[BlockHash, Request] = {}
         self._claims: dict[Request, list[BlockHash]] = {}
         # Where a state can be checkpointed: multiples of the Mamba block size (align mode).
-        self._ckpt_bs = coordinator.mamba.block_size if coordinator.mamba else coordinator.block_size
+        self._ckpt_bs = coordinator.state.block_size if coordinator.state else coordinator.block_size
 
     # -- queue management --------------------------------------------------------------------------
     def add(self, request: Request) -> None:

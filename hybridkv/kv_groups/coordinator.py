@@ -39,8 +39,9 @@ from hybridkv.kv_groups.block_table import MultiGroupBlockTable, token_ranges
 from hybridkv.kv_groups.hashing import BlockHash, BlockHasher, TokenSeq, TokenSource
 from hybridkv.kv_groups.managers import (
     AttentionManager,
-    MambaManager,
+    GroupManager,
     SkippedBlocks,
+    StateManager,
     make_attention_manager,
 )
 from hybridkv.kv_groups.plan import KVCachePlan
@@ -123,28 +124,24 @@ class KVCacheCoordinator:
         self._num_attn_groups = n_attn
         self._attn_group_ids = tuple(sorted(self.table_index, key=self.table_index.__getitem__))
 
-        # Mamba: one slot holds every Mamba layer's state.
-        mamba_groups = plan.mamba_groups
+        # Recurrent states (Mamba, short conv, GDN, KDA): one slot holds every such layer's state.
+        state_groups = plan.mamba_groups
         self.slots: StateSlotPool | None = None
-        self.mamba: MambaManager | None = None
-        if mamba_groups:
-            spec = mamba_groups[0].spec
+        self.state: StateManager | None = None
+        if state_groups:
+            spec = state_groups[0].spec
             assert isinstance(spec, MambaSpec)
-            if any(g.spec.block_size != spec.block_size for g in mamba_groups):
+            if any(g.spec.block_size != spec.block_size for g in state_groups):
                 raise ValueError("all Mamba groups must share one block_size (checkpoint granularity)")
             self.slots = StateSlotPool(plan.num_state_slots, plan.num_checkpoint_slots)
-            self.mamba = MambaManager(spec, group_ids=[g.group_id for g in mamba_groups], slots=self.slots,
+            self.state = StateManager(spec, group_ids=[g.group_id for g in state_groups], slots=self.slots,
                                       max_num_reqs=max_num_reqs, hash_block_size=bs,
                                       decode_interval=decode_checkpoint_interval, checkpoints=enable_prefix_caching)
-            self._checkpoints_on = self.mamba.checkpoints
-        else:
-            self._checkpoints_on = False
-        # Prompt chains of unfinished requests (from arrival to finish), for shared-prefix stops; the
-        # checkpoint each waiting request wants kept until it is admitted.
+        # Every manager, attention first: the coordinator drives them all alike (``GroupManager``).
+        self.owners: list[GroupManager] = [*self.managers, *([self.state] if self.state else [])]
+        # Prompt chains of unfinished requests (from arrival to finish), for shared-prefix stops.
         self.sharing = SharedPrefixIndex()
-        self._wanted: dict[str, int] = {}
-        self._arrival: dict[str, int] = {}                 # the slot pool's clock at arrival
-        self._stop_step = (self.mamba.block_size // bs) if self.mamba else 1
+        self._stop_step = (self.state.block_size // bs) if self.state else 1
 
         # Per-row state, (R,) each.
         R = max_num_reqs
@@ -154,19 +151,19 @@ class KVCacheCoordinator:
         self._prompt_known = np.zeros(R, np.bool_)                  # prompt length given to the managers
         # Full blocks worth registering: with Mamba layers a hit needs a state checkpoint at its length,
         # so blocks past a row's furthest checkpoint could never be part of one.
-        self._cache_cap = self.mamba.cache_cap if self.mamba else np.full(R, _NEVER, np.int64)
+        caps = [m.cache_cap for m in self.owners if m.cache_cap is not None]     # (the state manager's, live)
+        assert len(caps) <= 1
+        self._cache_cap = caps[0] if caps else np.full(R, _NEVER, np.int64)
         self._hashes: list[list[BlockHash]] = [[] for _ in range(R)]
         self._tokens: list[TokenSource | None] = [None] * R            # what hashes are read from
         self._req_ids: list[str | None] = [None] * R
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(R - 1, -1, -1))
-        self._slotless: set[int] = set()                            # registered rows without a slot
         self._stats = PrefixCacheStats()
         # Per group (plan order): lookups and the tokens each group alone would have served.
         self._group_index = {g.group_id: i for i, g in enumerate(plan.groups)}
         self._group_hits = np.zeros((len(plan.groups), 2), np.int64)      # (hit tokens, hit requests)
-        owners = [*self.managers, *([self.mamba] if self.mamba else [])]
-        self._kind_group_rows = [np.array([self._group_index[g] for g in m.group_ids]) for m in owners]
+        self._kind_group_rows = [np.array([self._group_index[g] for g in m.group_ids]) for m in self.owners]
 
     # -- accessors -------------------------------------------------------------------------------
     @property
@@ -253,25 +250,19 @@ class KVCacheCoordinator:
         return tables, starts, width
 
     def mamba_slot(self, request_id: str) -> int:
-        """The request's working state slot (0 before its first allocate, or without Mamba groups)."""
-        return int(self.mamba.slot[self._rows[request_id]]) if self.mamba else NULL_SLOT
+        """The request's working state slot (0 before its first allocate, or without state groups)."""
+        return int(self.state.slot[self._rows[request_id]]) if self.state else NULL_SLOT
 
     def state_slots(self, rows: np.ndarray) -> np.ndarray:
-        """(B,) int32 working slots of ``rows`` (the Mamba kernels' state indices)."""
-        return self.mamba.slot[rows] if self.mamba else np.zeros(len(rows), np.int32)
+        """(B,) int32 working slots of ``rows`` (the recurrent kernels' state indices)."""
+        return self.state.slot[rows] if self.state else np.zeros(len(rows), np.int32)
 
     def usage(self) -> dict[int, float]:
         """Per group: fraction of the shared block pool it holds live (attention), or of the working
-        slots in use (Mamba)."""
+        slots in use (recurrent states)."""
         out: dict[int, float] = {}
-        if self.pool:
-            live = self.pool.live_blocks_per_group()
-            for gid in self.table_index:
-                out[gid] = float(live[gid]) / (self.pool.num_blocks - 1)
-        if self.mamba and self.slots:
-            used = self.slots.num_working_slots - self.slots.num_free_slots
-            for gid in self.mamba.group_ids:
-                out[gid] = used / self.slots.num_working_slots
+        for m in self.owners:
+            out.update(m.usage())
         return dict(sorted(out.items()))
 
     def blocks_to_admit(self, num_tokens: int) -> int:
@@ -299,10 +290,8 @@ class KVCacheCoordinator:
         row = self._free_rows.pop()
         self._rows[request_id] = row
         self._req_ids[row] = request_id
-        if self.mamba is not None:
-            assert self.slots is not None
-            self._slotless.add(row)
-            self.mamba.arrived(row, self._arrival.get(request_id, self.slots.clock))
+        for m in self.owners:
+            m.arrived(row, request_id)
         return row
 
     def _release_row(self, row: int) -> None:
@@ -314,16 +303,15 @@ class KVCacheCoordinator:
         self._num_computed[row] = 0
         self._num_cached[row] = 0
         self._prompt_known[row] = False
-        if self.mamba:
-            self.mamba.reset_rows(np.array([row]))
+        rows = np.array([row])
+        for m in self.owners:
+            m.reset_rows(rows)
         self._hashes[row] = []
         self._tokens[row] = None
-        self._slotless.discard(row)
         self._free_rows.append(row)
 
     def _holds_cache(self, row: int) -> bool:
-        m = self.mamba
-        return bool(self._num_cols[row] > 0 or (m and (m.slot[row] or m.pending[row])))
+        return bool(self._num_cols[row] > 0 or any(m.holds(row) for m in self.owners))
 
     # -- shared prefixes of unfinished requests ----------------------------------------------------
     def add_waiting(self, request_id: str, token_ids: TokenSeq) -> None:
@@ -334,25 +322,14 @@ class KVCacheCoordinator:
             return
         chain = self.hasher.chain(token_ids, (len(token_ids) - 1) // self.block_size) if len(token_ids) > 1 else []
         self.sharing.add(request_id, chain)
-        if self.slots is not None:
-            self._arrival[request_id] = self.slots.clock
-        if self._checkpoints_on and chain:
-            assert self.mamba is not None
-            slot = self.mamba.want(chain)
-            if slot != NULL_SLOT:
-                self._wanted[request_id] = slot
+        for m in self.owners:
+            m.waiting(request_id, chain)
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted: it shares nothing any more (``free`` releases its cache)."""
-        self._unwant(request_id)
+        for m in self.owners:
+            m.finished(request_id)
         self.sharing.remove(request_id)
-        self._arrival.pop(request_id, None)
-
-    def _unwant(self, request_id: str) -> None:
-        slot = self._wanted.pop(request_id, NULL_SLOT)
-        if slot != NULL_SLOT:
-            assert self.slots is not None
-            self.slots.unwant(slot)
 
     def prefix_stops(self, request_id: str) -> list[tuple[int, BlockHash, int]]:
         """(length, key, sharers) of the ends of the prefixes the request shares with other unfinished
@@ -377,9 +354,9 @@ class KVCacheCoordinator:
     def set_final_length(self, request_id: str, num_tokens: int) -> None:
         """The request ends at ``num_tokens`` tokens unless it stops earlier (max_tokens): its answer's last
         block boundary is checkpointed exactly, for the next chat turn."""
-        if self.mamba is not None:
-            row = self._rows[request_id]
-            self.mamba.set_final(row, num_tokens, int(self._num_computed[row]))
+        row = self._rows[request_id]
+        for m in self.owners:
+            m.set_final(row, num_tokens, int(self._num_computed[row]))
 
     # -- prefix hits --------------------------------------------------------------------------------
     def find_prefix_hit(self, request_id: str, token_ids: TokenSeq) -> int:
@@ -402,7 +379,8 @@ class KVCacheCoordinator:
         s = self._stats
         self._stats = PrefixCacheStats(queries=s.queries + 1, query_tokens=s.query_tokens + n,
                                        hit_tokens=s.hit_tokens, hit_requests=s.hit_requests)
-        self._unwant(request_id)                 # the pin of the hit taken below replaces it
+        for m in self.owners:                    # the pin of the hit taken below replaces what was kept
+            m.admitted(request_id)
         if not self.enable_prefix_caching or n <= 1:
             return 0
         nb = (n - 1) // self.block_size
@@ -413,10 +391,8 @@ class KVCacheCoordinator:
         length = self.longest_common_hit(hashes, nb * self.block_size, record=True)
         if length == 0:
             return 0
-        for m in self.managers:
+        for m in self.owners:
             m.take_cache_hit(row, hashes, length)
-        if self.mamba:
-            self.mamba.take_cache_hit(row, hashes, length)
         nb = length // self.block_size
         self._num_cols[row] = nb
         self._num_computed[row] = length
@@ -434,21 +410,17 @@ class KVCacheCoordinator:
         smallest of the groups' own longest hits (``record``: counted in ``group_stats``)."""
         keys = block_hashes[:max_length // self.block_size]
         entries = self.pool.entries(keys) if self.pool is not None else None
-        masks = [m.cached_mask(keys, entries=entries) for m in self.managers]
+        masks = [m.cached_mask(keys, entries=entries) for m in self.owners]
         own = [m.find_longest_cache_hit(block_hashes, max_length, cached=mask)
-               for m, mask in zip(self.managers, masks, strict=True)]
-        if self.mamba:
-            own.append(self.mamba.find_longest_cache_hit(block_hashes, max_length))
+               for m, mask in zip(self.owners, masks, strict=True)]
         if record:
             for length, groups in zip(own, self._kind_group_rows, strict=True):
                 self._group_hits[groups] += (length, length > 0)
         length = min(own, default=max_length)
         while True:
             before = length
-            for m, mask in zip(self.managers, masks, strict=True):
+            for m, mask in zip(self.owners, masks, strict=True):
                 length = m.find_longest_cache_hit(block_hashes, length, cached=mask)
-            if self.mamba:
-                length = self.mamba.find_longest_cache_hit(block_hashes, length)
             if length == before:
                 return length
 
@@ -456,7 +428,7 @@ class KVCacheCoordinator:
                  token_ids: TokenSeq | None = None) -> bool:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` in every group, or change
         nothing and return False (pool, slots or rows short). Frees skipped blocks first; a new request
-        also gets its Mamba working slot (and the copy of a pinned checkpoint) here."""
+        also gets its working state slot (and the copy of a pinned checkpoint) here."""
         row = self._rows.get(request_id)
         new = row is None
         if not new and num_computed_tokens > int(self._num_cols[row]) * self.block_size:
@@ -516,12 +488,8 @@ class KVCacheCoordinator:
             gained = self.pool.num_freed_by(np.concatenate([sk.block_ids.reshape(-1) for _, sk in frees]))
         if per_group * self._num_attn_groups > self.num_free_blocks + gained:
             return False
-        need_slot = None
-        if self._slotless:
-            assert self.mamba is not None
-            need_slot = rows[self.mamba.slot[rows] == NULL_SLOT]
-            if need_slot.size > self.num_free_slots:
-                return False
+        if not all(m.can_allocate(rows) for m in self.owners):
+            return False
 
         # -- commit: nothing below can fail --
         for m, sk in frees:
@@ -537,14 +505,9 @@ class KVCacheCoordinator:
                 self.block_tables.np[:, rows_rep, cols] = self.pool.allocate(per_group, self._attn_group_ids)
             self._num_cols[g_rows] = g_cur + g_grow
         self._num_computed[rows] = nc
-        if need_slot is not None and need_slot.size:
-            self._assign_slots(need_slot)
+        for m in self.owners:
+            m.allocate_rows(rows)
         return True
-
-    def _assign_slots(self, rows: np.ndarray) -> None:
-        assert self.mamba is not None
-        self.mamba.assign_slots(rows)
-        self._slotless.difference_update(rows.tolist())
 
     def take_state_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied.
@@ -552,13 +515,16 @@ class KVCacheCoordinator:
         Apply them as one gather + scatter, ``state[dst] = state[src]`` (all reads before any write):
         each ``src`` names a slot's content *before* the batch, so pair-by-pair copying can be wrong
         when a slot is both a source and a destination."""
-        if self.mamba is None:
+        copies = [c for c in (m.take_state_copies() for m in self.owners) if c is not None]
+        if len(copies) == 1:
+            return copies[0]
+        if not copies:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return self.mamba.take_state_copies()
+        return np.concatenate([c[0] for c in copies]), np.concatenate([c[1] for c in copies])
 
     def commit(self, request_id: str, *, num_computed_tokens: int, token_ids: TokenSeq | None = None) -> None:
-        """After a step computed the request up to ``num_computed_tokens``: checkpoint the Mamba state where
-        one is due (``MambaManager``), register newly full blocks, free blocks that became skipped.
+        """After a step computed the request up to ``num_computed_tokens``: checkpoint the recurrent state where
+        one is due (``StateManager``), register newly full blocks, free blocks that became skipped.
 
         ``token_ids`` (all tokens known so far) replaces the sequence the coordinator hashes from; a list
         the engine appends to in place can be given once, at the first allocate."""
@@ -580,9 +546,9 @@ class KVCacheCoordinator:
                 self._tokens[row] = self.hasher.source(toks)
         self._num_computed[rows] = nc
         if self.enable_prefix_caching:
-            if self._checkpoints_on:        # first: a new checkpoint makes the blocks before it worth registering
-                assert self.mamba is not None
-                self.mamba.checkpoint(rows, nc, self._ensure_hashes, self._prompt_chain_of, self.sharing)
+            for m in self.owners:           # first: a new checkpoint makes the blocks before it worth registering
+                m.commit(rows, nc, chain=self._ensure_hashes, prompt_chain=self._prompt_chain_of,
+                         sharing=self.sharing)
             if self._num_attn_groups:
                 self._cache_full_blocks(rows, nc)
         for m, m_rows, m_nc in self._due_frees(rows, nc):
@@ -642,8 +608,8 @@ class KVCacheCoordinator:
 
     def _set_prompt(self, row: int, num_prompt_tokens: int) -> None:
         self._prompt_known[row] = True
-        if self.mamba is not None:
-            self.mamba.set_prompt(row, num_prompt_tokens, int(self._num_computed[row]))
+        for m in self.owners:
+            m.set_prompt(row, num_prompt_tokens, int(self._num_computed[row]))
 
     def free(self, request_id: str) -> bool:
         """Release everything the request holds (finish, abort, preemption). Cached blocks stay
@@ -652,10 +618,8 @@ class KVCacheCoordinator:
         if row is None:
             return False
         rows = np.array([row])
-        for m in self.managers:
+        for m in self.owners:
             m.free_rows(rows, self._num_cols[rows])
-        if self.mamba:
-            self.mamba.free_rows(rows)
         self._release_row(row)
         return True
 
@@ -665,11 +629,9 @@ class KVCacheCoordinator:
         if a == b:
             return
         self.block_tables.swap_rows(a, b)
-        arrays = [self._num_computed, self._num_cached, self._prompt_known]
-        arrays += [m.num_skipped for m in self.managers] + [m.next_free for m in self.managers]
-        if self.mamba:
-            self.mamba.swap_rows(a, b)
-        for arr in arrays:
+        for m in self.owners:
+            m.swap_rows(a, b)
+        for arr in (self._num_computed, self._num_cached, self._prompt_known):
             arr[[a, b]] = arr[[b, a]]
         for lst in (self._hashes, self._tokens, self._req_ids):
             lst[a], lst[b] = lst[b], lst[a]  # type: ignore[index]
@@ -677,8 +639,6 @@ class KVCacheCoordinator:
             rid = self._req_ids[row]
             if rid is not None:
                 self._rows[rid] = row
-        if (a in self._slotless) != (b in self._slotless):
-            self._slotless ^= {a, b}
         fa, fb = a in self._free_rows, b in self._free_rows
         if fa != fb:
             self._free_rows[self._free_rows.index(a if fa else b)] = b if fa else a
@@ -709,13 +669,6 @@ class KVCacheCoordinator:
             for row in self._free_rows:
                 assert (tables[:, row] == NULL_BLOCK).all() and self._num_cols[row] == 0, "free row dirty"
             assert (refs == self.pool.ref_count).all(), "ref counts != table entries holding the block"
-        if self.slots and self.mamba:
-            self.slots.check_invariants()
-            held = self.mamba.slot[self.mamba.slot != NULL_SLOT]
-            assert np.unique(held).size == held.size, "a working slot is held twice"
-            assert held.size == self.slots.num_working_slots - self.slots.num_free_slots, "slot leak"
-            wanted = np.bincount(np.fromiter(self._wanted.values(), np.int64, len(self._wanted)),
-                                 minlength=self.slots.num_slots)
-            assert wanted.tolist() == self.slots._wants, "wanted checkpoints disagree with the waiting requests"
-            assert all(self.slots.key_of(s) is not None for s in self._wanted.values()), "a wanted slot is free"
+        for m in self.owners:
+            m.check_invariants()
         assert len(self._rows) + len(self._free_rows) == self.max_num_reqs, "row leak"

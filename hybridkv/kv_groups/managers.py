@@ -14,13 +14,18 @@ chunked local C   (n // C) * C // bs            the blocks from the chunk start 
 mamba             (state overwritten in place)  a checkpoint stored exactly at L
 ================  ============================  =================================================
 
-Managers hold only what differs by kind: which leading blocks to free (``skipped_blocks``,
-``remove_skipped_blocks``) and which prefix-cache hits to accept (``find_longest_cache_hit``,
-``take_cache_hit``). What every kind does alike -- a new block for every ``block_size`` new tokens,
-registering full blocks under their keys -- the coordinator does once over the stacked (G, R, C)
-block tables of all groups. The hooks are vectorised over request rows so a batch step costs a few
-numpy ops per spec, not a Python call per request; ``skipped_blocks_to_free`` is the dry run the
-coordinator uses to check memory for all groups before changing anything.
+Every manager has one interface (``GroupManager``), so the coordinator iterates over its managers with no
+kind switch: which prefix-cache hits the kind accepts (``find_longest_cache_hit``, ``take_cache_hit``), what
+it holds per request row and frees (``free_rows``, ``reset_rows``, ``swap_rows``), and hooks through a
+request's life that a kind may ignore (arrival, prompt and final lengths, ``can_allocate`` /
+``allocate_rows``, ``commit``, ``take_state_copies``). Attention managers decide which leading blocks to free
+(``skipped_blocks``, ``remove_skipped_blocks``); what every attention kind does alike -- a new block for every
+``block_size`` new tokens, registering full blocks under their keys -- the coordinator does once over the
+stacked (G, R, C) block tables of all attention groups. The state manager (``StateManager``: Mamba, short
+convolution, Gated DeltaNet and KDA states, one slot per request for all of them) keeps its working slots,
+its prefix-cache checkpoints and their copy queue inside it. The hooks are vectorised over request rows so
+a batch step costs a few numpy ops per spec, not a Python call per request; ``skipped_blocks_to_free`` is the
+dry run the coordinator uses to check memory for all groups before changing anything.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from hybridkv.kv_groups.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -62,7 +68,94 @@ class SkippedBlocks:
     block_ids: np.ndarray     # (G, k)
 
 
-class AttentionManager(ABC):
+class GroupManager(ABC):
+    """What the coordinator asks of every kind, for the groups of one spec. ``rows`` are request rows (the
+    coordinator's; the same in every manager), vectorised where a step calls them."""
+
+    kind: ClassVar[str]
+    spec: KVCacheSpec
+    block_size: int
+    group_ids: tuple[int, ...]
+    frees_early: ClassVar[bool] = False        # frees leading blocks while the request runs (attention)
+    cache_cap: np.ndarray | None = None        # (R,) hash blocks per row worth registering (None: all)
+
+    # -- prefix hits ---------------------------------------------------------------------------------------
+    def cached_mask(self, block_hashes: Sequence[BlockHash], *, entries: np.ndarray | None = None
+                    ) -> np.ndarray | None:
+        """(n,) bool: block j of the chain is cached for this kind; None when the kind keeps no blocks."""
+        return None
+
+    @abstractmethod
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
+                               cached: np.ndarray | None = None) -> int:
+        """Largest L <= ``max_length`` this kind accepts as a prefix hit (0: none); ``cached`` is
+        ``cached_mask(block_hashes)`` when the caller already has it."""
+
+    @abstractmethod
+    def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> None:
+        """Take for ``row`` what a hit at ``length`` needs."""
+
+    # -- a request's life (hooks a kind may ignore) ---------------------------------------------------------
+    def waiting(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:  # noqa: B027 (optional hook)
+        """The request arrived and waits, its prompt's block keys ``block_hashes`` (prefix caching on)."""
+
+    def admitted(self, request_id: str) -> None:  # noqa: B027 (optional hook)
+        """The waiting request looked up its prefix hit (what it took replaces what was kept for it)."""
+
+    def finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
+        """The request finished or was aborted: nothing is kept for it any more."""
+
+    def arrived(self, row: int, request_id: str) -> None:  # noqa: B027 (optional hook)
+        """The request took ``row``."""
+
+    def set_prompt(self, row: int, num_prompt_tokens: int, num_computed: int) -> None:  # noqa: B027 (optional hook)
+        """The row's prompt length is known."""
+
+    def set_final(self, row: int, final_length: int, num_computed: int) -> None:  # noqa: B027 (optional hook)
+        """The row's request ends at ``final_length`` tokens unless it stops earlier."""
+
+    def can_allocate(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` (about to run) can get what this kind gives a running row beyond blocks."""
+        return True
+
+    def allocate_rows(self, rows: np.ndarray) -> None:  # noqa: B027 (optional hook)
+        """Give it to them (after ``can_allocate`` said yes for every manager)."""
+
+    def commit(self, rows: np.ndarray, num_computed: np.ndarray, *,  # noqa: B027 (optional hook)
+               chain: Callable[[int, int], list[BlockHash]],
+               prompt_chain: Callable[[int], Sequence[BlockHash] | None], sharing: SharedPrefixIndex) -> None:
+        """A step computed ``rows`` up to ``num_computed`` (prefix caching on): ``chain(row, n)`` is the row's
+        first n block keys, ``prompt_chain(row)`` its prompt's keys as the shared-prefix index holds them."""
+
+    def take_state_copies(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(src, dst) slot copies to apply before the next forward (the queue is emptied); None: none kept."""
+        return None
+
+    def holds(self, row: int) -> bool:
+        """Whether ``row`` holds anything of this kind beyond its block-table entries."""
+        return False
+
+    @abstractmethod
+    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
+        """Release everything ``rows`` hold (``num_cols``: their block-table entries)."""
+
+    @abstractmethod
+    def reset_rows(self, rows: np.ndarray) -> None:
+        """Forget ``rows``' per-row state (they were released)."""
+
+    @abstractmethod
+    def swap_rows(self, a: int, b: int) -> None:
+        """Swap the per-row state of rows ``a`` and ``b``."""
+
+    @abstractmethod
+    def usage(self) -> dict[int, float]:
+        """Per group id: the fraction of its memory in use (its blocks of the shared pool, or working slots)."""
+
+    def check_invariants(self) -> None:  # noqa: B027 (optional hook)
+        """Raise AssertionError where the manager's own state is inconsistent."""
+
+
+class AttentionManager(GroupManager):
     """Blocks of one attention spec across its pool groups. ``tables`` is the (G, R, C) slice of the
     block tables that holds those groups; ``num_skipped[row]`` counts leading entries already freed and
     ``next_free[row]`` is the num_computed at which the next one becomes free (so a batch step finds
@@ -80,9 +173,7 @@ class AttentionManager(ABC):
         self.num_skipped = np.zeros(tables.shape[1], np.int32)         # (R,)
         self.next_free = np.zeros(tables.shape[1], np.int64)           # (R,)
 
-    @property
-    def frees_early(self) -> bool:
-        return True
+    frees_early: ClassVar[bool] = True
 
     @abstractmethod
     def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
@@ -99,6 +190,14 @@ class AttentionManager(ABC):
     def reset_rows(self, rows: np.ndarray | int, num_skipped: int = 0) -> None:
         self.num_skipped[rows] = num_skipped
         self.next_free[rows] = self.next_free_at(np.atleast_1d(np.int64(num_skipped)))[0]
+
+    def swap_rows(self, a: int, b: int) -> None:
+        for arr in (self.num_skipped, self.next_free):
+            arr[[a, b]] = arr[[b, a]]
+
+    def usage(self) -> dict[int, float]:
+        live = self.pool.live_blocks_per_group()       # (for stats: O(num_blocks))
+        return {gid: float(live[gid]) / (self.pool.num_blocks - 1) for gid in self.group_ids}
 
     # -- freeing ---------------------------------------------------------------------------------
     def _skipped(self, rows: np.ndarray, num_computed: np.ndarray, assume_due: bool
@@ -197,10 +296,7 @@ class AttentionManager(ABC):
 
 class FullAttentionManager(AttentionManager):
     kind = "full"
-
-    @property
-    def frees_early(self) -> bool:
-        return False
+    frees_early = False
 
     def skipped_blocks(self, num_computed: np.ndarray) -> np.ndarray:
         return np.zeros_like(num_computed)
@@ -280,11 +376,12 @@ class ChunkedLocalManager(AttentionManager):
         return n
 
 
-class MambaManager:
-    """Working state slots and prefix-cache checkpoints for every Mamba group (one slot holds the states
-    of all Mamba layers). ``block_size`` is the checkpoint granularity; a hit needs a checkpoint exactly at
-    its length, and a state exists only where a step ends, so where checkpoints land is decided here and
-    by the scheduler (which ends prefill chunks at the first three kinds):
+class StateManager(GroupManager):
+    """Working state slots and prefix-cache checkpoints for every recurrent-state group (``MambaSpec``: Mamba,
+    short convolution, Gated DeltaNet, KDA; one slot holds the states of all such layers). ``block_size`` is
+    the checkpoint granularity; a hit needs a checkpoint exactly at its length, and a state exists only where
+    a step ends, so where checkpoints land is decided here and by the scheduler (which ends prefill chunks at
+    the first three kinds):
 
     ==========  =====================================================================================
     SHARED      the end of a prefix that several unfinished requests share (``SharedPrefixIndex``)
@@ -305,6 +402,7 @@ class MambaManager:
 
     def __init__(self, spec: MambaSpec, *, group_ids: Sequence[int], slots: StateSlotPool, max_num_reqs: int,
                  hash_block_size: int, decode_interval: int | None = None, checkpoints: bool = True) -> None:
+        """``checkpoints``: store checkpoints (prefix caching on, and the plan has checkpoint slots)."""
         if spec.block_size % hash_block_size:
             raise ValueError(f"MambaSpec.block_size={spec.block_size} must be a multiple of the attention "
                              f"block_size={hash_block_size} so hybrid prefix hits line up")
@@ -331,6 +429,9 @@ class MambaManager:
         self._tail_key: list[BlockHash | None] = [None] * R
         self._copies: dict[int, int] = {}               # dst slot -> src slot, composed
         self._warned = False
+        self._slotless: set[int] = set()                # rows of requests without a working slot yet
+        self._arrival: dict[str, int] = {}              # the slot pool's clock when a waiting request arrived
+        self._wanted: dict[str, int] = {}               # the checkpoint each waiting request wants kept
 
     def row_arrays(self) -> list[np.ndarray]:
         """The per-row arrays (swapped with the coordinator's rows)."""
@@ -341,6 +442,8 @@ class MambaManager:
         for arr in self.row_arrays():
             arr[[a, b]] = arr[[b, a]]
         self._tail_key[a], self._tail_key[b] = self._tail_key[b], self._tail_key[a]
+        if (a in self._slotless) != (b in self._slotless):
+            self._slotless ^= {a, b}
 
     def _settle_tail(self, row: int) -> None:
         tail = int(self.tail[row])
@@ -355,13 +458,42 @@ class MambaManager:
         for row in rows.tolist():
             self._settle_tail(row)
             self._tail_key[row] = None
+            self._slotless.discard(row)
         self.tail[rows] = NULL_SLOT
 
+    def usage(self) -> dict[int, float]:
+        used = (self.slots.num_working_slots - self.slots.num_free_slots) / self.slots.num_working_slots
+        return dict.fromkeys(self.group_ids, used)
+
+    def holds(self, row: int) -> bool:
+        return bool(self.slot[row] or self.pending[row])
+
+    # -- waiting requests ------------------------------------------------------------------------------
+    def waiting(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Note the arrival time and keep the checkpoint the request would start from now (a later store
+        cannot evict it before the request is admitted)."""
+        self._arrival[request_id] = self.slots.clock
+        if self.checkpoints and block_hashes:
+            slot = self.want(block_hashes)
+            if slot != NULL_SLOT:
+                self._wanted[request_id] = slot
+
+    def admitted(self, request_id: str) -> None:
+        slot = self._wanted.pop(request_id, NULL_SLOT)
+        if slot != NULL_SLOT:
+            self.slots.unwant(slot)
+
+    def finished(self, request_id: str) -> None:
+        self.admitted(request_id)
+        self._arrival.pop(request_id, None)
+
     # -- where checkpoints land ----------------------------------------------------------------------
-    def arrived(self, row: int, clock: int) -> None:
-        """The row's request arrived when the slot pool's clock read ``clock``: checkpoints nobody stored or
-        hit since then are cold for it (any of them may make room for its checkpoints)."""
-        self.since[row] = clock
+    def arrived(self, row: int, request_id: str) -> None:
+        """The row's request arrived when the slot pool's clock read its arrival time (now, if it never
+        waited): checkpoints nobody stored or hit since then are cold for it (any of them may make room for
+        its checkpoints). It has no working slot until its first allocation."""
+        self.since[row] = self._arrival.get(request_id, self.slots.clock)
+        self._slotless.add(row)
 
     def set_prompt(self, row: int, num_prompt_tokens: int, num_computed: int) -> None:
         self.prompt_ckpt[row] = (num_prompt_tokens - 1) // self.block_size * self.block_size
@@ -388,12 +520,14 @@ class MambaManager:
         decode = (nc // every + 1) * every
         self.next_ckpt[row] = final if nc < final < decode else decode
 
-    def checkpoint(self, rows: np.ndarray, nc: np.ndarray, chain: Callable[[int, int], list[BlockHash]],
-                   prompt_chain: Callable[[int], Sequence[BlockHash] | None], sharing: SharedPrefixIndex) -> None:
-        """After a step computed ``rows`` up to ``nc``: checkpoint the rows whose step ended at a checkpoint
-        length (queue the copy of the working state), then move their next checkpoint length on.
+    def commit(self, rows: np.ndarray, num_computed: np.ndarray, *,
+               chain: Callable[[int, int], list[BlockHash]],
+               prompt_chain: Callable[[int], Sequence[BlockHash] | None], sharing: SharedPrefixIndex) -> None:
+        """After a step computed ``rows`` up to ``num_computed``: checkpoint the rows whose step ended at a
+        checkpoint length (queue the copy of the working state), then move their next checkpoint length on.
         ``chain(row, n)``: the row's first n block keys; ``prompt_chain(row)``: its prompt's keys as the
         shared-prefix index holds them (None: not indexed)."""
+        nc = num_computed
         due = nc >= self.next_ckpt[rows]
         if not np.count_nonzero(due):
             return
@@ -444,7 +578,8 @@ class MambaManager:
     def key_at(self, block_hashes: Sequence[BlockHash], length: int) -> BlockHash:
         return block_hashes[length // self.hash_block_size - 1]
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int, *,
+                               cached: np.ndarray | None = None) -> int:
         """Largest L <= ``max_length`` with a checkpoint stored exactly at L (0 = start from zero)."""
         if not self.checkpoints:
             return 0
@@ -464,18 +599,27 @@ class MambaManager:
         self.slots.want(slot)
         return slot
 
-    def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> int:
+    def take_cache_hit(self, row: int, block_hashes: Sequence[BlockHash], length: int) -> None:
         """Pin the checkpoint at ``length`` for ``row``; its copy is queued once the row has a slot."""
         ckpt = self.slots.lookup_checkpoint(self.key_at(block_hashes, length))
         assert ckpt != NULL_SLOT
         self.slots.pin(ckpt)
         self.pending[row] = ckpt
         self.cache_cap[row] = length // self.hash_block_size
-        return ckpt
 
     # -- working slots and copies -------------------------------------------------------------------
+    def can_allocate(self, rows: np.ndarray) -> bool:
+        return not self._slotless or np.count_nonzero(self.slot[rows] == NULL_SLOT) <= self.slots.num_free_slots
+
+    def allocate_rows(self, rows: np.ndarray) -> None:
+        if self._slotless:
+            need = rows[self.slot[rows] == NULL_SLOT]
+            if need.size:
+                self.assign_slots(need)
+
     def assign_slots(self, rows: np.ndarray) -> None:
         """Give ``rows`` working slots (the caller checked there are enough); a pinned hit is copied in."""
+        self._slotless.difference_update(rows.tolist())
         slots = self.slots.allocate(rows.size)
         self.slot[rows] = slots
         for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
@@ -502,13 +646,23 @@ class MambaManager:
         self._copies = {}
         return src, dst
 
-    def free_rows(self, rows: np.ndarray) -> None:
+    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
         self.slots.free(self.slot[rows])
         for ckpt in self.pending[rows].tolist():
             if ckpt != NULL_SLOT:
                 self.slots.unpin(ckpt)
         self.slot[rows] = NULL_SLOT
         self.pending[rows] = NULL_SLOT
+
+    def check_invariants(self) -> None:
+        self.slots.check_invariants()
+        held = self.slot[self.slot != NULL_SLOT]
+        assert np.unique(held).size == held.size, "a working slot is held twice"
+        assert held.size == self.slots.num_working_slots - self.slots.num_free_slots, "slot leak"
+        wanted = np.bincount(np.fromiter(self._wanted.values(), np.int64, len(self._wanted)),
+                             minlength=self.slots.num_slots)
+        assert wanted.tolist() == self.slots._wants, "wanted checkpoints disagree with the waiting requests"
+        assert all(self.slots.key_of(s) is not None for s in self._wanted.values()), "a wanted slot is free"
 
 
 def make_attention_manager(spec: AttentionSpec, **kw: object) -> AttentionManager:
