@@ -36,6 +36,8 @@ from transformers import (
     Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteMoeSWAConfig,
+    GraniteMoeSWAForCausalLM,
     GraniteSWAConfig,
     GraniteSWAForCausalLM,
     Llama4Config,
@@ -246,6 +248,23 @@ def granite_swa(seed: int = 0) -> PreTrainedModel:
     return _random_sinks(_finish(GraniteSWAForCausalLM(_eager(config)), seed), seed)
 
 
+def granitemoe_swa(seed: int = 0, *, shared: bool = True) -> PreTrainedModel:
+    """Granite-SWA's layer mix (global NoPE, sliding (window 4) x2 on two RoPE bases, global), sinks and µP
+    multipliers, with 4 experts top-2 on every layer; ``shared``: the shared MLP beside them (HF's default: off)."""
+    config = GraniteMoeSWAConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                 layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                              "full_attention"],
+                                 layer_rope_theta=[0, 1000.0, 100.0, 1000.0], attention_bias=True,
+                                 num_local_experts=4, num_experts_per_tok=2,
+                                 shared_intermediate_size=48 if shared else 0,
+                                 embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                 logits_scaling=2.0, max_position_embeddings=4096, tie_word_embeddings=False,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    return _random_sinks(_finish(GraniteMoeSWAForCausalLM(_eager(config)), seed), seed)
+
+
 _GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                  "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -376,7 +395,9 @@ def gemma3n_multimodal(seed: int = 0) -> PreTrainedModel:
 FAMILIES: dict[str, Callable[[int], PreTrainedModel]] = {
     "llama4": llama4, "llama4_multimodal": llama4_multimodal, "mistral": mistral, "gemma2": gemma2,
     "gemma3": gemma3, "gemma3_multimodal": gemma3_multimodal, "mamba2": mamba2, "gpt_oss": gpt_oss,
-    "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa, "gemma4": gemma4,
+    "cohere2": cohere2, "exaone4": exaone4, "granite_swa": granite_swa,
+    "granitemoe_swa": granitemoe_swa, "granitemoe_swa_no_shared": lambda seed=0: granitemoe_swa(seed, shared=False),
+    "gemma4": gemma4,
     "gemma4_k_eq_v": gemma4_k_eq_v, "gemma4_global512": gemma4_global512, "gemma4_moe": gemma4_moe,
     "gemma4_multimodal": gemma4_multimodal,
     "gemma3n": gemma3n, "gemma3n_multimodal": gemma3n_multimodal,

@@ -118,6 +118,11 @@ HF_KWARGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, sliding_window=8, layer_rope_theta=[0, 100.0, 100.0, 0, 5000.0, 5000.0],
         attention_multiplier=0.25, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=4.0,
         mlp_bias=True)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, layer_rope_theta=[0, 100.0, 100.0, 0, 5000.0, 5000.0],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, attention_multiplier=0.25,
+        embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=4.0, attention_bias=True)),
     "gemma4": ("Gemma4TextConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
@@ -215,6 +220,8 @@ HF_KINDS: dict[str, Callable[[Any, Any], Kinds]] = {
     "exaone4": lambda model, cfg: [("sliding_window" if layer.self_attn.is_sliding else "full", "mlp")
                                    for layer in _layers(model)],
     "granite_swa": _hf_gemma,
+    "granitemoe_swa": lambda model, cfg: [("sliding_window" if layer.self_attn.sliding_window else "full", "moe")
+                                          for layer in _layers(model)],
     "gemma4": _hf_gemma,
     "gemma3n": _hf_gemma,
     "lfm2": lambda model, cfg: [("full" if layer.is_attention_layer else "short_conv", "mlp")
@@ -454,6 +461,32 @@ def test_granite_swa_sinks_rope_per_layer_and_multipliers() -> None:
     assert (ours.embedding_multiplier, ours.residual_multiplier, ours.logits_multiplier) == (12.0, 0.22, 0.25)
     with pytest.raises(ValueError, match="layer_rope_theta has 2 entries for 6 layers"):
         hf_config_to_hybrid(raw_config("granite_swa") | {"layer_rope_theta": [0, 1.0]})
+
+
+def test_granitemoe_swa_attention_experts_and_multipliers_follow_hf() -> None:
+    """Granite-SWA's attention (the same layers from the same keys) over GraniteMoE's experts, each checked against
+    HF's modules: sinks and biases, the window, RoPE or NoPE, the experts' and shared MLP's widths; shared experts
+    off by default (HF's ``shared_intermediate_size=0`` builds no ``shared_mlp``); multipliers."""
+    cfg = hf_config("granitemoe_swa")
+    ours = hf_config_to_hybrid(cfg.to_dict())
+    swa = hf_config_to_hybrid(raw_config("granite_swa") | {"intermediate_size": 32, "attention_bias": True})
+    assert [layer.mixer for layer in ours.layers] == [layer.mixer for layer in swa.layers]
+    for layer, hf_layer, theta in zip(ours.layers, _layers(hf_model(cfg)), cfg.layer_rope_theta, strict=True):
+        attn, moe, hf_moe = layer.mixer, layer.ffn, hf_layer.block_sparse_moe
+        assert attn.sinks and attn.qkv_bias and attn.o_bias and hf_layer.self_attn.q_proj.bias is not None
+        assert attn.sliding_window == hf_layer.self_attn.sliding_window and attn.scale == hf_layer.self_attn.scaling
+        assert (attn.rope.theta if attn.rope else 0) == theta
+        assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (
+            hf_moe.experts.num_experts, hf_moe.router.top_k, hf_moe.experts.intermediate_dim)
+        assert (moe.router, moe.renormalize, moe.shared_intermediate_size) == ("softmax", True,
+                                                                                hf_layer.shared_mlp.hidden_size)
+    assert (ours.embedding_multiplier, ours.residual_multiplier, ours.logits_multiplier) == (12.0, 0.22, 0.25)
+    off = transformers.GraniteMoeSWAConfig(**(HF_KWARGS["granitemoe_swa"][1] | {"shared_intermediate_size": 0}))
+    assert _layers(hf_model(off))[0].shared_mlp is None
+    bare = {k: v for k, v in raw_config("granitemoe_swa").items() if k != "shared_intermediate_size"}
+    assert {layer.ffn.shared_intermediate_size for layer in hf_config_to_hybrid(bare).layers} == {0}
+    with pytest.raises(ValueError, match="layer_rope_theta has 2 entries for 6 layers"):
+        hf_config_to_hybrid(raw_config("granitemoe_swa") | {"layer_rope_theta": [0, 1.0]})
 
 
 def test_gpt_oss_attention_moe_and_yarn_follow_hf() -> None:

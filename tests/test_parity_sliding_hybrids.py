@@ -3,7 +3,10 @@
 - Cohere2 (Command-R7B): one bias-free LayerNorm feeding attention and MLP side by side, interleaved RoPE on the
   sliding layers only (the global layer NoPE), biased attention, ``logit_scale``;
 - Exaone-4: post-norms only, q/k RMSNorms before RoPE, "LLLG" with the global layer NoPE;
-- Granite-SWA: learned sinks, a RoPE base per layer (0: NoPE), µP multipliers.
+- Granite-SWA: learned sinks, a RoPE base per layer (0: NoPE), µP multipliers;
+- GraniteMoE-SWA: Granite-SWA's attention over 4 experts top-2 with the shared MLP beside them (without it, HF's
+  default, the loaded model's forward is checked alone), read from the names ``save_pretrained`` writes and from
+  GraniteMoE's hub spelling.
 
 Each tiny random model (``tests/_hf_models.py``) is written by ``save_pretrained`` and loaded by ``LLM(path)`` with
 4-token blocks and an 8-token step budget (prefills run in chunks): the same 32 greedy tokens as HF on a prompt
@@ -27,11 +30,14 @@ from _parity import (
     check_triton_graphs_match_hf,
     hf_checkpoint,
 )
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
+
+from hybridkv.loaders.checkpoint import load_hf_checkpoint
 
 NEW_TOKENS = 32
 # family -> seed: greedy output stays diverse (no single-token attractor) for these prompts.
-SEEDS = {"cohere2": 1, "exaone4": 0, "granite_swa": 0}
+SEEDS = {"cohere2": 1, "exaone4": 0, "granite_swa": 0, "granitemoe_swa": 0}
 
 
 def _prompts() -> list[list[int]]:
@@ -40,8 +46,9 @@ def _prompts() -> list[list[int]]:
     return base + [base[1] + torch.randint(3, hf_models.VOCAB - 4, (9,), generator=gen).tolist()]
 
 
-# The quick tier (``-m "not slow"``) keeps Cohere2 (LayerNorm, parallel block); the others (~15 s each) are slow.
-QUICK = ("cohere2",)
+# The quick tier (``-m "not slow"``) keeps Cohere2 (LayerNorm, parallel block) and GraniteMoE-SWA (Granite-SWA's
+# sinks and RoPE bases under experts, ~2 s for its four tests); the others (~15 s each) are slow.
+QUICK = ("cohere2", "granitemoe_swa")
 
 
 @pytest.fixture(scope="module", params=[f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in SEEDS])
@@ -78,3 +85,37 @@ def test_triton_backend_and_cuda_graphs_on_gpu_match_hf(checkpoint: tuple[str, P
     and log-probabilities within 1e-4."""
     name, _, path, expected = checkpoint
     check_triton_graphs_match_hf(name, path, _prompts(), expected, new_tokens=NEW_TOKENS, graphs_capture=False)
+
+
+def test_granitemoe_swa_without_shared_experts_matches_hf(tmp_path: Path) -> None:
+    """HF's default ``shared_intermediate_size=0``: routed experts alone (no ``shared_mlp`` tensors to read)."""
+    hf = hf_models.FAMILIES["granitemoe_swa_no_shared"](0)
+    path = hf_models.save(hf, tmp_path)
+    assert not any(".shared_mlp." in name for name in load_file(path / "model.safetensors"))
+    check_reference_forward(hf, path, _prompts(), label="granitemoe_swa without shared experts: ")
+
+
+# GraniteMoE's hub spelling of the experts and router (what GraniteMoE / GraniteMoeShared checkpoints hold).
+_GRANITEMOE_HUB_NAMES = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight",
+                         "router.weight": "router.layer.weight"}
+
+
+def test_granitemoe_swa_reads_granitemoe_hub_names(tmp_path: Path) -> None:
+    """The experts and router under GraniteMoE's hub names load the same model as ``save_pretrained``'s names."""
+    hf = hf_models.FAMILIES["granitemoe_swa"](0)
+    saved = hf_models.save(hf, tmp_path / "saved")
+    state = load_file(saved / "model.safetensors")
+    renamed = {}
+    for name, tensor in state.items():
+        for ours, hub in _GRANITEMOE_HUB_NAMES.items():
+            name = name.replace(f"block_sparse_moe.{ours}", f"block_sparse_moe.{hub}")
+        renamed[name] = tensor
+    assert len(set(renamed) - set(state)) == 3 * len(hf.model.layers)
+    (tmp_path / "hub").mkdir()
+    save_file(renamed, str(tmp_path / "hub" / "model.safetensors"))
+    (tmp_path / "hub" / "config.json").write_text((saved / "config.json").read_text())
+    model = load_hf_checkpoint(tmp_path / "hub", dtype=torch.float32, device="cpu")
+    want = dict(load_hf_checkpoint(saved, dtype=torch.float32, device="cpu").named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, want[name]), name
+    check_reference_forward(hf, tmp_path / "hub", _prompts()[1:2], label="granitemoe_swa, hub names: ")

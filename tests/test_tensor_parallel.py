@@ -59,7 +59,8 @@ def test_tp2_matches_tp1(mix: str) -> None:
 
 # Every supported family as a tiny HF checkpoint (seeds as in the parity tests: non-degenerate greedy output).
 _ATTENTION_SEEDS = {"llama4": 2, "llama4_multimodal": 0, "mistral": 0, "gemma2": 1, "gemma3": 0,
-                    "gemma3_multimodal": 0, "mamba2": 0, "gpt_oss": 0, "cohere2": 1, "exaone4": 0, "granite_swa": 0}
+                    "gemma3_multimodal": 0, "mamba2": 0, "gpt_oss": 0, "cohere2": 1, "exaone4": 0, "granite_swa": 0,
+                    "granitemoe_swa": 0}
 HF_FAMILIES = [*_ATTENTION_SEEDS, *hf_mamba.BUILDERS]
 
 
@@ -81,6 +82,7 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # its gated norm and the Granite hybrids shard as Falcon-H1, NemotronH and the MoE families do; the multimodal
 # wrappers' decoders are Llama-4's and Gemma-3's; Mistral's, Cohere2's, EXAONE-4's and Granite-SWA's attention
 # shards are Gemma-2's and Gemma-3's (full and sliding, q/k norms, sinks in gpt-oss): each quick elsewhere.
+# GraniteMoE-SWA (sinks split by heads, experts and the shared MLP by channels) is served quick (~2 s).
 _TP2_SLOW = ("gpt_oss", "lfm2_moe", "qwen3_next", "jamba", "zamba2", "bamba", "qwen3_5", "olmo_hybrid",
              "lfm2", "falcon_h1", "mamba2", "gemma2", "llama4",    # (NemotronH and Gemma-3 stay in the quick tier)
              "falcon_h1_gated_norm", "granite_dense_rope", "granite_moe_hybrid", "llama4_multimodal",

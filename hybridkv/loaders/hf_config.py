@@ -60,6 +60,7 @@ MODEL_TYPES: dict[str, str] = {
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
@@ -676,7 +677,7 @@ def gemma3n(config: Mapping[str, Any]) -> HybridConfig:
                   altup=altup, laurel_rank=cfg["laurel_rank"] or 0)
 
 
-# -- Sliding-window hybrids: Cohere2 (Command-R7B), Exaone-4, Granite-SWA ------------------------------------
+# -- Sliding-window hybrids: Cohere2 (Command-R7B), Exaone-4, Granite-SWA, GraniteMoE-SWA ------------------
 _SLIDING_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -765,6 +766,45 @@ def exaone4(config: Mapping[str, Any]) -> HybridConfig:
     return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"])
 
 
+# Granite's µP multipliers (every Granite family): embeddings, residual branches, 1 / ``logits_scaling``.
+def _granite_model(cfg: _Fields, layers: list[Layer]) -> HybridConfig:
+    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
+                  embedding_multiplier=float(cfg["embedding_multiplier"]),
+                  residual_multiplier=float(cfg["residual_multiplier"]),
+                  logits_multiplier=1.0 / float(cfg["logits_scaling"]))
+
+
+def _granite_moe(cfg: _Fields, activation: str) -> MoE:
+    """GraniteMoE's block: softmax over the top-k router logits (= softmax top-k renormalised), gated experts,
+    and the shared gated MLP beside them when ``shared_intermediate_size`` > 0."""
+    return MoE(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+               intermediate_size=cfg["intermediate_size"], router="softmax", renormalize=True,
+               shared_intermediate_size=cfg["shared_intermediate_size"], activation=activation)
+
+
+def _granite_swa_layers(cfg: _Fields, ffn: MLP | MoE) -> list[Layer]:
+    """Granite-SWA's attention, one per layer before ``ffn``: sliding-window layers per ``layer_types`` (else every
+    fourth layer from layer 0 global), a learned sink logit per head (gpt-oss's), softmax scale
+    ``attention_multiplier``, and ``layer_rope_theta`` giving each layer its RoPE base (0: NoPE)."""
+    n = cfg["num_hidden_layers"]
+    types = _sliding_types(cfg, lambda i: "full_attention" if i % 4 == 0 else "sliding_attention")
+    params = _rope_params(cfg)
+    thetas = cfg["layer_rope_theta"] or [params.get("rope_theta", 10000.0)] * n
+    if len(thetas) < n:
+        raise ValueError(f"{cfg.arch}: layer_rope_theta has {len(thetas)} entries for {n} layers")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    bias = cfg["attention_bias"]
+    layers = []
+    for kind, theta in zip(types, thetas[:n], strict=True):
+        attention = Attention(
+            num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=cfg["head_dim"] or hidden // heads,
+            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None,
+            rope=_rope({**params, "rope_theta": theta}, theta=10000.0) if theta else None,
+            scale=float(cfg["attention_multiplier"]), qkv_bias=bias, o_bias=bias, sinks=True)
+        layers.append(Layer(mixer=attention, ffn=ffn))
+    return layers
+
+
 _GRANITE_SWA_DEFAULTS = dict(
     vocab_size=100352, hidden_size=2560, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=20,
     num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -780,28 +820,29 @@ def granite_swa(config: Mapping[str, Any]) -> HybridConfig:
     global) and a learned sink logit per head (gpt-oss's); ``layer_rope_theta`` gives each layer its RoPE base,
     0 for NoPE."""
     cfg = _Fields("GraniteSWAForCausalLM", config, _GRANITE_SWA_DEFAULTS)
-    n = cfg["num_hidden_layers"]
-    types = _sliding_types(cfg, lambda i: "full_attention" if i % 4 == 0 else "sliding_attention")
-    params = _rope_params(cfg)
-    thetas = cfg["layer_rope_theta"] or [params.get("rope_theta", 10000.0)] * n
-    if len(thetas) < n:
-        raise ValueError(f"{cfg.arch}: layer_rope_theta has {len(thetas)} entries for {n} layers")
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    bias = cfg["attention_bias"]
     mlp = MLP(intermediate_size=cfg["intermediate_size"], activation=_activation(cfg["hidden_act"], cfg.arch),
               bias=cfg["mlp_bias"])
-    layers = []
-    for kind, theta in zip(types, thetas[:n], strict=True):
-        attention = Attention(
-            num_heads=heads, num_kv_heads=cfg.kv_heads(), head_dim=cfg["head_dim"] or hidden // heads,
-            sliding_window=cfg["sliding_window"] if kind == "sliding_attention" else None,
-            rope=_rope({**params, "rope_theta": theta}, theta=10000.0) if theta else None,
-            scale=float(cfg["attention_multiplier"]), qkv_bias=bias, o_bias=bias, sinks=True)
-        layers.append(Layer(mixer=attention, ffn=mlp))
-    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
-                  embedding_multiplier=float(cfg["embedding_multiplier"]),
-                  residual_multiplier=float(cfg["residual_multiplier"]),
-                  logits_multiplier=1.0 / float(cfg["logits_scaling"]))
+    return _granite_model(cfg, _granite_swa_layers(cfg, mlp))
+
+
+# HF's GraniteMoeSWAConfig defaults (GraniteMoeShared's, shared experts off); ``head_dim`` is not a field of it,
+# but HF's attention reads one when a config carries it.
+_GRANITEMOE_SWA_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=False, embedding_multiplier=1.0,
+    logits_scaling=1.0, residual_multiplier=1.0, attention_multiplier=1.0, num_local_experts=8,
+    num_experts_per_tok=2, shared_intermediate_size=0, sliding_window=128, layer_types=None, layer_rope_theta=None)
+
+
+@register("GraniteMoeSWAForCausalLM")
+def granitemoe_swa(config: Mapping[str, Any]) -> HybridConfig:
+    """GraniteMoE-SWA: Granite-SWA's attention (sliding / global per layer, sinks, a RoPE base per layer, µP
+    multipliers) with GraniteMoeShared's feed-forward on every layer: ``num_local_experts`` routed experts (softmax
+    over the top-k logits) plus, when ``shared_intermediate_size`` > 0 (default 0: off), the shared gated MLP."""
+    cfg = _Fields("GraniteMoeSWAForCausalLM", config, _GRANITEMOE_SWA_DEFAULTS)
+    moe = _granite_moe(cfg, _activation(cfg["hidden_act"], cfg.arch))
+    return _granite_model(cfg, _granite_swa_layers(cfg, moe))
 
 
 # -- Mamba2 (Mamba-Codestral) ------------------------------------------------------------------------------
@@ -1113,17 +1154,10 @@ def granite_moe_hybrid(config: Mapping[str, Any]) -> HybridConfig:
                           scale=float(cfg["attention_multiplier"]), qkv_bias=cfg["attention_bias"],
                           o_bias=cfg["attention_bias"])
     act = _activation(cfg["hidden_act"], cfg.arch)
-    shared = cfg["shared_intermediate_size"]
-    ffn: MLP | MoE = (
-        MoE(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
-            intermediate_size=cfg["intermediate_size"], router="softmax", renormalize=True,
-            shared_intermediate_size=shared, activation=act)
-        if cfg["num_local_experts"] > 0 else MLP(intermediate_size=shared, activation=act))
+    ffn: MLP | MoE = (_granite_moe(cfg, act) if cfg["num_local_experts"] > 0
+                      else MLP(intermediate_size=cfg["shared_intermediate_size"], activation=act))
     layers = [Layer(mixer=attention if kind == "full_attention" else mamba, ffn=ffn) for kind in types]
-    return _model(cfg, layers, norm_eps=cfg["rms_norm_eps"],
-                  embedding_multiplier=float(cfg["embedding_multiplier"]),
-                  residual_multiplier=float(cfg["residual_multiplier"]),
-                  logits_multiplier=1.0 / float(cfg["logits_scaling"]))
+    return _granite_model(cfg, layers)
 
 
 # -- gpt-oss -----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from hybridkv.loaders.families import (  # noqa: F401
     gpt_oss,
     granite_moe_hybrid,
     granite_swa,
+    granitemoe_swa,
     jamba,
     kimi_linear,
     lfm2,

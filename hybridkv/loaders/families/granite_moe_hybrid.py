@@ -22,7 +22,9 @@ _MOE = {"input_linear.weight": "gate_up", "experts.gate_up_proj": "gate_up",
         "router.layer.weight": "router.weight", "router.weight": "router.weight"}
 
 
-def _ffn(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
+def granite_moe_ffn(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
+    """Layer ``i``'s ``block_sparse_moe.*`` and ``shared_mlp.*`` tensors (GraniteMoE's names, shared with
+    GraniteMoE-SWA); None for any other name."""
     ffn = config.layers[i].ffn if i < len(config.layers) else None
     ours = f"layers.{i}.ffn"
     if rest.startswith("shared_mlp."):
@@ -39,7 +41,7 @@ def _ffn(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
 
 
 def _layer(i: int, rest: str, config: HybridConfig) -> list[Target] | None:
-    return (mamba2_param(rest, "mamba", f"layers.{i}.mixer") or _ffn(i, rest, config)
+    return (mamba2_param(rest, "mamba", f"layers.{i}.mixer") or granite_moe_ffn(i, rest, config)
             or rename_module(rest, _LAYER_MODULES, prefix=f"layers.{i}."))
 
 
