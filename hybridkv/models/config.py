@@ -44,9 +44,10 @@ from hybridkv.layers.parallel import local_units
 from hybridkv.layers.rotary import ROPE_SCALINGS, Rope
 from hybridkv.layers.short_conv import ShortConv
 
-__all__ = ["ACTIVATIONS", "MAX_DIM", "MAX_LAYERS", "MLP", "NORMS", "ROPE_SCALINGS", "AltUp", "Attention", "DenseMoE",
-           "FeedForward", "GatedDeltaNet", "HybridConfig", "KimiDeltaAttention", "Layer", "Mamba1", "Mamba2", "Mixer",
-           "MixerConfig", "MoE", "MultiLatentAttention", "Rope", "SharedBlock", "ShortConv"]
+__all__ = ["ACTIVATIONS", "GATED_ONLY_ACTIVATIONS", "MAX_DIM", "MAX_LAYERS", "MLP", "MOE_ROUTERS", "NORMS",
+           "ROPE_SCALINGS", "AltUp", "Attention", "DenseMoE", "FeedForward", "GatedDeltaNet", "HybridConfig",
+           "KimiDeltaAttention", "Layer", "Mamba1", "Mamba2", "Mixer", "MixerConfig", "MoE", "MultiLatentAttention",
+           "Rope", "SharedBlock", "ShortConv"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 # Gated activations that are not ``act(gate) * up``: gpt-oss's clamped SwiGLU (``MoE.activation``).
