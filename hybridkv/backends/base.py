@@ -1,4 +1,5 @@
-"""What every kernel backend is: the op table (``KernelBackend``), the error a kernel raises for a configuration
+"""What every kernel backend is: the open op table (``KernelBackend``: the reference twins registered under
+``layers/ops/``, with a backend's kernels in place of the ops it has), the error a kernel raises for a configuration
 it cannot run (``UnsupportedConfig``) and the complete reference backend (``torch_backend``).
 
 The bottom of ``backends/``: the Triton and vendor modules build on it, and ``registry`` (which names and
@@ -7,10 +8,12 @@ composes backends) imports them, so imports only point down.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
-import torch
+from hybridkv.layers.ops import reference_ops
 
 __all__ = ["KernelBackend", "UnsupportedConfig", "torch_backend"]
 
@@ -26,70 +29,69 @@ class UnsupportedConfig(ValueError):
                          f"(backend='auto' falls back to the next backend for such calls)")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False, eq=False, repr=False)
 class KernelBackend:
-    """One implementation of every op a layer calls (signatures: ``hybridkv.layers.ops.*_ref``).
+    """One implementation of every op a layer calls: the open op table (``layers/ops/registry.py``: each op's
+    reference twin, its signature) with ``overrides``, the ops this backend has kernels for, in their place. An op is
+    an attribute (``backend.paged_attention(...)``); one this backend does not override, or one registered after it
+    was made, is the reference.
 
+    Made with the ops it has kernels for, ``KernelBackend(name="triton", paged_attention=...)``, or from another by
+    ``dataclasses.replace(backend, name=..., write_kv=...)``; an unknown op name is a ``TypeError``.
     ``cuda_graph_safe``: its decode-path ops read only device metadata and never sync, so a captured
     decode step stays correct for any batch of the captured size (``engine/cuda_graphs.py``)."""
 
     name: str
-    paged_attention: Callable[..., torch.Tensor]
-    write_kv: Callable[..., None]
-    causal_conv1d: Callable[..., torch.Tensor]
-    causal_conv1d_update: Callable[..., torch.Tensor]
-    ssd_chunk_scan: Callable[..., torch.Tensor]
-    ssd_state_update: Callable[..., torch.Tensor]
-    selective_scan: Callable[..., torch.Tensor]
-    selective_state_update: Callable[..., torch.Tensor]
-    # gated delta rule (Gated DeltaNet) and Kimi Delta Attention: prefill and one-token decode (``gated_delta_ref``)
-    gated_delta_rule: Callable[..., torch.Tensor]
-    gated_delta_rule_update: Callable[..., torch.Tensor]
-    kda: Callable[..., torch.Tensor]
-    kda_update: Callable[..., torch.Tensor]
-    # the elementwise work between GEMMs (``layers/ops/fused_ref.py``)
-    rms_norm: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
-    act_mul: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]
-    linear_act_mul: Callable[..., torch.Tensor]
-    argmax: Callable[..., torch.Tensor]
-    linear_argmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    qk_rope_write_kv: Callable[..., torch.Tensor]
-    rope_attention: Callable[..., torch.Tensor]       # qk_rope_write_kv, then paged_attention
-    gated_rms_norm: Callable[..., torch.Tensor]
-    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    overrides: Mapping[str, Callable[..., Any]]
     cuda_graph_safe: bool = False
+
+    def __init__(self, *, name: str, overrides: Mapping[str, Callable[..., Any]] | None = None,
+                 cuda_graph_safe: bool = False, **ops: Callable[..., Any]) -> None:
+        references = reference_ops()
+        ops = {**(overrides or {}), **ops}
+        unknown = sorted(ops.keys() - references.keys())
+        if unknown:
+            raise TypeError(f"kernel backend {name!r}: unknown op(s) {', '.join(unknown)} (the registered ops: "
+                            f"{', '.join(sorted(references))})")
+        own = {op: fn for op, fn in ops.items() if fn is not references[op]}
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "overrides", MappingProxyType(own))
+        object.__setattr__(self, "cuda_graph_safe", cuda_graph_safe)
+        for op, reference in references.items():    # plain attributes: an op costs a field's lookup on the hot path
+            object.__setattr__(self, op, own.get(op, reference))
+
+    def __getattr__(self, op: str) -> Callable[..., Any]:
+        """Only reached for an op registered after this backend was made (its reference), or for no op at all."""
+        reference = reference_ops().get(op)
+        if reference is None:
+            raise AttributeError(f"kernel backend {self.__dict__.get('name')!r} has no op {op!r}")
+        return reference
+
+    def ops(self) -> dict[str, Callable[..., Any]]:
+        """Op name -> what this backend runs for it, for every registered op."""
+        return {op: getattr(self, op) for op in reference_ops()}
+
+    def _key(self) -> tuple[Any, ...]:
+        return self.name, self.cuda_graph_safe, frozenset(self.overrides.items())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KernelBackend) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"KernelBackend(name={self.name!r}, overrides=[{', '.join(self.overrides)}], "
+                f"cuda_graph_safe={self.cuda_graph_safe})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (self.name, dict(self.overrides), self.cuda_graph_safe)
+
+
+def _rebuild(name: str, overrides: dict[str, Callable[..., Any]], cuda_graph_safe: bool) -> KernelBackend:
+    return KernelBackend(name=name, overrides=overrides, cuda_graph_safe=cuda_graph_safe)
 
 
 def torch_backend() -> KernelBackend:
     """The reference ops: complete, any device. Other backends replace the ops they have kernels for."""
-    from hybridkv.layers import ops
-    from hybridkv.layers.ops import fused_ref
-
-    return KernelBackend(
-        name="torch",
-        paged_attention=ops.paged_attention_ref,
-        write_kv=ops.write_kv_ref,
-        causal_conv1d=ops.causal_conv1d_ref,
-        causal_conv1d_update=ops.causal_conv1d_update_ref,
-        ssd_chunk_scan=ops.ssd_chunk_scan_ref,
-        ssd_state_update=ops.ssd_state_update_ref,
-        selective_scan=ops.selective_scan_ref,
-        selective_state_update=ops.selective_state_update_mamba1_ref,
-        gated_delta_rule=ops.gated_delta_rule_ref,
-        gated_delta_rule_update=ops.gated_delta_rule_update_ref,
-        kda=ops.kda_ref,
-        kda_update=ops.kda_update_ref,
-        rms_norm=fused_ref.rms_norm_ref,
-        add_rms_norm=fused_ref.add_rms_norm_ref,
-        act_mul=fused_ref.act_mul_ref,
-        linear=fused_ref.linear_ref,
-        linear_act_mul=fused_ref.linear_act_mul_ref,
-        argmax=fused_ref.argmax_ref,
-        linear_argmax=fused_ref.linear_argmax_ref,
-        qk_rope_write_kv=fused_ref.qk_rope_write_kv_ref,
-        rope_attention=fused_ref.rope_attention_ref,
-        gated_rms_norm=fused_ref.gated_rms_norm_ref,
-        moe_route=fused_ref.moe_route_ref,
-    )
+    return KernelBackend(name="torch")

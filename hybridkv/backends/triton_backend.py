@@ -25,10 +25,9 @@ torch references for them, and says so in the log when it is built.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-from hybridkv.backends.base import KernelBackend, torch_backend
+from hybridkv.backends.base import KernelBackend
 
 logger = logging.getLogger("hybridkv.backends")
 
@@ -48,16 +47,17 @@ def triton_backend() -> KernelBackend:
                 "activations / RoPE, MoE routing, greedy argmax, "
                 "decode-size linears (%s); Mamba-1 selective scan uses the torch reference",
                 linear.dispatch_description())
-    return dataclasses.replace(torch_backend(), name="triton", paged_attention=paged_attention_triton,
-                               write_kv=write_kv_triton, causal_conv1d=causal_conv1d_triton,
-                               causal_conv1d_update=causal_conv1d_update_triton,
-                               ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
-                               gated_delta_rule=delta.gated_delta_rule_triton,
-                               gated_delta_rule_update=delta.gated_delta_rule_update_triton,
-                               kda=delta.kda_triton, kda_update=delta.kda_update_triton,
-                               rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
-                               act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
-                               argmax=argmax_triton, linear_argmax=linear.linear_argmax,
-                               qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
-                               gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
-                               cuda_graph_safe=True)
+    # The ops it has kernels for; the rest (Mamba-1's) are the references.
+    return KernelBackend(name="triton", paged_attention=paged_attention_triton,
+                         write_kv=write_kv_triton, causal_conv1d=causal_conv1d_triton,
+                         causal_conv1d_update=causal_conv1d_update_triton,
+                         ssd_chunk_scan=ssd_chunk_scan_triton, ssd_state_update=ssd_state_update_triton,
+                         gated_delta_rule=delta.gated_delta_rule_triton,
+                         gated_delta_rule_update=delta.gated_delta_rule_update_triton,
+                         kda=delta.kda_triton, kda_update=delta.kda_update_triton,
+                         rms_norm=fused.rms_norm_triton, add_rms_norm=fused.add_rms_norm_triton,
+                         act_mul=fused.act_mul_triton, linear=linear.linear, linear_act_mul=linear.linear_act_mul,
+                         argmax=argmax_triton, linear_argmax=linear.linear_argmax,
+                         qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
+                         gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
+                         cuda_graph_safe=True)

@@ -26,18 +26,140 @@ wrote this step's keys before it runs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, get_forward_context, metadata_op
+from hybridkv.kv_groups.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVSharingSpec,
+    SlidingWindowSpec,
+)
+from hybridkv.layers.kind import CacheContext, MixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, LowRankAdapter, PackedLinears, RowParallelLinear
 from hybridkv.layers.norms import AcrossHeadsRMSNorm, RMSNorm
 from hybridkv.layers.ops.fused_ref import QKPrep
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
-from hybridkv.layers.rotary import RotaryEmbedding, rope_attention_factor
-from hybridkv.models.config import Attention
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
+from hybridkv.layers.rotary import Rope, RotaryEmbedding, rope_attention_factor
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class Attention(MixerConfig):
+    """Softmax attention over a paged KV cache: full, sliding-window or chunked-local.
+
+    ``rope=None`` is NoPE. ``qk_norm``: None, "rms" (learned per-head-dim weight) or "rms_weightless"
+    (Llama-4, applied after RoPE). ``temperature_tuning=(attn_scale, floor_scale)`` scales q on Llama-4
+    NoPE layers by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)). ``shared_id`` marks layers
+    that share weights (Zamba2) while keeping separate KV caches.
+
+    "rms" q/k norms are learned per head dim, use the model's norm flavour (``HybridConfig.norm``) and
+    run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4);
+    "rms_full" is one plain RMS norm over all heads' channels of q (and of k), weight (heads * head_dim,), on the
+    projections before RoPE (OLMo-2/3, OLMo-Hybrid).
+    ``scale`` overrides head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; Granite:
+    attention_multiplier). Falcon-H1 µP multipliers: the input is scaled by ``input_multiplier``, keys by
+    ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
+
+    ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator and carries no
+    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache.
+
+    ``output_gate`` (Qwen3-Next): q_proj also gives a gate per query head (its rows per head [q | gate], as HF
+    stores them); the attention output is multiplied by sigmoid(gate) before o_proj.
+
+    Gemma-4: ``value_norm`` normalises each value head (RMS, no weight) before the cache; ``k_eq_v`` has no v_proj,
+    the values are the keys as projected (before the k norm and RoPE). ``kv_source`` (cross-layer KV sharing,
+    Gemma-3n / Gemma-4) is the index of an earlier layer whose KV cache this layer reads: it has only q_proj,
+    q_norm and o_proj, keeps no cache and writes none (``KVSharingSpec``); kv heads, head dim and window must be
+    its donor's."""
+
+    ops = ("qk_rope_write_kv", "rope_attention", "paged_attention", "rms_norm")
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    rope: Rope | None = Rope()
+    qk_norm: str | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    temperature_tuning: tuple[float, float] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    shared_id: int | None = None
+    input_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    output_multiplier: float = 1.0
+    sinks: bool = False
+    output_gate: bool = False
+    value_norm: bool = False
+    k_eq_v: bool = False
+    kv_source: int | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.kv_source is not None and self.kv_source < 0:
+            raise ValueError(f"Attention.kv_source must be a layer index >= 0, got {self.kv_source}")
+        if self.kv_source is not None and self.k_eq_v:
+            raise ValueError("Attention: a KV-sharing layer (kv_source) has no k/v projections; k_eq_v does not apply")
+        positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, sliding_window=self.sliding_window,
+                 attention_chunk_size=self.attention_chunk_size, scale=self.scale, softcap=self.softcap)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Attention.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise ValueError("Attention: set sliding_window or attention_chunk_size, not both")
+        if self.qk_norm not in (None, "rms", "rms_weightless", "rms_full"):
+            raise ValueError(f"Attention.qk_norm must be None, 'rms', 'rms_weightless' or 'rms_full', "
+                             f"got {self.qk_norm!r}")
+
+    @property
+    def kind(self) -> str:
+        if self.sliding_window is not None:
+            return "sliding_window"
+        return "chunked_local" if self.attention_chunk_size is not None else "full"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+    def cache_spec(self, ctx: CacheContext) -> KVCacheSpec:
+        if self.kv_source is not None:          # reads its donor's cache, keeps none of its own
+            donor, target = ctx.layer_cache(self.kv_source)
+            return KVSharingSpec(block_size=ctx.block_size, donor=donor, target=target)
+        kv_heads = local_units(self.num_kv_heads, ctx.tensor_parallel_size, "num_kv_heads", replicate=True)
+        common = dict(block_size=ctx.block_size, num_kv_heads=kv_heads, head_size=self.head_dim, dtype=ctx.kv_dtype)
+        if self.sliding_window is not None and self.sliding_window < ctx.max_positions:
+            return SlidingWindowSpec(sliding_window=self.sliding_window, **common)
+        if self.attention_chunk_size is not None and self.attention_chunk_size < ctx.max_positions:
+            return ChunkedLocalAttentionSpec(attention_chunk_size=self.attention_chunk_size, **common)
+        return FullAttentionSpec(**common)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.num_heads, tensor_parallel_size, "num_heads")
+        local_units(self.num_kv_heads, tensor_parallel_size, "num_kv_heads", replicate=True)
+
+    def matrix_elements(self, hidden: int, width: int) -> int:
+        # a KV-sharing layer has no k/v projections; k = v: no v projection
+        kv = 0 if self.kv_source is not None else (1 if self.k_eq_v else 2) * self.num_kv_heads
+        return self.head_dim * (width * (self.num_heads + kv) + self.num_heads * hidden)
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> AttentionLayer:
+        return AttentionLayer(hidden_size, self, cache_name=cache_name, norm_eps=model_config.norm_eps,
+                              gemma_norm=model_config.norm == "gemma_rms", tp=tp)
 
 
 class AttentionLayer(nn.Module):

@@ -15,15 +15,106 @@ packed conv and the chunked delta rule, each request continuing from its own slo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, metadata_op
+from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
-from hybridkv.models.config import GatedDeltaNet
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNet(RecurrentMixerConfig):
+    """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkvz`` gives q, k (``num_k_heads`` x
+    ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``), grouped per key head as HF stores
+    them; ``in_proj_ba`` gives b, a per value head. A depthwise causal conv (width ``conv_kernel``, SiLU, no bias)
+    runs over q|k|v; then the gated delta rule (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k, the log
+    decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is
+    ``out_proj(norm(o) * silu(z))``, an RMS norm per value head (weight (head_v_dim,), eps ``norm_eps``).
+
+    ``projections``: "grouped" (Qwen3-Next, as above) or "flat" (Qwen3.5, OLMo-Hybrid): ``in_proj_qkv`` gives
+    [q | k | v] in the conv's channel order, ``in_proj_z`` the gate, ``in_proj_b`` / ``in_proj_a`` b and a, each
+    per head in head order. ``beta_scale`` multiplies beta (OLMo-Hybrid's ``linear_allow_neg_eigval``: 2, so the
+    delta rule's eigenvalues 1 - beta k.k reach [-1, 1]).
+
+    State per request: the conv state (2 * key dim + value dim, conv_kernel - 1) and the recurrent state
+    (num_v_heads, head_k_dim, head_v_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
+
+    ops = ("causal_conv1d", "causal_conv1d_update", "gated_delta_rule", "gated_delta_rule_update", "gated_rms_norm")
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+    projections: str = "grouped"
+    beta_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("GatedDeltaNet", num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
+                 head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, conv_kernel=self.conv_kernel,
+                 norm_eps=self.norm_eps, chunk_size=self.chunk_size)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"GatedDeltaNet.num_k_heads={self.num_k_heads} must divide "
+                             f"num_v_heads={self.num_v_heads}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"GatedDeltaNet.conv_kernel must be at least 2, got {self.conv_kernel}")
+        if self.projections not in ("grouped", "flat"):
+            raise ValueError(f"GatedDeltaNet.projections must be 'grouped' or 'flat', got {self.projections!r}")
+        positive("GatedDeltaNet", beta_scale=self.beta_scale)
+
+    @property
+    def kind(self) -> str:
+        return "gated_deltanet"
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, recurrent state) shapes on one tensor-parallel rank: its key heads and the value heads
+        they serve (the ranks must divide the key heads)."""
+        k_heads = local_units(self.num_k_heads, tensor_parallel_size, "num_k_heads")
+        v_heads = k_heads * (self.num_v_heads // self.num_k_heads)
+        conv_dim = 2 * k_heads * self.head_k_dim + v_heads * self.head_v_dim
+        return (conv_dim, self.conv_kernel - 1), (v_heads, self.head_k_dim, self.head_v_dim)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.num_k_heads, tensor_parallel_size, "num_k_heads")
+
+    def matrix_elements(self, hidden: int, width: int) -> int:      # qkvz, ba, conv, out_proj
+        return (hidden * (2 * self.conv_dim - 2 * self.key_dim + 2 * self.num_v_heads)
+                + self.conv_dim * self.conv_kernel + self.value_dim * hidden)
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> GatedDeltaNetLayer:
+        return GatedDeltaNetLayer(hidden_size, self, cache_name=cache_name, tp=tp)
+
+    def init_parameter(self, name: str, shape: tuple[int, ...],
+                       gen: torch.Generator) -> torch.Tensor | float | None:
+        return ssm_parameter_init(name, shape, gen)
 
 
 class GatedDeltaNetLayer(StateSlotMixer):

@@ -12,15 +12,80 @@ packed conv and the chunked KDA, each request continuing from its own slot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import metadata_op
+from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.ops.fused_ref import rms_normalize
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
-from hybridkv.models.config import KimiDeltaAttention
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class KimiDeltaAttention(RecurrentMixerConfig):
+    """Kimi Delta Attention (HF ``KimiLinearDeltaAttention``): the delta rule with a per-channel decay.
+    ``q_proj`` / ``k_proj`` / ``v_proj`` give ``num_heads`` x ``head_dim`` each (keys and values alike); a depthwise
+    causal conv (width ``conv_kernel``, SiLU, no bias) runs over q|k|v; the log decay per head and key channel is
+    ``-exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)`` (a low-rank gate), ``beta = sigmoid(b_proj(x))``;
+    then KDA (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k; the output is
+    ``o_proj(norm(o) * sigmoid(g_b_proj(g_a_proj(x))))``, an RMS norm per head (weight (head_dim,), eps
+    ``norm_eps``) gated by a sigmoid.
+
+    State per request: the conv state (3 * num_heads * head_dim, conv_kernel - 1) and the recurrent state
+    (num_heads, head_dim, head_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
+
+    ops = ("causal_conv1d", "causal_conv1d_update", "kda", "kda_update")
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-5
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("KimiDeltaAttention", num_heads=self.num_heads, head_dim=self.head_dim,
+                 conv_kernel=self.conv_kernel, norm_eps=self.norm_eps, chunk_size=self.chunk_size)
+        if self.conv_kernel < 2:
+            raise ValueError(f"KimiDeltaAttention.conv_kernel must be at least 2, got {self.conv_kernel}")
+
+    @property
+    def kind(self) -> str:
+        return "kda"
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, recurrent state) shapes on one tensor-parallel rank: its heads."""
+        heads = local_units(self.num_heads, tensor_parallel_size, "num_heads")
+        return (3 * heads * self.head_dim, self.conv_kernel - 1), (heads, self.head_dim, self.head_dim)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.num_heads, tensor_parallel_size, "num_heads")
+
+    def matrix_elements(self, hidden: int, width: int) -> int:      # q/k/v, conv, the low-rank gates, b, o_proj
+        d, qkv = self.head_dim, self.qkv_dim
+        return hidden * (4 * qkv + 2 * d + self.num_heads) + 3 * qkv * self.conv_kernel + 2 * d * qkv
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> KimiDeltaAttentionLayer:
+        return KimiDeltaAttentionLayer(hidden_size, self, cache_name=cache_name, tp=tp)
+
+    def init_parameter(self, name: str, shape: tuple[int, ...],
+                       gen: torch.Generator) -> torch.Tensor | float | None:
+        return ssm_parameter_init(name, shape, gen)
 
 
 class KimiDeltaAttentionLayer(StateSlotMixer):

@@ -9,16 +9,69 @@ take the one-step update ops; everything else the packed scan with per-request i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import metadata_op
+from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
-from hybridkv.models.config import Mamba1
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class Mamba1(RecurrentMixerConfig):
+    """Mamba-1 selective-scan mixer (Jamba: with RMS norms on dt, B and C)."""
+
+    ops = ("causal_conv1d", "causal_conv1d_update", "selective_scan", "selective_state_update")
+
+    intermediate_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int = 4
+    dt_norm: bool = False
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("Mamba1", intermediate_size=self.intermediate_size, state_size=self.state_size,
+                 dt_rank=self.dt_rank, conv_kernel=self.conv_kernel)
+
+    @property
+    def kind(self) -> str:
+        return "mamba1"
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, SSM state) shapes on one tensor-parallel rank: its share of the channels."""
+        inter = local_units(self.intermediate_size, tensor_parallel_size, "intermediate_size")
+        return (inter, self.conv_kernel - 1), (inter, self.state_size)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.intermediate_size, tensor_parallel_size, "intermediate_size")
+
+    def matrix_elements(self, hidden: int, width: int) -> int:
+        inner = self.intermediate_size
+        return inner * (3 * hidden + self.conv_kernel + 2 * self.dt_rank + 3 * self.state_size)
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> Mamba1Layer:
+        return Mamba1Layer(hidden_size, self, cache_name=cache_name, tp=tp)
+
+    def init_parameter(self, name: str, shape: tuple[int, ...],
+                       gen: torch.Generator) -> torch.Tensor | float | None:
+        return ssm_parameter_init(name, shape, gen)
 
 
 class Mamba1Layer(StateSlotMixer):

@@ -11,16 +11,107 @@ are scaled by fixed multipliers (HF's non-persistent ``mup_vector``, rebuilt her
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from hybridkv.backends.registry import KernelBackend
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, metadata_op
+from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
-from hybridkv.models.config import Mamba2
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class Mamba2(RecurrentMixerConfig):
+    """Mamba2 mixer (HF semantics, docs/design.md "Semantics"). State per request: conv (conv_dim, conv_kernel - 1)
+    and SSM (num_heads, head_dim, state_size) in fp32.
+
+    The output is gated by an RMSNorm over ``n_groups`` groups of the inner dim, ``norm(y * silu(z))``
+    (``norm_before_gate``: ``norm(y) * silu(z)``); with ``gated_norm=False`` it is plain ``y * silu(z)``
+    (Falcon-H1 without mamba_rms_norm). ``proj_bias`` is the in_proj bias and, unless ``out_proj_bias``
+    says otherwise, the out_proj bias. Falcon-H1 µP: the input is scaled by ``input_multiplier``, the
+    in_proj output's z, x, B, C, dt sections by ``zxbcdt_multipliers``, the output by
+    ``output_multiplier``."""
+
+    ops = ("causal_conv1d", "causal_conv1d_update", "ssd_chunk_scan", "ssd_state_update", "gated_rms_norm")
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    out_proj_bias: bool | None = None
+    norm_eps: float = 1e-5
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    input_multiplier: float = 1.0
+    zxbcdt_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    output_multiplier: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("Mamba2", num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size,
+                 n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"Mamba2.n_groups={self.n_groups} must divide num_heads={self.num_heads}")
+        low, high = self.time_step_limit
+        if not 0 <= low <= high:
+            raise ValueError(f"Mamba2.time_step_limit must be (low, high) with 0 <= low <= high, "
+                             f"got {self.time_step_limit!r}")
+        positive("Mamba2", norm_eps=self.norm_eps)
+
+    @property
+    def kind(self) -> str:
+        return "mamba2"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state, SSM state) shapes on one tensor-parallel rank: its heads, and its groups (split, or
+        the one group its heads read when n_groups < tensor_parallel_size)."""
+        tp = tensor_parallel_size
+        heads = local_units(self.num_heads, tp, "num_heads")
+        groups = local_units(self.n_groups, tp, "n_groups", replicate=True)
+        conv_dim = heads * self.head_dim + 2 * groups * self.state_size
+        return (conv_dim, self.conv_kernel - 1), (heads, self.head_dim, self.state_size)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.num_heads, tensor_parallel_size, "num_heads")
+        local_units(self.n_groups, tensor_parallel_size, "n_groups", replicate=True)
+
+    def matrix_elements(self, hidden: int, width: int) -> int:
+        inner = self.intermediate_size
+        in_proj = hidden * (2 * inner + 2 * self.n_groups * self.state_size + self.num_heads)
+        return in_proj + self.conv_dim * self.conv_kernel + inner * hidden
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> Mamba2Layer:
+        return Mamba2Layer(hidden_size, self, cache_name=cache_name, tp=tp)
+
+    def init_parameter(self, name: str, shape: tuple[int, ...],
+                       gen: torch.Generator) -> torch.Tensor | float | None:
+        return ssm_parameter_init(name, shape, gen)
 
 
 class Mamba2Layer(StateSlotMixer):

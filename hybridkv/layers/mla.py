@@ -18,14 +18,84 @@ attention reads L + R channels per token instead of num_heads * (nope + rope + v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import get_forward_context, metadata_op
+from hybridkv.kv_groups.specs import KVCacheSpec, MLAAttentionSpec
+from hybridkv.layers.kind import CacheContext, MixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
-from hybridkv.layers.parallel import SINGLE, Split, TensorParallel
-from hybridkv.models.config import MultiLatentAttention
+from hybridkv.layers.parallel import SINGLE, Split, TensorParallel, local_units
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class MultiLatentAttention(MixerConfig):
+    """Multi-head latent attention (MLA, DeepSeek-V2) as Kimi-Linear runs it (HF ``KimiLinearAttention``): NoPE,
+    so the shared "rope" key part is used as projected, never rotated.
+
+    q = ``q_proj(x)`` (or ``q_b_proj(norm(q_a_proj(x)))`` with ``q_lora_rank``), ``num_heads`` x (qk_nope_head_dim +
+    qk_rope_head_dim); ``kv_a_proj_with_mqa(x)`` = [latent c (kv_lora_rank) | k_rope (qk_rope_head_dim)], c
+    RMS-normed (``kv_a_layernorm``); ``kv_b_proj(c)`` gives each head's k_nope and v (v_head_dim); softmax scale
+    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5. The KV cache holds [c | k_rope] per token, one row of
+    kv_lora_rank + qk_rope_head_dim shared by every head (``MLAAttentionSpec``), not per-head K and V.
+    ``bias``: HF's ``attention_bias`` (kv_a_proj, q_a_proj and o_proj); ``norm_eps``: the latent norms' eps (HF
+    builds them with its RMS norm's default, 1e-6, not the model's ``rms_norm_eps``)."""
+
+    ops = ("write_kv", "paged_attention")
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    bias: bool = False
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("MultiLatentAttention", num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                 qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                 v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank, norm_eps=self.norm_eps)
+
+    @property
+    def kind(self) -> str:
+        return "full"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    def cache_spec(self, ctx: CacheContext) -> KVCacheSpec:      # one latent row per token, every rank whole
+        return MLAAttentionSpec(block_size=ctx.block_size, kv_lora_rank=self.kv_lora_rank,
+                                qk_rope_head_dim=self.qk_rope_head_dim, dtype=ctx.kv_dtype)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.num_heads, tensor_parallel_size, "num_heads")
+
+    def matrix_elements(self, hidden: int, width: int) -> int:
+        h, lat = self.num_heads, self.kv_lora_rank
+        q = (hidden * h * self.qk_head_dim if self.q_lora_rank is None
+             else self.q_lora_rank * (hidden + h * self.qk_head_dim))
+        return (q + hidden * (lat + self.qk_rope_head_dim) + lat * h * (self.qk_nope_head_dim + self.v_head_dim)
+                + h * self.v_head_dim * hidden)
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> MLALayer:
+        return MLALayer(hidden_size, self, cache_name=cache_name, tp=tp)
 
 
 class MLALayer(nn.Module):

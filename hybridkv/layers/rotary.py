@@ -4,18 +4,65 @@ rotary, linear, llama3, YaRN and Gemma-4's proportional frequencies. Cos/sin are
 
 YaRN also scales cos and sin by an attention factor m (HF multiplies both tables by it, so q . k grows by
 m^2 on the rotated channels). ``rope_attention_factor`` returns m; the attention layer folds m^2 into its
-softmax scale, which is exact when every channel rotates (gpt-oss) and refused otherwise."""
+softmax scale, which is exact when every channel rotates (gpt-oss) and refused otherwise. The config, ``Rope``, is
+here: an attention layer's config holds one, so it sits below the layers (``models.config`` re-exports it)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.layers.ops.fused_ref import apply_rope
-from hybridkv.models.config import Rope
+
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn", "proportional")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rope:
+    """Rotary embedding. ``interleaved`` rotates pairs (x[2i], x[2i+1]) (Llama-4, GPT-J); otherwise
+    the halves are rotated (NeoX / Llama / Mistral / Gemma). ``scaling``: None, "linear", "llama3" or "yarn".
+
+    YaRN (gpt-oss) reads ``factor``, ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (the
+    ramp between interpolated and extrapolated frequencies), ``truncate`` (round the ramp's ends to whole
+    dims) and the attention factor: ``attention_factor``, else from ``mscale`` / ``mscale_all_dim`` when both are
+    set, else ``0.1 ln(factor) + 1`` (HF's ``_compute_yarn_parameters``; ``layers/rotary.py``).
+
+    "proportional" (Gemma-4's global layers): the halves of the whole head are rotated, but only the first
+    ``partial_rotary_factor * head_dim / 2`` frequencies are non-zero (``1 / theta^(2i / head_dim)``, divided by
+    ``factor``); the rest rotate by 0, i.e. pass through (HF's ``_compute_proportional_rope_parameters``)."""
+
+    theta: float = 10000.0
+    interleaved: bool = False
+    partial_rotary_factor: float = 1.0
+    scaling: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("Rope", theta=self.theta, factor=self.factor, low_freq_factor=self.low_freq_factor,
+                 high_freq_factor=self.high_freq_factor,
+                 original_max_position_embeddings=self.original_max_position_embeddings)
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"Rope.scaling must be one of {ROPE_SCALINGS}, got {self.scaling!r}")
+        positive("Rope", beta_fast=self.beta_fast, beta_slow=self.beta_slow,
+                 attention_factor=self.attention_factor)
 
 
 def rope_inv_freq(rope: Rope, rot_dim: int) -> torch.Tensor:

@@ -10,14 +10,62 @@ per-request initial states.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import metadata_op
+from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
-from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
+from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
-from hybridkv.models.config import ShortConv
+
+if TYPE_CHECKING:
+    from hybridkv.models.config import HybridConfig
+
+
+@register_mixer
+@dataclass(frozen=True, kw_only=True)
+class ShortConv(RecurrentMixerConfig):
+    """LFM2's gated short convolution (HF ``Lfm2ShortConv``): ``in_proj`` gives B, C, x (``channels`` each),
+    ``y = out_proj(C * conv(B * x))`` with a depthwise causal conv of width ``conv_kernel`` (HF ``conv_L_cache``)
+    and no activation. State per request: the conv state (channels, conv_kernel - 1), the last gated inputs;
+    ``bias`` is HF's ``conv_bias``, which biases in_proj, the conv and out_proj alike."""
+
+    ops = ("causal_conv1d", "causal_conv1d_update")
+
+    channels: int
+    conv_kernel: int = 3
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive("ShortConv", channels=self.channels, conv_kernel=self.conv_kernel)
+        if self.conv_kernel < 2:
+            raise ValueError(f"ShortConv.conv_kernel must be at least 2 (a state of width - 1 inputs), "
+                             f"got {self.conv_kernel}")
+
+    @property
+    def kind(self) -> str:
+        return "short_conv"
+
+    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """(conv state,) shape on one tensor-parallel rank: its share of the channels."""
+        channels = local_units(self.channels, tensor_parallel_size, "channels")
+        return ((channels, self.conv_kernel - 1),)
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        local_units(self.channels, tensor_parallel_size, "channels")
+
+    def matrix_elements(self, hidden: int, width: int) -> int:
+        return self.channels * (4 * hidden + self.conv_kernel)
+
+    def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
+              model_config: HybridConfig) -> ShortConvLayer:
+        return ShortConvLayer(hidden_size, self, cache_name=cache_name, tp=tp)
 
 
 class ShortConvLayer(StateSlotMixer):

@@ -10,6 +10,10 @@ its cache groups for free::
         Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=64, attention_chunk_size=128)),
         Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=64, rope=None)),   # global NoPE
     ))
+
+Each mixer kind's config (``Attention``, ``Mamba2``, ...) lives in its layer module with the hooks the plan, the
+model and the memory check call (``layers/kind.py``); this module imports every built-in kind, which registers it,
+and re-exports its config under the same name. The feed-forwards, the layer and the whole model are defined here.
 """
 
 from __future__ import annotations
@@ -18,513 +22,42 @@ import dataclasses
 import functools
 import json
 import math
-import numbers
-import types
-import typing
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridkv.kv_groups.specs import (
-    DEFAULT_BLOCK_SIZE,
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    KVSharingSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
+from hybridkv.config_base import MAX_DIM, check_fields, positive
+from hybridkv.kv_groups.specs import DEFAULT_BLOCK_SIZE, KVCacheSpec
+
+# The mixer kinds: each config class lives in its layer module and registers itself there (``layers/kind.py``).
+from hybridkv.layers.attention import Attention
+from hybridkv.layers.gated_deltanet import GatedDeltaNet
+from hybridkv.layers.kimi_delta import KimiDeltaAttention
+from hybridkv.layers.kind import CacheContext, MixerConfig, mixer_kinds
+from hybridkv.layers.mamba1 import Mamba1
+from hybridkv.layers.mamba2 import Mamba2
+from hybridkv.layers.mla import MultiLatentAttention
 from hybridkv.layers.parallel import local_units
+from hybridkv.layers.rotary import ROPE_SCALINGS, Rope
+from hybridkv.layers.short_conv import ShortConv
+
+__all__ = ["ACTIVATIONS", "GATED_ONLY_ACTIVATIONS", "MAX_DIM", "MAX_LAYERS", "MLP", "MOE_ROUTERS", "NORMS",
+           "ROPE_SCALINGS", "AltUp", "Attention", "DenseMoE", "FeedForward", "GatedDeltaNet", "HybridConfig",
+           "KimiDeltaAttention", "Layer", "Mamba1", "Mamba2", "Mixer", "MixerConfig", "MoE", "MultiLatentAttention",
+           "Rope", "SharedBlock", "ShortConv"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 # Gated activations that are not ``act(gate) * up``: gpt-oss's clamped SwiGLU (``MoE.activation``).
 GATED_ONLY_ACTIVATIONS = ("swiglu_oai",)
-ROPE_SCALINGS = (None, "linear", "llama3", "yarn", "proportional")
 NORMS = ("rms", "gemma_rms", "layer")
 MOE_ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
-# Sanity bounds: far beyond any released model, low enough that a config.json typo (hidden_size=10**9,
-# num_hidden_layers=10**6) is an error before anything is built. Sizes are int32 on the device (kernel
-# indices, offsets); a decoder's modules are built one Python object per layer, so the layer count bounds
-# the build time (a meta build of MAX_LAYERS small layers takes 1-2 s).
-MAX_DIM = 2**31 - 1
+# Sanity bound (``MAX_DIM`` in ``config_base`` bounds every int): a decoder's modules are built one Python object
+# per layer, so the layer count bounds the build time (a meta build of MAX_LAYERS small layers takes 1-2 s).
 MAX_LAYERS = 1024
-
-
-def _positive(owner: str, **values: float | int | None) -> None:
-    for name, value in values.items():
-        if value is not None and not value > 0:
-            raise ValueError(f"{owner}.{name} must be positive, got {value!r}")
-
-
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(hint: Any) -> str:
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
-
-
-def _conform(value: Any, hint: Any, where: str, *, in_tuple: bool = False) -> Any:
-    """``value`` as field type ``hint`` says (JSON's lists become tuples, ints become floats where a float is
-    expected, 0/1 become bools), or a ``ValueError`` naming the field. Ints are bounded by ``MAX_DIM``; scalar
-    floats must be finite (tuple entries may be infinite, e.g. an open ``time_step_limit``, but not NaN)."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        kinds = [o for o in options if o is not type(None)]
-        if all(dataclasses.is_dataclass(o) for o in kinds) and not isinstance(value, tuple(kinds)):
-            raise ValueError(f"{where}: unknown kind {type(value).__name__} (expected "
-                             f"{' or '.join(_type_name(o) for o in kinds)})")
-        errors = []
-        for option in kinds:
-            try:
-                return _conform(value, option, where, in_tuple=in_tuple)
-            except ValueError as err:
-                errors.append(err)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ValueError(f"{where} must be {' or '.join(_type_name(o) for o in options)}, got {value!r}")
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, tuple | list):
-            raise ValueError(f"{where} must be a list, got {value!r} ({type(value).__name__})")
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            args = (args[0],) * len(value)
-        elif len(value) != len(args):
-            raise ValueError(f"{where} needs {len(args)} values, got {list(value)!r}")
-        return tuple(_conform(v, a, f"{where}[{i}]", in_tuple=True)
-                     for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if type(value) is int and value in (0, 1):
-            return bool(value)
-        raise ValueError(f"{where} must be true or false, got {value!r}")
-    if hint is int:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise ValueError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
-        if abs(value) > MAX_DIM:
-            raise ValueError(f"{where}={value} is out of range (at most {MAX_DIM})")
-        return int(value)
-    if hint is float:
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
-            raise ValueError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
-        try:
-            number = float(value)
-        except OverflowError:               # an int beyond any float
-            number = math.inf
-        if math.isnan(number) or (math.isinf(number) and not in_tuple):
-            raise ValueError(f"{where} must be finite, got {value!r}")
-        return number
-    if isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"{where} must be a {_type_name(hint)}, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _check_fields(obj: Any) -> None:
-    """Conform every field of the frozen dataclass ``obj`` to its annotation (see ``_conform``); the first
-    thing each config class's ``__post_init__`` does, so the value checks after it see the right types."""
-    owner = type(obj).__name__
-    for name, hint in _field_types(type(obj)).items():
-        value = getattr(obj, name)
-        conformed = _conform(value, hint, f"{owner}.{name}")
-        if conformed is not value:
-            object.__setattr__(obj, name, conformed)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rope:
-    """Rotary embedding. ``interleaved`` rotates pairs (x[2i], x[2i+1]) (Llama-4, GPT-J); otherwise
-    the halves are rotated (NeoX / Llama / Mistral / Gemma). ``scaling``: None, "linear", "llama3" or "yarn".
-
-    YaRN (gpt-oss) reads ``factor``, ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (the
-    ramp between interpolated and extrapolated frequencies), ``truncate`` (round the ramp's ends to whole
-    dims) and the attention factor: ``attention_factor``, else from ``mscale`` / ``mscale_all_dim`` when both are
-    set, else ``0.1 ln(factor) + 1`` (HF's ``_compute_yarn_parameters``; ``layers/rotary.py``).
-
-    "proportional" (Gemma-4's global layers): the halves of the whole head are rotated, but only the first
-    ``partial_rotary_factor * head_dim / 2`` frequencies are non-zero (``1 / theta^(2i / head_dim)``, divided by
-    ``factor``); the rest rotate by 0, i.e. pass through (HF's ``_compute_proportional_rope_parameters``)."""
-
-    theta: float = 10000.0
-    interleaved: bool = False
-    partial_rotary_factor: float = 1.0
-    scaling: str | None = None
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("Rope", theta=self.theta, factor=self.factor, low_freq_factor=self.low_freq_factor,
-                  high_freq_factor=self.high_freq_factor,
-                  original_max_position_embeddings=self.original_max_position_embeddings)
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(
-                f"Rope.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.scaling not in ROPE_SCALINGS:
-            raise ValueError(f"Rope.scaling must be one of {ROPE_SCALINGS}, got {self.scaling!r}")
-        _positive("Rope", beta_fast=self.beta_fast, beta_slow=self.beta_slow,
-                  attention_factor=self.attention_factor)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Attention:
-    """Softmax attention over a paged KV cache: full, sliding-window or chunked-local.
-
-    ``rope=None`` is NoPE. ``qk_norm``: None, "rms" (learned per-head-dim weight) or "rms_weightless"
-    (Llama-4, applied after RoPE). ``temperature_tuning=(attn_scale, floor_scale)`` scales q on Llama-4
-    NoPE layers by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)). ``shared_id`` marks layers
-    that share weights (Zamba2) while keeping separate KV caches.
-
-    "rms" q/k norms are learned per head dim, use the model's norm flavour (``HybridConfig.norm``) and
-    run before RoPE (Gemma-3); "rms_weightless" runs after RoPE with ``HybridConfig.norm_eps`` (Llama-4);
-    "rms_full" is one plain RMS norm over all heads' channels of q (and of k), weight (heads * head_dim,), on the
-    projections before RoPE (OLMo-2/3, OLMo-Hybrid).
-    ``scale`` overrides head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5; Granite:
-    attention_multiplier). Falcon-H1 µP multipliers: the input is scaled by ``input_multiplier``, keys by
-    ``key_multiplier`` (after k_proj, before RoPE), the output by ``output_multiplier``.
-
-    ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator and carries no
-    value (``layers/ops/attention_ref.py``); a parameter of the layer, nothing in the KV cache.
-
-    ``output_gate`` (Qwen3-Next): q_proj also gives a gate per query head (its rows per head [q | gate], as HF
-    stores them); the attention output is multiplied by sigmoid(gate) before o_proj.
-
-    Gemma-4: ``value_norm`` normalises each value head (RMS, no weight) before the cache; ``k_eq_v`` has no v_proj,
-    the values are the keys as projected (before the k norm and RoPE). ``kv_source`` (cross-layer KV sharing,
-    Gemma-3n / Gemma-4) is the index of an earlier layer whose KV cache this layer reads: it has only q_proj,
-    q_norm and o_proj, keeps no cache and writes none (``KVSharingSpec``); kv heads, head dim and window must be
-    its donor's."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-    attention_chunk_size: int | None = None
-    rope: Rope | None = Rope()
-    qk_norm: str | None = None
-    scale: float | None = None
-    softcap: float | None = None
-    temperature_tuning: tuple[float, float] | None = None
-    qkv_bias: bool = False
-    o_bias: bool = False
-    shared_id: int | None = None
-    input_multiplier: float = 1.0
-    key_multiplier: float = 1.0
-    output_multiplier: float = 1.0
-    sinks: bool = False
-    output_gate: bool = False
-    value_norm: bool = False
-    k_eq_v: bool = False
-    kv_source: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        if self.kv_source is not None and self.kv_source < 0:
-            raise ValueError(f"Attention.kv_source must be a layer index >= 0, got {self.kv_source}")
-        if self.kv_source is not None and self.k_eq_v:
-            raise ValueError("Attention: a KV-sharing layer (kv_source) has no k/v projections; k_eq_v does not apply")
-        _positive("Attention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                  head_dim=self.head_dim, sliding_window=self.sliding_window,
-                  attention_chunk_size=self.attention_chunk_size, scale=self.scale, softcap=self.softcap)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Attention.num_kv_heads={self.num_kv_heads} must divide "
-                             f"num_heads={self.num_heads}")
-        if self.sliding_window is not None and self.attention_chunk_size is not None:
-            raise ValueError("Attention: set sliding_window or attention_chunk_size, not both")
-        if self.qk_norm not in (None, "rms", "rms_weightless", "rms_full"):
-            raise ValueError(f"Attention.qk_norm must be None, 'rms', 'rms_weightless' or 'rms_full', "
-                             f"got {self.qk_norm!r}")
-
-    @property
-    def kind(self) -> str:
-        if self.sliding_window is not None:
-            return "sliding_window"
-        return "chunked_local" if self.attention_chunk_size is not None else "full"
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.scale if self.scale is not None else self.head_dim ** -0.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class Mamba2:
-    """Mamba2 mixer (HF semantics, docs/design.md "Semantics"). State per request: conv (conv_dim, conv_kernel - 1)
-    and SSM (num_heads, head_dim, state_size) in fp32.
-
-    The output is gated by an RMSNorm over ``n_groups`` groups of the inner dim, ``norm(y * silu(z))``
-    (``norm_before_gate``: ``norm(y) * silu(z)``); with ``gated_norm=False`` it is plain ``y * silu(z)``
-    (Falcon-H1 without mamba_rms_norm). ``proj_bias`` is the in_proj bias and, unless ``out_proj_bias``
-    says otherwise, the out_proj bias. Falcon-H1 µP: the input is scaled by ``input_multiplier``, the
-    in_proj output's z, x, B, C, dt sections by ``zxbcdt_multipliers``, the output by
-    ``output_multiplier``."""
-
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int = 1
-    conv_kernel: int = 4
-    chunk_size: int = 256
-    time_step_limit: tuple[float, float] = (0.0, math.inf)
-    conv_bias: bool = True
-    proj_bias: bool = False
-    out_proj_bias: bool | None = None
-    norm_eps: float = 1e-5
-    gated_norm: bool = True
-    norm_before_gate: bool = False
-    input_multiplier: float = 1.0
-    zxbcdt_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
-    output_multiplier: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("Mamba2", num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size,
-                  n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"Mamba2.n_groups={self.n_groups} must divide num_heads={self.num_heads}")
-        low, high = self.time_step_limit
-        if not 0 <= low <= high:
-            raise ValueError(f"Mamba2.time_step_limit must be (low, high) with 0 <= low <= high, "
-                             f"got {self.time_step_limit!r}")
-        _positive("Mamba2", norm_eps=self.norm_eps)
-
-    @property
-    def kind(self) -> str:
-        return "mamba2"
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
-        """(conv state, SSM state) shapes on one tensor-parallel rank: its heads, and its groups (split, or
-        the one group its heads read when n_groups < tensor_parallel_size)."""
-        tp = tensor_parallel_size
-        heads = local_units(self.num_heads, tp, "num_heads")
-        groups = local_units(self.n_groups, tp, "n_groups", replicate=True)
-        conv_dim = heads * self.head_dim + 2 * groups * self.state_size
-        return (conv_dim, self.conv_kernel - 1), (heads, self.head_dim, self.state_size)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Mamba1:
-    """Mamba-1 selective-scan mixer (Jamba: with RMS norms on dt, B and C)."""
-
-    intermediate_size: int
-    state_size: int
-    dt_rank: int
-    conv_kernel: int = 4
-    dt_norm: bool = False
-    conv_bias: bool = True
-    proj_bias: bool = False
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("Mamba1", intermediate_size=self.intermediate_size, state_size=self.state_size,
-                  dt_rank=self.dt_rank, conv_kernel=self.conv_kernel)
-
-    @property
-    def kind(self) -> str:
-        return "mamba1"
-
-    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
-        """(conv state, SSM state) shapes on one tensor-parallel rank: its share of the channels."""
-        inter = local_units(self.intermediate_size, tensor_parallel_size, "intermediate_size")
-        return (inter, self.conv_kernel - 1), (inter, self.state_size)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShortConv:
-    """LFM2's gated short convolution (HF ``Lfm2ShortConv``): ``in_proj`` gives B, C, x (``channels`` each),
-    ``y = out_proj(C * conv(B * x))`` with a depthwise causal conv of width ``conv_kernel`` (HF ``conv_L_cache``)
-    and no activation. State per request: the conv state (channels, conv_kernel - 1), the last gated inputs;
-    ``bias`` is HF's ``conv_bias``, which biases in_proj, the conv and out_proj alike."""
-
-    channels: int
-    conv_kernel: int = 3
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("ShortConv", channels=self.channels, conv_kernel=self.conv_kernel)
-        if self.conv_kernel < 2:
-            raise ValueError(f"ShortConv.conv_kernel must be at least 2 (a state of width - 1 inputs), "
-                             f"got {self.conv_kernel}")
-
-    @property
-    def kind(self) -> str:
-        return "short_conv"
-
-    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
-        """(conv state,) shape on one tensor-parallel rank: its share of the channels."""
-        channels = local_units(self.channels, tensor_parallel_size, "channels")
-        return ((channels, self.conv_kernel - 1),)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GatedDeltaNet:
-    """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkvz`` gives q, k (``num_k_heads`` x
-    ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``), grouped per key head as HF stores
-    them; ``in_proj_ba`` gives b, a per value head. A depthwise causal conv (width ``conv_kernel``, SiLU, no bias)
-    runs over q|k|v; then the gated delta rule (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k, the log
-    decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is
-    ``out_proj(norm(o) * silu(z))``, an RMS norm per value head (weight (head_v_dim,), eps ``norm_eps``).
-
-    ``projections``: "grouped" (Qwen3-Next, as above) or "flat" (Qwen3.5, OLMo-Hybrid): ``in_proj_qkv`` gives
-    [q | k | v] in the conv's channel order, ``in_proj_z`` the gate, ``in_proj_b`` / ``in_proj_a`` b and a, each
-    per head in head order. ``beta_scale`` multiplies beta (OLMo-Hybrid's ``linear_allow_neg_eigval``: 2, so the
-    delta rule's eigenvalues 1 - beta k.k reach [-1, 1]).
-
-    State per request: the conv state (2 * key dim + value dim, conv_kernel - 1) and the recurrent state
-    (num_v_heads, head_k_dim, head_v_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int = 4
-    norm_eps: float = 1e-6
-    chunk_size: int = 64
-    projections: str = "grouped"
-    beta_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("GatedDeltaNet", num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
-                  head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, conv_kernel=self.conv_kernel,
-                  norm_eps=self.norm_eps, chunk_size=self.chunk_size)
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"GatedDeltaNet.num_k_heads={self.num_k_heads} must divide "
-                             f"num_v_heads={self.num_v_heads}")
-        if self.conv_kernel < 2:
-            raise ValueError(f"GatedDeltaNet.conv_kernel must be at least 2, got {self.conv_kernel}")
-        if self.projections not in ("grouped", "flat"):
-            raise ValueError(f"GatedDeltaNet.projections must be 'grouped' or 'flat', got {self.projections!r}")
-        _positive("GatedDeltaNet", beta_scale=self.beta_scale)
-
-    @property
-    def kind(self) -> str:
-        return "gated_deltanet"
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
-        """(conv state, recurrent state) shapes on one tensor-parallel rank: its key heads and the value heads
-        they serve (the ranks must divide the key heads)."""
-        k_heads = local_units(self.num_k_heads, tensor_parallel_size, "num_k_heads")
-        v_heads = k_heads * (self.num_v_heads // self.num_k_heads)
-        conv_dim = 2 * k_heads * self.head_k_dim + v_heads * self.head_v_dim
-        return (conv_dim, self.conv_kernel - 1), (v_heads, self.head_k_dim, self.head_v_dim)
-
-
-@dataclass(frozen=True, kw_only=True)
-class KimiDeltaAttention:
-    """Kimi Delta Attention (HF ``KimiLinearDeltaAttention``): the delta rule with a per-channel decay.
-    ``q_proj`` / ``k_proj`` / ``v_proj`` give ``num_heads`` x ``head_dim`` each (keys and values alike); a depthwise
-    causal conv (width ``conv_kernel``, SiLU, no bias) runs over q|k|v; the log decay per head and key channel is
-    ``-exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)`` (a low-rank gate), ``beta = sigmoid(b_proj(x))``;
-    then KDA (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k; the output is
-    ``o_proj(norm(o) * sigmoid(g_b_proj(g_a_proj(x))))``, an RMS norm per head (weight (head_dim,), eps
-    ``norm_eps``) gated by a sigmoid.
-
-    State per request: the conv state (3 * num_heads * head_dim, conv_kernel - 1) and the recurrent state
-    (num_heads, head_dim, head_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
-
-    num_heads: int
-    head_dim: int
-    conv_kernel: int = 4
-    norm_eps: float = 1e-5
-    chunk_size: int = 64
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("KimiDeltaAttention", num_heads=self.num_heads, head_dim=self.head_dim,
-                  conv_kernel=self.conv_kernel, norm_eps=self.norm_eps, chunk_size=self.chunk_size)
-        if self.conv_kernel < 2:
-            raise ValueError(f"KimiDeltaAttention.conv_kernel must be at least 2, got {self.conv_kernel}")
-
-    @property
-    def kind(self) -> str:
-        return "kda"
-
-    @property
-    def qkv_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    def state_shapes(self, tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], ...]:
-        """(conv state, recurrent state) shapes on one tensor-parallel rank: its heads."""
-        heads = local_units(self.num_heads, tensor_parallel_size, "num_heads")
-        return (3 * heads * self.head_dim, self.conv_kernel - 1), (heads, self.head_dim, self.head_dim)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MultiLatentAttention:
-    """Multi-head latent attention (MLA, DeepSeek-V2) as Kimi-Linear runs it (HF ``KimiLinearAttention``): NoPE,
-    so the shared "rope" key part is used as projected, never rotated.
-
-    q = ``q_proj(x)`` (or ``q_b_proj(norm(q_a_proj(x)))`` with ``q_lora_rank``), ``num_heads`` x (qk_nope_head_dim +
-    qk_rope_head_dim); ``kv_a_proj_with_mqa(x)`` = [latent c (kv_lora_rank) | k_rope (qk_rope_head_dim)], c
-    RMS-normed (``kv_a_layernorm``); ``kv_b_proj(c)`` gives each head's k_nope and v (v_head_dim); softmax scale
-    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5. The KV cache holds [c | k_rope] per token, one row of
-    kv_lora_rank + qk_rope_head_dim shared by every head (``MLAAttentionSpec``), not per-head K and V.
-    ``bias``: HF's ``attention_bias`` (kv_a_proj, q_a_proj and o_proj); ``norm_eps``: the latent norms' eps (HF
-    builds them with its RMS norm's default, 1e-6, not the model's ``rms_norm_eps``)."""
-
-    num_heads: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-    bias: bool = False
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("MultiLatentAttention", num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
-                  qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                  v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank, norm_eps=self.norm_eps)
-
-    @property
-    def kind(self) -> str:
-        return "full"
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -545,8 +78,8 @@ class MLP:
     activation_sparsity: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("MLP", intermediate_size=self.intermediate_size)
+        check_fields(self)
+        positive("MLP", intermediate_size=self.intermediate_size)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MLP.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not 0.0 <= self.activation_sparsity < 1.0 or (self.activation_sparsity and not self.gated):
@@ -595,9 +128,9 @@ class MoE:
     shared_gate: bool = False
 
     def __post_init__(self) -> None:
-        _check_fields(self)
-        _positive("MoE", num_experts=self.num_experts, top_k=self.top_k,
-                  intermediate_size=self.intermediate_size)
+        check_fields(self)
+        positive("MoE", num_experts=self.num_experts, top_k=self.top_k,
+                 intermediate_size=self.intermediate_size)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoE.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.router not in MOE_ROUTERS:
@@ -607,9 +140,9 @@ class MoE:
                              f"got {self.activation!r}")
         if self.activation in GATED_ONLY_ACTIVATIONS and (not self.gated or self.shared_intermediate_size):
             raise ValueError(f"MoE.activation {self.activation!r} needs gated experts and no shared expert")
-        _positive("MoE", swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
-        _positive("MoE", num_groups=self.num_groups, topk_groups=self.topk_groups,
-                  latent_size=self.latent_size)
+        positive("MoE", swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        positive("MoE", num_groups=self.num_groups, topk_groups=self.topk_groups,
+                 latent_size=self.latent_size)
         if self.shared_intermediate_size < 0:
             raise ValueError(f"MoE.shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}")
         if self.shared_gate and not self.shared_intermediate_size:
@@ -641,7 +174,7 @@ class SharedBlock:
     attention_adapters: bool = False
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
         if self.block_id < 0 or self.use_index < 0 or self.adapter_rank < 0:
             raise ValueError(f"SharedBlock: block_id, use_index and adapter_rank must be >= 0, got "
                              f"{self.block_id}, {self.use_index}, {self.adapter_rank}")
@@ -663,7 +196,7 @@ class DenseMoE:
     moe: MoE
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
         if self.moe.router != "softmax" or not self.moe.renormalize or self.moe.shared_intermediate_size \
                 or self.moe.latent_size or not self.moe.gated:
             raise ValueError("DenseMoE.moe: a gated softmax router with renormalize, no shared expert or latent space")
@@ -688,13 +221,14 @@ class AltUp:
     correct_scale: bool = True
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
         if self.num_inputs < 2 or not 0 <= self.active_index < self.num_inputs:
             raise ValueError(f"AltUp: num_inputs must be >= 2 and active_index in [0, num_inputs), got "
                              f"{self.num_inputs}, {self.active_index}")
 
 
-Mixer = Attention | Mamba2 | Mamba1 | ShortConv | GatedDeltaNet | KimiDeltaAttention | MultiLatentAttention
+# Every registered mixer kind (``layers/kind.py``): the built-in ones, imported above, register themselves.
+Mixer = functools.reduce(operator.or_, mixer_kinds().values())
 FeedForward = MLP | MoE | DenseMoE
 
 
@@ -717,7 +251,7 @@ class Layer:
     parallel_ffn: bool = False
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
         if self.mixer is None and self.ffn is None:
             raise ValueError("Layer needs a mixer, a feed-forward, or both")
         if self.mixer is not None and not isinstance(self.mixer, Mixer):
@@ -782,9 +316,9 @@ class HybridConfig:
         if isinstance(self.layers, tuple | list) and len(self.layers) > MAX_LAYERS:   # before looking at each
             raise ValueError(f"HybridConfig.layers: {len(self.layers)} layers is more than the {MAX_LAYERS} "
                              f"supported (a config error?)")
-        _check_fields(self)
-        _positive("HybridConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                  max_position_embeddings=self.max_position_embeddings, norm_eps=self.norm_eps)
+        check_fields(self)
+        positive("HybridConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                 max_position_embeddings=self.max_position_embeddings, norm_eps=self.norm_eps)
         if not self.layers:
             raise ValueError("HybridConfig.layers is empty")
         if self.norm not in NORMS:
@@ -903,21 +437,10 @@ class HybridConfig:
                 check(where, ffn.shared_intermediate_size, "MoE.shared_intermediate_size")
 
         for name, mixer in self.stateful_mixers():
-            where = f"{name} ({type(mixer).__name__})"
-            if isinstance(mixer, Attention):
-                check(where, mixer.num_heads, "num_heads")
-                check(where, mixer.num_kv_heads, "num_kv_heads", replicate=True)
-            elif isinstance(mixer, Mamba2):
-                check(where, mixer.num_heads, "num_heads")
-                check(where, mixer.n_groups, "n_groups", replicate=True)
-            elif isinstance(mixer, ShortConv):
-                check(where, mixer.channels, "channels")
-            elif isinstance(mixer, GatedDeltaNet):
-                check(where, mixer.num_k_heads, "num_k_heads")
-            elif isinstance(mixer, KimiDeltaAttention | MultiLatentAttention):
-                check(where, mixer.num_heads, "num_heads")
-            else:
-                check(where, mixer.intermediate_size, "intermediate_size")
+            try:
+                mixer.check_tensor_parallel(tp)
+            except ValueError as err:
+                raise ValueError(f"{name} ({type(mixer).__name__}): {err}") from None
         for i, layer in enumerate(self.layers):
             if layer.ffn is not None:
                 check_ffn(f"layers.{i}.ffn", layer.ffn)
@@ -927,7 +450,8 @@ class HybridConfig:
     def kv_specs(self, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: torch.dtype | None = None,
                  conv_state_dtype: torch.dtype | None = None,
                  tensor_parallel_size: int = 1) -> dict[str, KVCacheSpec]:
-        """Layer cache name -> KV-cache spec, for every layer that keeps per-request state.
+        """Layer cache name -> KV-cache spec (its mixer kind's ``cache_spec``), for every layer that keeps
+        per-request state.
 
         KV and conv states (Mamba's and ShortConv's) default to the model dtype; the SSM state is always fp32. A
         window or chunk of at least ``max_position_embeddings`` behaves as full attention and is planned as such. With
@@ -936,36 +460,23 @@ class HybridConfig:
         tp = tensor_parallel_size
         if tp > 1:
             self.check_tensor_parallel(tp)
-        kv_dtype = kv_dtype or self.torch_dtype
-        conv_dtype = conv_state_dtype or kv_dtype
-        limit = self.max_position_embeddings
         specs: dict[str, KVCacheSpec] = {}
+
+        def layer_cache(index: int) -> tuple[str, KVCacheSpec]:
+            name = self.layer_cache_name(index)
+            return name, specs[name]
+
+        kv_dtype = kv_dtype or self.torch_dtype
+        ctx = CacheContext(block_size=block_size, kv_dtype=kv_dtype, conv_dtype=conv_state_dtype or kv_dtype,
+                           tensor_parallel_size=tp, max_positions=self.max_position_embeddings,
+                           layer_cache=layer_cache)
         for name, mixer in self.stateful_mixers():
             try:
-                if isinstance(mixer, MultiLatentAttention):     # one latent row per token, every rank whole
-                    specs[name] = MLAAttentionSpec(block_size=block_size, kv_lora_rank=mixer.kv_lora_rank,
-                                                   qk_rope_head_dim=mixer.qk_rope_head_dim, dtype=kv_dtype)
-                elif isinstance(mixer, Attention) and mixer.kv_source is not None:
-                    donor = self.layer_cache_name(mixer.kv_source)
-                    target = specs[donor]
-                    specs[name] = KVSharingSpec(block_size=block_size, donor=donor, target=target)
-                elif isinstance(mixer, Attention):
-                    kv_heads = local_units(mixer.num_kv_heads, tp, "num_kv_heads", replicate=True)
-                    common = dict(block_size=block_size, num_kv_heads=kv_heads,
-                                  head_size=mixer.head_dim, dtype=kv_dtype)
-                    if mixer.sliding_window is not None and mixer.sliding_window < limit:
-                        specs[name] = SlidingWindowSpec(sliding_window=mixer.sliding_window, **common)
-                    elif mixer.attention_chunk_size is not None and mixer.attention_chunk_size < limit:
-                        specs[name] = ChunkedLocalAttentionSpec(
-                            attention_chunk_size=mixer.attention_chunk_size, **common)
-                    else:
-                        specs[name] = FullAttentionSpec(**common)
-                else:                   # a conv state, then (Mamba) the SSM state
-                    shapes = mixer.state_shapes(tp)
-                    specs[name] = MambaSpec(block_size=block_size, shapes=shapes,
-                                            dtypes=(conv_dtype, torch.float32)[:len(shapes)])
+                spec = mixer.cache_spec(ctx)
             except ValueError as err:
                 raise ValueError(f"{name} ({type(mixer).__name__}): {err}") from None
+            if spec is not None:
+                specs[name] = spec
         return specs
 
     # -- (de)serialisation: config.json next to model.safetensors -------------------------------------
@@ -985,9 +496,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {t.__name__: t for t in (Rope, Attention, Mamba2, Mamba1, ShortConv, GatedDeltaNet,
-                                         KimiDeltaAttention, MultiLatentAttention, MLP, MoE, DenseMoE, AltUp,
-                                         SharedBlock, Layer, HybridConfig)}
+        types = {**mixer_kinds(), **{t.__name__: t for t in (Rope, MLP, MoE, DenseMoE, AltUp, SharedBlock, Layer,
+                                                             HybridConfig)}}
 
         def decode(obj: Any, where: str) -> Any:
             if isinstance(obj, dict) and "type" in obj:

@@ -29,32 +29,13 @@ from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.altup import AltUp, Laurel, collapse_streams, expand_streams
 from hybridkv.layers.attention import AttentionLayer, AttentionUse
-from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
-from hybridkv.layers.kimi_delta import KimiDeltaAttentionLayer
+from hybridkv.layers.kind import MixerConfig
 from hybridkv.layers.linear import LowRankAdapter, ParallelLMHead, VocabParallelEmbedding
-from hybridkv.layers.mamba1 import Mamba1Layer
-from hybridkv.layers.mamba2 import Mamba2Layer
-from hybridkv.layers.mla import MLALayer
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.moe import DenseMoEFeedForward, MoEFeedForward
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, shard_rules
-from hybridkv.layers.short_conv import ShortConvLayer
-from hybridkv.models.config import (
-    MLP,
-    Attention,
-    DenseMoE,
-    GatedDeltaNet,
-    HybridConfig,
-    KimiDeltaAttention,
-    Layer,
-    Mamba1,
-    Mamba2,
-    MoE,
-    MultiLatentAttention,
-    SharedBlock,
-    ShortConv,
-)
+from hybridkv.models.config import MLP, DenseMoE, HybridConfig, Layer, MoE, SharedBlock
 from hybridkv.models.memory import check_device, check_fits, parameter_lower_bound
 from hybridkv.models.safetensors_file import CheckpointError, TensorReader, read_header
 
@@ -62,23 +43,8 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def _make_mixer(config: HybridConfig, mixer: object, cache_name: str, tp: TensorParallel) -> nn.Module:
-    if isinstance(mixer, Attention):
-        return AttentionLayer(config.hidden_size, mixer, cache_name=cache_name, norm_eps=config.norm_eps,
-                              gemma_norm=config.norm == "gemma_rms", tp=tp)
-    if isinstance(mixer, Mamba2):
-        return Mamba2Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    if isinstance(mixer, Mamba1):
-        return Mamba1Layer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    if isinstance(mixer, ShortConv):
-        return ShortConvLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    if isinstance(mixer, GatedDeltaNet):
-        return GatedDeltaNetLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    if isinstance(mixer, KimiDeltaAttention):
-        return KimiDeltaAttentionLayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    if isinstance(mixer, MultiLatentAttention):
-        return MLALayer(config.hidden_size, mixer, cache_name=cache_name, tp=tp)
-    raise NotImplementedError(f"{cache_name}: mixer kind {type(mixer).__name__} is not built yet")
+def _make_mixer(config: HybridConfig, mixer: MixerConfig, cache_name: str, tp: TensorParallel) -> nn.Module:
+    return mixer.build(config.hidden_size, cache_name=cache_name, tp=tp, model_config=config)
 
 
 def _make_mlp(hidden_size: int, mlp: MLP, tp: TensorParallel) -> DenseMLP:
@@ -530,32 +496,39 @@ def _init_weights(model: HybridModel, seed: int) -> None:
     the parameter's full (unsharded) shape and cut to this rank's shard, so every tensor-parallel size
     gives the same model. One CPU generator draws every value in parameter order (``init="host"``)."""
     gen = torch.Generator().manual_seed(seed)
-    shards, tp = model.parameter_shards(), model.tp
+    shards, tp, mixers = model.parameter_shards(), model.tp, _mixer_configs(model)
     for name, p in model.named_parameters():
         shape = shards[name].full_shape(p.shape, tp.size) if name in shards else tuple(p.shape)
-        _init_parameter(model, name, p, shape, gen, matrix=partial(_normal_whole, model, name, p, shape, gen))
+        _init_parameter(model, name, p, shape, gen, mixers=mixers,
+                        matrix=partial(_normal_whole, model, name, p, shape, gen))
+
+
+def _mixer_configs(model: HybridModel) -> dict[str, MixerConfig]:
+    """Module path -> config of every mixer module in ``model``, whose kind may init its own parameters."""
+    return {path: m.cfg for path, m in model.named_modules() if isinstance(getattr(m, "cfg", None), MixerConfig)}
 
 
 def _init_parameter(model: HybridModel, name: str, p: torch.Tensor, shape: tuple[int, ...], gen: torch.Generator,
-                    *, matrix: Callable[[], None]) -> None:
+                    *, mixers: Mapping[str, MixerConfig], matrix: Callable[[], None]) -> None:
     """The init rule of one parameter of full ``shape`` (this rank holds a shard of it), drawing from
-    ``gen`` on its device; ``matrix`` fills a weight matrix (std 0.02), the only rule the two init paths
-    draw differently."""
+    ``gen`` on its device: its mixer kind's (``MixerConfig.init_parameter``, e.g. Mamba's A_log and dt bias), else
+    ``matrix`` for a weight matrix (std 0.02, the only rule the two init paths draw differently) and identity values
+    for 1-D parameters."""
     with torch.no_grad():
-        if name.endswith("A_log"):    # (heads,) for Mamba2, (channels, state) for Mamba-1
-            value = torch.log(torch.linspace(1, 16, shape[-1], device=gen.device)).expand(shape)
-        elif name.endswith("dt_bias"):
-            value = _dt_bias(torch.rand(shape, generator=gen, device=gen.device))
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-            return
-        elif p.ndim == 1:
+        value, owner = None, name
+        while "." in owner:                     # the innermost mixer module that holds it
+            owner = owner.rpartition(".")[0]
+            if owner in mixers:
+                value = mixers[owner].init_parameter(name[len(owner) + 1:], shape, gen)
+                break
+        if value is None and p.ndim == 1:
             p.fill_(_identity_value(model, name))
-            return
-        else:
+        elif value is None:
             matrix()
-            return
-        p.copy_(model.shard_of(name, value))
+        elif isinstance(value, float):
+            p.fill_(value)
+        else:
+            p.copy_(model.shard_of(name, value))
 
 
 def _normal_whole(model: HybridModel, name: str, p: torch.Tensor, shape: tuple[int, ...],
@@ -564,14 +537,8 @@ def _normal_whole(model: HybridModel, name: str, p: torch.Tensor, shape: tuple[i
     p.copy_(model.shard_of(name, torch.randn(shape, generator=gen, device=gen.device) * 0.02))
 
 
-def _dt_bias(u: torch.Tensor) -> torch.Tensor:
-    """Mamba's dt bias from uniform draws u: dt log-uniform in [1e-3, 0.1], stored as softplus^-1(dt)."""
-    dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    return dt + torch.log(-torch.expm1(-dt))
-
-
 def _identity_value(model: HybridModel, name: str) -> float:
-    """1-D parameters other than Mamba's: biases 0, norm weights 1 (0 for Gemma norms, which add 1)."""
+    """1-D parameters without a kind's own init: biases 0, norm weights 1 (0 for Gemma norms, which add 1)."""
     return 0.0 if "bias" in name or ("norm" in name and model.config.norm == "gemma_rms") else 1.0
 
 
@@ -591,12 +558,12 @@ def _init_weights_on_device(model: HybridModel, seed: int) -> None:
     rank's part and written in the parameter's dtype. Chunking depends on the full shape and the sharding
     rule only, so tp N is still exactly the shard of tp 1; no full-model fp32 copy is ever made. The
     values differ from ``init="host"`` (another generator) and may differ between device types."""
-    shards, tp = model.parameter_shards(), model.tp
+    shards, tp, mixers = model.parameter_shards(), model.tp, _mixer_configs(model)
     for name, p in model.named_parameters():
         shard = shards.get(name)
         shape = shard.full_shape(p.shape, tp.size) if shard is not None else tuple(p.shape)
         gen = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
-        _init_parameter(model, name, p, shape, gen,
+        _init_parameter(model, name, p, shape, gen, mixers=mixers,
                         matrix=partial(_normal_in_chunks, p, shape, shard, tp, gen, std=0.02))
 
 

@@ -14,18 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models.config import (
-    Attention,
-    DenseMoE,
-    GatedDeltaNet,
-    HybridConfig,
-    KimiDeltaAttention,
-    Mamba1,
-    Mamba2,
-    MoE,
-    MultiLatentAttention,
-    ShortConv,
-)
+from hybridkv.models.config import DenseMoE, HybridConfig, MixerConfig, MoE
 from hybridkv.utils import format_bytes
 
 
@@ -88,33 +77,9 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _mixer_matrices(mixer: object, hidden: int, width: int) -> int:
-    """Elements of a mixer's projection matrices (``width``: its input width)."""
-    if isinstance(mixer, Attention):     # a KV-sharing layer has no k/v projections; k = v: no v projection
-        kv = 0 if mixer.kv_source is not None else (1 if mixer.k_eq_v else 2) * mixer.num_kv_heads
-        return mixer.head_dim * (width * (mixer.num_heads + kv) + mixer.num_heads * hidden)
-    if isinstance(mixer, Mamba2):
-        inner = mixer.intermediate_size
-        in_proj = hidden * (2 * inner + 2 * mixer.n_groups * mixer.state_size + mixer.num_heads)
-        return in_proj + mixer.conv_dim * mixer.conv_kernel + inner * hidden
-    if isinstance(mixer, Mamba1):
-        inner = mixer.intermediate_size
-        return inner * (3 * hidden + mixer.conv_kernel + 2 * mixer.dt_rank + 3 * mixer.state_size)
-    if isinstance(mixer, ShortConv):
-        return mixer.channels * (4 * hidden + mixer.conv_kernel)
-    if isinstance(mixer, GatedDeltaNet):      # qkvz, ba, conv, out_proj
-        return (hidden * (2 * mixer.conv_dim - 2 * mixer.key_dim + 2 * mixer.num_v_heads)
-                + mixer.conv_dim * mixer.conv_kernel + mixer.value_dim * hidden)
-    if isinstance(mixer, KimiDeltaAttention):  # q/k/v, conv, the low-rank gates, b, o_proj
-        d, qkv = mixer.head_dim, mixer.qkv_dim
-        return hidden * (4 * qkv + 2 * d + mixer.num_heads) + 3 * qkv * mixer.conv_kernel + 2 * d * qkv
-    if isinstance(mixer, MultiLatentAttention):
-        h, lat = mixer.num_heads, mixer.kv_lora_rank
-        q = (hidden * h * mixer.qk_head_dim if mixer.q_lora_rank is None
-             else mixer.q_lora_rank * (hidden + h * mixer.qk_head_dim))
-        return (q + hidden * (lat + mixer.qk_rope_head_dim) + lat * h * (mixer.qk_nope_head_dim + mixer.v_head_dim)
-                + h * mixer.v_head_dim * hidden)
-    return 0
+def _mixer_matrices(mixer: MixerConfig | None, hidden: int, width: int) -> int:
+    """Elements of a mixer's projection matrices (``width``: its input width; its kind's ``matrix_elements``)."""
+    return 0 if mixer is None else mixer.matrix_elements(hidden, width)
 
 
 def _ffn_matrices(ffn: object, hidden: int) -> int:

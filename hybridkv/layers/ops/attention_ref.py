@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.layers.ops.registry import reference_op
 from hybridkv.metadata import CommonAttentionMetadata
 
 __all__ = ["paged_attention_ref", "write_kv_ref"]
 
 
+@reference_op("write_kv")
 def write_kv_ref(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -43,6 +45,7 @@ def write_kv_ref(
     v_cache[block, offset] = v.to(v_cache.dtype)
 
 
+@reference_op("paged_attention")
 def paged_attention_ref(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)

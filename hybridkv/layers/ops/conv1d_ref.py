@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridkv.layers.ops.registry import reference_op
+
 __all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref"]
 
 
@@ -105,6 +107,7 @@ def _apply_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 # ----------------------------------------------------------------------------- kernels
 
 
+@reference_op("causal_conv1d")
 def causal_conv1d_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -177,6 +180,7 @@ def causal_conv1d_ref(
     return y.to(x.dtype)
 
 
+@reference_op("causal_conv1d_update")
 def causal_conv1d_update_ref(
     x: torch.Tensor,
     *,

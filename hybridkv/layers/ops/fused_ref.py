@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from hybridkv.layers.activations import get_activation
 from hybridkv.layers.ops.attention_ref import paged_attention_ref, write_kv_ref
+from hybridkv.layers.ops.registry import reference_op
 from hybridkv.metadata import CommonAttentionMetadata
 
 
@@ -46,6 +47,7 @@ def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
 
 
+@reference_op("rms_norm")
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bool = False,
                  centered: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim. Plain: ``w * normed.to(dtype)`` (cast, then scale, as Llama); Gemma:
@@ -59,6 +61,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, *, eps: float, gemma: bo
     return weight * normed.to(x.dtype)
 
 
+@reference_op("add_rms_norm")
 def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: torch.Tensor | None, eps: float,
                      gemma: bool = False, delta_weight: torch.Tensor | None = None, scale: float = 1.0,
                      centered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -78,6 +81,7 @@ def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: tor
     return rms_norm_ref(residual.to(weight.dtype), weight, eps=eps, gemma=gemma, centered=centered), residual
 
 
+@reference_op("act_mul")
 def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
                 ) -> torch.Tensor:
     """Gated: x = gate|up (num_tokens, 2 * inter) -> ``act(gate * gate_multiplier) * up`` (num_tokens, inter);
@@ -91,6 +95,7 @@ def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_mu
     return act(gate) * up
 
 
+@reference_op("linear")
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (num_tokens, in_features), weight (out_features, in_features) -> (num_tokens, out_features), rounded
@@ -103,6 +108,7 @@ NONFINITE = -2
 """What a greedy op's ``report`` holds for a row whose chosen (maximum) logit is not finite: NaN, or +-inf."""
 
 
+@reference_op("argmax")
 def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None, report: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Greedy tokens: logits (rows, vocab) -> (rows,) int64, each row's first maximum (NaN above every number,
@@ -118,6 +124,7 @@ def argmax_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None, report:
     return tokens
 
 
+@reference_op("linear_argmax")
 def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       out: torch.Tensor | None = None, write_logits: torch.Tensor | None = None,
                       report: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +136,7 @@ def linear_argmax_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return logits, argmax_ref(logits, out=out, report=report)
 
 
+@reference_op("linear_act_mul")
 def linear_act_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str,
                        gated: bool = True, gate_multiplier: float = 1.0) -> torch.Tensor:
     """``act_mul_ref(F.linear(x, weight, bias))``: weight is the packed gate|up (2 * inter, in_features) when
@@ -173,6 +181,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
+@reference_op("qk_rope_write_kv")
 def qk_rope_write_kv_ref(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim); None: q only (a KV-sharing layer)
@@ -245,9 +254,11 @@ def compose_rope_attention(qk_rope_write_kv: Callable[..., torch.Tensor], paged_
     return rope_attention
 
 
-rope_attention_ref = compose_rope_attention(qk_rope_write_kv_ref, paged_attention_ref)
+rope_attention_ref = reference_op("rope_attention")(compose_rope_attention(qk_rope_write_kv_ref,
+                                                                                 paged_attention_ref))
 
 
+@reference_op("gated_rms_norm")
 def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, *, n_groups: int = 1,
                        eps: float = 1e-5, norm_before_gate: bool = False) -> torch.Tensor:
     """Mamba2's output gate. y, z: (num_tokens, dim). ``norm(y * silu(z))`` with the RMS taken over each of
@@ -267,6 +278,7 @@ def gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | 
 ROUTERS = ("softmax", "sigmoid_input", "sigmoid_bias", "topk_softmax")
 
 
+@reference_op("moe_route")
 def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
                   scaling: float = 1.0, correction_bias: torch.Tensor | None = None, num_groups: int = 1,
                   topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.layers.ops.conv1d_ref import _check_shape, _check_state_indices, _packed_layout
+from hybridkv.layers.ops.registry import reference_op
 
 __all__ = [
     "gated_delta_rule_naive_ref",
@@ -232,6 +233,7 @@ def _update(
 # ----------------------------------------------------------------------------- public ops
 
 
+@reference_op("gated_delta_rule")
 def gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -289,6 +291,7 @@ def gated_delta_rule_naive_ref(
                   use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False)
 
 
+@reference_op("gated_delta_rule_update")
 def gated_delta_rule_update_ref(
     ssm_states: torch.Tensor,
     q: torch.Tensor,
@@ -312,6 +315,7 @@ def gated_delta_rule_update_ref(
                    use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False)
 
 
+@reference_op("kda")
 def kda_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -362,6 +366,7 @@ def kda_naive_ref(
                   use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=True)
 
 
+@reference_op("kda_update")
 def kda_update_ref(
     ssm_states: torch.Tensor,
     q: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.layers.ops.conv1d_ref import _check_shape, _check_state_indices, _packed_layout
+from hybridkv.layers.ops.registry import reference_op
 
 __all__ = ["selective_scan_ref", "selective_state_update_mamba1_ref"]
 
@@ -72,6 +73,7 @@ def _skip_and_gate(
     return y
 
 
+@reference_op("selective_scan")
 def selective_scan_ref(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -126,6 +128,7 @@ def selective_scan_ref(
     return _skip_and_gate(y, u, D, z).to(u.dtype)
 
 
+@reference_op("selective_state_update")
 def selective_state_update_mamba1_ref(
     ssm_states: torch.Tensor,
     x: torch.Tensor,

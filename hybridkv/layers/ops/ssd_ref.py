@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.layers.ops.conv1d_ref import _check_shape, _check_state_indices, _packed_layout
+from hybridkv.layers.ops.registry import reference_op
 
 __all__ = ["ssd_chunk_scan_ref", "ssd_state_update_ref"]
 
@@ -97,6 +98,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, -math.inf)
 
 
+@reference_op("ssd_chunk_scan")
 def ssd_chunk_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -196,6 +198,7 @@ def ssd_chunk_scan_ref(
     return _skip_and_gate(y, x, D, z).to(x.dtype)
 
 
+@reference_op("ssd_state_update")
 def ssd_state_update_ref(
     ssm_states: torch.Tensor,
     x: torch.Tensor,
