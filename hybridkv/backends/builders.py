@@ -164,31 +164,47 @@ def _decode_chunked(spec: ChunkedLocalAttentionSpec, seq_lens: np.ndarray, key_s
     return DecodeRows(seq_lens=into, col0=col0, num_blocks=nblk, width=int(_max(nblk)))
 
 
-_DECODE_RULES: dict[type[KVCacheSpec], Callable] = {
-    FullAttentionSpec: _decode_full,
-    MLAAttentionSpec: _decode_full,
-    SlidingWindowSpec: _decode_sliding,
-    ChunkedLocalAttentionSpec: _decode_chunked,
+def _width_full(spec: FullAttentionSpec, full: int) -> int:
+    return full
+
+
+def _width_sliding(spec: SlidingWindowSpec, full: int) -> int:
+    return min(full, -(-(spec.sliding_window - 1) // spec.block_size) + 2)
+
+
+def _width_chunked(spec: ChunkedLocalAttentionSpec, full: int) -> int:
+    return min(full, spec.attention_chunk_size // spec.block_size + 1)
+
+
+@dataclass(frozen=True)
+class _DecodeRule:
+    rows: Callable[..., DecodeRows]       # (spec, seq_lens, key_start) -> the decode batch after the transform
+    width: Callable[..., int]             # (spec, full table width) -> the widest row it reads
+
+
+_DECODE_RULES: dict[type[KVCacheSpec], _DecodeRule] = {
+    FullAttentionSpec: _DecodeRule(_decode_full, _width_full),
+    MLAAttentionSpec: _DecodeRule(_decode_full, _width_full),
+    SlidingWindowSpec: _DecodeRule(_decode_sliding, _width_sliding),
+    ChunkedLocalAttentionSpec: _DecodeRule(_decode_chunked, _width_chunked),
 }
+
+
+def _decode_rule(spec: KVCacheSpec) -> _DecodeRule:
+    rule = _DECODE_RULES.get(type(spec))
+    if rule is None:
+        raise TypeError(f"no decode rule for spec kind {type(spec).__name__}")
+    return rule
 
 
 def decode_rows(spec: KVCacheSpec, seq_lens: np.ndarray, start: np.ndarray | None) -> DecodeRows:
     """An attention group's decode batch (one query per row, at ``seq_lens`` - 1, (n,) int32) whose rows start at
     block ``start`` ((n,), None = column 0) after its builder's transform, down to when the transform keeps the
     table as is (with the transforms' own arithmetic: ``window_drop``, ``query_chunk_columns``)."""
-    rule = _DECODE_RULES.get(type(spec))
-    if rule is None:
-        raise TypeError(f"no decode rule for spec kind {type(spec).__name__}")
-    return rule(spec, seq_lens, 0 if start is None else start * spec.block_size)
+    return _decode_rule(spec).rows(spec, seq_lens, 0 if start is None else start * spec.block_size)
 
 
 def decode_table_width(spec: KVCacheSpec, *, max_model_len: int) -> int:
     """Widest block-table row a decode request of ``spec`` reads after its group's transform (what a captured
     graph's buffer holds for it)."""
-    bs = spec.block_size
-    full = -(-max_model_len // bs)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(full, -(-(spec.sliding_window - 1) // bs) + 2)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return min(full, spec.attention_chunk_size // bs + 1)
-    return full
+    return _decode_rule(spec).width(spec, -(-max_model_len // spec.block_size))
