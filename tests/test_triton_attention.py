@@ -298,6 +298,18 @@ GEMMA4_GLOBAL_PREP = (dict(rot_dim=512, qk_norm="rms", gemma_norm=True),
                       Rope(theta=1e6, scaling="proportional", partial_rotary_factor=0.25))
 
 
+def _rope_attention_both(q, k, v, positions, kc, vc, slots, cam, kw, *, segs: int | None = None):
+    """``rope_attention`` by the reference (on copies of ``kc`` / ``vc``) and by the Triton op (on a strided pool made
+    from them); returns (got, want, got cache, want cache)."""
+    want_k, want_v = kc.clone(), vc.clone()
+    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=slots, cam=cam, **kw)
+    k_dev, v_dev = _strided_pool(kc, vc)
+    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
+                                   slot_mapping=slots.to(DEVICE), cam=_cam_to(cam), num_segments=segs, **dev)
+    return got, want, (k_dev, v_dev), (want_k, want_v)
+
+
 def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, segs: int | None, seed: int,
                          heads: int = 4, kv_heads: int = 2, d: int = 16, long: int = 40, sinks: bool = False):
     """A decode batch with a padding request, raw q/k/v, and a cache whose new-token slots are NaN: the fused
@@ -326,13 +338,7 @@ def _rope_attention_case(name: str, *, window: int | None, chunk: int | None, se
     kw = dict(prep=prep, inv_freq=rope_inv_freq(rope, prep.rot_dim) if rope is not None else None,
               q_norm_weight=torch.randn(d, generator=g) * 0.3 + 1, k_norm_weight=torch.randn(d, generator=g) * 0.3 + 1,
               scale=b.scale, sliding_window=window, sinks=_sinks(heads, seed) if sinks else None)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=slots, cam=cam, **kw)
-    k_dev, v_dev = _strided_pool(kc, vc)
-    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
-    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
-                                   slot_mapping=slots.to(DEVICE), cam=_cam_to(cam), num_segments=segs, **dev)
-    return got, want, (k_dev, v_dev), (want_k, want_v)
+    return _rope_attention_both(q, k, v, positions, kc, vc, slots, cam, kw, segs=segs)
 
 
 @pytest.mark.parametrize("segs", [1, 2, 8])
@@ -387,13 +393,8 @@ def test_rope_attention_prefill_runs_both_ops():
     positions = torch.tensor([2, 3, 4, 8])
     kw = dict(prep=QKPrep(head_dim=16, rot_dim=16), inv_freq=rope_inv_freq(Rope(theta=10000.0), 16),
               q_norm_weight=None, k_norm_weight=None, scale=b.scale)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=b.cam.slot_mapping,
-                              cam=b.cam, **kw)
-    k_dev, v_dev = _strided_pool(kc, vc)
-    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
-    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
-                                   slot_mapping=b.cam.slot_mapping.to(DEVICE), cam=_cam_to(b.cam), **dev)
+    got, want, (k_dev, _), (want_k, _) = _rope_attention_both(q, k, v, positions, kc, vc, b.cam.slot_mapping, b.cam,
+                                                              kw)
     _assert_close(got, want)
 
 
@@ -542,13 +543,8 @@ def test_rope_attention_prefill_head_dim_512():
     kw = dict(prep=prep, inv_freq=rope_inv_freq(rope, prep.rot_dim),
               q_norm_weight=torch.randn(d, generator=g) * 0.3 + 1, k_norm_weight=torch.randn(d, generator=g) * 0.3 + 1,
               scale=1.0)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = rope_attention_ref(q, k, v, positions, k_cache=want_k, v_cache=want_v, slot_mapping=b.cam.slot_mapping,
-                              cam=b.cam, **kw)
-    k_dev, v_dev = _strided_pool(kc, vc)
-    dev = {key: _to(t) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
-    got = ta.rope_attention_triton(_to(q), _to(k), _to(v), positions.to(DEVICE), k_cache=k_dev, v_cache=v_dev,
-                                   slot_mapping=b.cam.slot_mapping.to(DEVICE), cam=_cam_to(b.cam), **dev)
+    got, want, (k_dev, _), (want_k, _) = _rope_attention_both(q, k, v, positions, kc, vc, b.cam.slot_mapping, b.cam,
+                                                              kw)
     _assert_close(got, want)
     torch.testing.assert_close(k_dev.cpu(), want_k, equal_nan=True, atol=1e-5, rtol=1e-5)
 

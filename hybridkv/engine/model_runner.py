@@ -233,15 +233,23 @@ class ModelRunner:
             return None
         return graphs
 
-    def build_context(self, batch: StepBatch) -> ForwardContext:
-        """One CAM per group from the batch, then each group's builder; all layers of a group share it."""
+    def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = ()
+                      ) -> tuple[ForwardContext, list[torch.Tensor]]:
+        """One CAM per group from the batch, then each group's builder; all layers of a group share it. ``extra``:
+        more host arrays the step needs on the device, whose twins come back with the context (same copy)."""
+        built, twins = self._group_inputs(batch, self.device, extra)
         inputs: dict[str, AttentionInputs | MambaInputs] = {}
-        for group, built in zip(self.plan.groups, self.group_inputs(batch, self.device), strict=True):
-            inputs.update(dict.fromkeys(group.cache_names, built))
-        return ForwardContext(inputs=inputs, backend=self.backend)
+        for group, group_built in zip(self.plan.groups, built, strict=True):
+            inputs.update(dict.fromkeys(group.cache_names, group_built))
+        return ForwardContext(inputs=inputs, backend=self.backend), twins
 
     def group_inputs(self, batch: StepBatch, device: torch.device) -> list[AttentionInputs | MambaInputs]:
-        """Per plan group: its CAM from the batch, transformed by its builder, device twins on ``device``.
+        """Per plan group: its CAM from the batch, transformed by its builder, device twins on ``device``."""
+        return self._group_inputs(batch, device, ())[0]
+
+    def _group_inputs(self, batch: StepBatch, device: torch.device, extra: Sequence[np.ndarray]
+                      ) -> tuple[list[AttentionInputs | MambaInputs], list[torch.Tensor]]:
+        """``group_inputs``, and the device twins of ``extra`` made by the same copy.
 
         The batch-wide arrays (offsets, lengths) are made once; each group adds its block table and slot
         mapping, and every device twin of the step comes from one packed copy (a Gemma-3-like model has 13
@@ -308,7 +316,8 @@ class ModelRunner:
                 twins = (upload(seq), upload(key_start))
             on_device = _pad_columns(table) if device.type == "cuda" else table
             rows.append((table, slots, seq, computed, key_start, max_seq, twins, upload(on_device), upload(slots)))
-        dev = host_to_device_many(uploads, device)
+        num_group_uploads = len(uploads)
+        dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
             qsl_dev, zeros_dev = dev[batch_twins[0]], dev[batch_twins[1]]
         s_dev = dev[s_up]
@@ -334,7 +343,7 @@ class ModelRunner:
             if debug:
                 cam.validate()
             out.append(build_group_inputs(spec, cam))
-        return out
+        return out, dev[num_group_uploads:]
 
     def _graph_eligible(self, batch: StepBatch) -> bool:
         """A decode batch the captured graphs can run: one continuing token per request, logits for all."""
@@ -368,12 +377,12 @@ class ModelRunner:
                   np.asarray(batch.logits_indices, dtype=np.int64)]
         if batch.input_sources is not None:
             arrays.append(batch.input_sources)
-        ids, positions, index, *sources = host_to_device_many(arrays, self.device)
+        context, (ids, positions, index, *sources) = self.build_context(batch, arrays)    # one host-to-device copy
         if sources:
             assert batch.prev_tokens is not None
             ids = take_pending(ids, sources[0], batch.prev_tokens)
         mixed = self.mixed_graphs
-        with forward_context(self.build_context(batch)):      # the head too runs on the step's backend
+        with forward_context(context):      # the head too runs on the step's backend
             if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is not None:
                 hidden = mixed.run(ids, positions)
             else:
@@ -396,8 +405,7 @@ class ModelRunner:
             return
         # (an asynchronous copy: torch.tensor(..., device=cuda) waits for the device, and a step with
         # checkpoints would then lose its overlap with the step before it)
-        pairs = np.asarray(copies, dtype=np.int64).T
-        src, dst = host_to_device(pairs[0].copy(), self.device), host_to_device(pairs[1].copy(), self.device)
+        src, dst = host_to_device(np.ascontiguousarray(np.asarray(copies, dtype=np.int64).T), self.device)
         for group in self.plan.mamba_groups:
             for name in group.layer_names:
                 for state in self.caches[name]:
