@@ -1,7 +1,7 @@
 """Serving-shaped traffic: what users run, against the workload's physical floor and HF's own engine.
 
     python benchmarks/serving.py [--models llama4,gemma3,mamba2,nemotronh] [--workloads ...]
-                                 [--hf-models gemma3] [--kv-memory 24GiB] [--save] [--tiny]
+                                 [--hf-models gemma3] [--kv-memory 24GiB] [--step-trace] [--save] [--tiny]
 
 Models: the ~1B random-init mixes of ``gpu_decode.py`` (Llama-4-like, Gemma-3-like, Mamba2, NemotronH-like),
 built by transformers, saved with ``save_pretrained`` and loaded by hybridkv (bf16, triton backend).
@@ -219,6 +219,44 @@ class CompileCounter:
         return self._prev(*args, **kwargs) if self._prev else False
 
 
+class StepTrace:
+    """Host seconds of ``ModelRunner.execute`` per step kind (``--step-trace``): "decode" (a captured decode
+    graph), "mixed<B>" (the mixed-step graphs' bucket B), "eager" (the rest: more tokens than the largest bucket).
+    With the engine's asynchronous scheduling this is the host's share of a step (launches, and any wait the
+    step forces), which is where a first pass's extra time shows when nothing is compiled."""
+
+    def __init__(self, llm) -> None:
+        self.runner = runner = llm.engine.runner
+        self.records: list[tuple[str, float]] = []
+        execute = runner.execute
+
+        def timed(batch):
+            kind = self._kind(batch)
+            t = time.perf_counter()
+            out = execute(batch)
+            self.records.append((kind, time.perf_counter() - t))
+            return out
+
+        runner.execute = timed
+
+    def _kind(self, batch) -> str:
+        if self.runner._graph_eligible(batch):
+            return "decode"
+        mixed = self.runner.mixed_graphs
+        bucket = mixed.bucket_for(len(batch.input_ids)) if mixed is not None else None
+        return "eager" if bucket is None else f"mixed{bucket}"
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """Per kind: steps and host milliseconds since the last call."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, seconds in self.records:
+            entry = out.setdefault(kind, {"steps": 0, "host_ms": 0.0})
+            entry["steps"] += 1
+            entry["host_ms"] += 1e3 * seconds
+        self.records = []
+        return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -335,6 +373,7 @@ def bench_model(family: str, args, device, dtype, bw: float, mm: float, compiles
         startup = time.perf_counter() - t0
         model = llm.model
         bs = llm.plan.block_size
+        trace = StepTrace(llm) if args.step_trace else None
         cost = model_cost(llm, sorted({1, 8, 16, 32, 64, 128, 256, args.max_num_seqs}))
         print(f"[{family}] caching {'on' if caching else 'off'}: start-up {startup:.1f} s, "
               f"{len(compiles.names) - n_compiled} kernels built; plan {llm.plan.summary()}", flush=True)
@@ -358,6 +397,8 @@ def bench_model(family: str, args, device, dtype, bw: float, mm: float, compiles
                 r = run_pass(llm, w, seed, vocab, args.tiny, compiles, device)
             if profiling:
                 print_profile(prof, r, device, f"[{family}] {name} (steady, caching on)")
+            if trace is not None:
+                r["step_host_ms"] = trace.take()
             answers = r.pop("answers")
             r.update(floor_seconds(cost, w, answers, bw, mm))
             r.update(model=family, workload=name, pass_=label, caching=caching,
@@ -445,6 +486,8 @@ def main() -> None:
     ap.add_argument("--startup-only", action="store_true",
                     help="only time LLM start-up per model (run twice: empty, then warm Triton cache)")
     ap.add_argument("--trace-compiles", action="store_true", help="print each kernel built while serving")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="per pass, host time of the runner's steps by kind (decode graph, mixed bucket, eager)")
     ap.add_argument("--profile", default="", metavar="WORKLOAD",
                     help="profile this workload's steady pass (caching on): top kernels and device busy time")
     add_output_args(ap, "serving")
