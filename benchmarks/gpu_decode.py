@@ -473,7 +473,7 @@ def _profiled(eng, device, nsteps: int) -> dict:
     return {"wall_ms_per_step": wall / nsteps * 1e3, "gpu_busy_ms_per_step": gpu_us / nsteps / 1e3,
             "kernels_per_step": launches / nsteps,
             "top_kernels": [{"name": k[0][:80], "us_per_step": k[1] / nsteps, "calls_per_step": k[2] / nsteps}
-                            for k in kern[:12]]}
+                            for k in kern[:16]]}
 
 
 def profile_steps(llm, prompts: list[list[int]], device, nsteps: int = 8) -> dict:
@@ -556,7 +556,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="the engine's max_num_seqs, which sets the largest CUDA-graph bucket (0: largest batch + 1)")
     ap.add_argument("--check-len", type=int, default=1500, help="prompt length of the logits check")
-    ap.add_argument("--profile-batch", type=int, default=1, help="batch size of the kernel profile")
+    ap.add_argument("--profile-batch", default="1", help="batch sizes of the kernel profiles (comma list)")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one --prefill step's kernels")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke test of this script")
     ap.add_argument("--tag", default="", help="scenario name: the result is that scenario of gpu_decode.json")
@@ -643,9 +643,10 @@ def main() -> None:
                 rows.append(row)
                 print(rows[-1], flush=True)
             if backend == "triton" or args.tiny:
-                rng = np.random.default_rng(args.profile_batch)
-                batch = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(args.profile_batch)]
-                profiles[f"{family}/{variant}"] = profile_steps(llm, batch, device)
+                for pb in map(int, args.profile_batch.split(",")):
+                    rng = np.random.default_rng(pb)
+                    batch = [rng.integers(10, config.vocab_size, args.prompt).tolist() for _ in range(pb)]
+                    profiles[f"{family}/{variant}/b{pb}"] = profile_steps(llm, batch, device)
             main_variant = not modes & {"eager", "sync"}      # prefill and logits: once per backend
             if main_variant and args.prefill:
                 p = prefill_rate(llm, active_weight_bytes(hf, config, 1), args.prefill, device)
@@ -676,7 +677,7 @@ def main() -> None:
                       f"{r['tflops']:.0f}", f"{r['pct_matmul']:.0f}"] for r in prefill_rows])
     for key, p in profiles.items():
         if p:
-            what = "prefill" if key.endswith("/prefill") else f"batch-{args.profile_batch} decode"
+            what = "prefill" if key.endswith("/prefill") else "decode"
             print_table(f"{what} profile {key}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU busy "
                         f"{p['gpu_busy_ms_per_step']:.2f} ms/step, {p['kernels_per_step']:.0f} kernels/step",
                         ["kernel", "µs/step", "calls/step"],

@@ -101,21 +101,21 @@ def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.
 
 @pytest.mark.parametrize("impl", FAST_TIERED)
 def test_skewed_and_empty_routing(impl: str) -> None:
-    """Every token to one expert (the others empty), every expert empty but one, and a permutation of a batch
-    permutes the output (no mixing between tokens)."""
+    """Every token to one expert (the others empty; 19 rows: more than one of the tiled kernels' 16-row tiles),
+    every expert empty but one, and a permutation of a batch permutes the output (no mixing between tokens)."""
     dev = _device(impl)
     layer = _layer("mixtral", torch.float32, seed=3).to(dev)
     experts = layer.experts()
-    x = torch.randn(9, HIDDEN).to(dev)
-    weights = torch.rand(9, 2).to(dev)
-    for ids in (torch.tensor([[5, 2]] * 9), torch.tensor([[0, 1]] * 9),
-                torch.stack([torch.randperm(6)[:2] for _ in range(9)])):
+    x = torch.randn(19, HIDDEN).to(dev)
+    weights = torch.rand(19, 2).to(dev)
+    for ids in (torch.tensor([[5, 2]] * 19), torch.tensor([[0, 1]] * 19),
+                torch.stack([torch.randperm(6)[:2] for _ in range(19)])):
         ids = ids.to(dev)
         want = moe_experts_ref(x, ids, weights, experts)
         got = run_experts(x, ids, weights, experts, impl=impl)
         torch.testing.assert_close(got, want, **_tol(torch.float32))
         assert run_experts(x[:0], ids[:0], weights[:0], experts, impl=impl).shape == (0, HIDDEN)
-        perm = torch.randperm(9).to(dev)
+        perm = torch.randperm(19).to(dev)
         torch.testing.assert_close(run_experts(x[perm], ids[perm], weights[perm], experts, impl=impl), want[perm],
                                    **_tol(torch.float32))
 
@@ -193,13 +193,14 @@ def test_impl_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: True)
     experts = layer.experts()
     assert choose_impl("auto", Fake(torch.bfloat16, 4096), ids(4096), experts) == "grouped"
-    assert choose_impl("auto", Fake(torch.float16, 129), ids(129), experts) == "padded"
+    assert choose_impl("auto", Fake(torch.float16, 513), ids(513), experts) == "padded"
     assert choose_impl("auto", Fake(torch.float16, moe_module.PADDED_MAX_ROWS), ids(8192), experts) == "ref"
     if importlib.util.find_spec("triton") is not None:       # decode- and mid-size batches: the Triton kernels
         assert choose_impl("auto", Fake(torch.bfloat16, 4), ids(4, 2), experts) == "gemv"
         assert choose_impl("auto", Fake(torch.bfloat16, 8), ids(8, 2), experts) == "tiled"
         assert choose_impl("auto", Fake(torch.float16, 64), ids(64, 2), experts) == "tiled"
-        assert choose_impl("auto", Fake(torch.bfloat16, 65), ids(65, 2), experts) == "grouped"
+        assert choose_impl("auto", Fake(torch.bfloat16, 256), ids(256, 2), experts) == "tiled"
+        assert choose_impl("auto", Fake(torch.bfloat16, 257), ids(257, 2), experts) == "grouped"
     monkeypatch.setattr(moe_module, "_triton_available", lambda: False)
     assert choose_impl("auto", Fake(torch.float16, 16), ids(16), experts) == "padded"
     monkeypatch.setattr(moe_module, "grouped_mm_is_fast", lambda device: False)      # e.g. an A100

@@ -20,10 +20,10 @@ Kernel design (``_paged_attention_kernel``):
   freed and reused) is never read. Positions are relative to ``key_start``: trimmed sliding-window tables
   and local-attention virtual batches need nothing special.
 - fp32 scores and accumulator, online softmax in base 2; softcap ``c * tanh(s / c)`` on the scaled logits.
-- attention sinks (``HAS_SINKS``, gpt-oss): the head's sink logit joins the softmax once per query row, after
-  the key loop: in the epilogue when the row is not split, in the reduction (as one more "segment" with a max
-  and a sum but no accumulator) when it is; no key tile ever sees it. Without sinks the constexpr removes
-  every trace of it from both kernels.
+- attention sinks (``HAS_SINKS``, gpt-oss): the head's sink logit joins the softmax once per query row: as the
+  running (max, sum) a row starts from, (sink, 1), when the row is not split; in the reduction (as one more
+  "segment" with a max and a sum but no accumulator) when it is; no key tile ever sees it. Without sinks the
+  constexpr removes every trace of it from both kernels.
 - split-KV ("flash decoding"): when (q-blocks x kv heads) cannot fill the GPU (small-batch decode), the
   visible key tiles are split over ``num_segments`` programs that write unnormalised partials (acc, max,
   sum); ``_reduce_segments_kernel`` combines them. With one segment the kernel writes the output directly.
@@ -281,8 +281,14 @@ def _paged_attention(
                           kw_ptr, pos, inv_freq_ptr, eps, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, ROT_DIM, INTERLEAVED,
                           QK_NORM, POST_NORM, GEMMA)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and not SPLIT:
+        # the sink's logit joins the max and the sum once per row (it has no value): the running (max, sum)
+        # starts at (sink, 1), so its load is issued before the key loop rather than on the epilogue's path
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
@@ -308,12 +314,6 @@ def _paged_attention(
                                       PRECISION, True)
 
     if not SPLIT:
-        if HAS_SINKS:       # the sink's logit joins the max and the sum, once per row; it has no value
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_new = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_new)                                    # no visible key: m_i = -inf -> 0
-            l_i = l_i * alpha + tl.exp2(sink - m_new)
-            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                   # no visible key -> 0
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

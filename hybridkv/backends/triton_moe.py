@@ -8,11 +8,12 @@ so the kernels only pay off while assignments rarely share an expert (``layers.m
 
 With a few dozen assignments the experts are shared, and the sort, gathers and scatter around a grouped GEMM
 cost as much as the GEMM. The tiled kernels need none of them: a program owns one expert and BLOCK_N output
-channels, takes *every* assignment as its M tile with the other experts' rows masked out (neither loaded nor
-stored), and reads its weight slice once. The masked rows waste tensor-core FLOPs (E x a grouped GEMM's), but
-per active expert the work is BLOCK_M FLOPs per weight byte, which stays under an H100's ~295 up to the
-128-row tile (``layers.moe.TILED_MAX_ROWS``): still bound by the weight reads, whatever E. Experts without an
-assignment return after reading the ids.
+channels, reads every assignment's expert id, picks its own rows out of them in registers (a rank by prefix
+sum, then a one-hot pick, ``_expert_rows``) and multiplies them in tiles of 16 rows (``_TILED_BLOCK_M``)
+while reading its weight slice (a second tile of a busy expert reads it again, from L2). The tile holds the
+expert's rows only: taking every assignment as the M tile with the other experts' rows masked spent E x the
+tensor-core FLOPs (BLOCK_M FLOPs per weight byte, 128 at 128 rows) and ran gpt-oss-like experts at half the
+memory bandwidth on an H200. Experts without an assignment return after reading the ids.
 
 - ``_gate_up_kernel``: grid (assignments, inter blocks): ``h = act(gate_e x) * up_e x`` for BLOCK_N output
   channels, x scaled by the routing weight first for Llama-4 (``scale_input``), rounded where the reference
@@ -51,11 +52,13 @@ __all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_trit
 # keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
 _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
-# Tiled kernels: the best of an H100 sweep (16-128 assignments of 2048x2048 experts: gate|up at ~1.8 TB/s, down
-# ~1.5 TB/s; the best configurations moved little with the assignment count).
+# Tiled kernels: with an expert's own rows per tile they read weights at the copy bandwidth (H200: 32 tokens x
+# top-4 of 32 gpt-oss-like 2048x2048 experts in 197 us, 4.08 TB/s), and every configuration of BLOCK_N 16-64,
+# BLOCK_K 64-256, 3-5 stages ran within 0.1 us of that (``benchmarks/gpu_decode.py``'s MoE rows come from them).
 _TILED_GATE_UP = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_DOWN = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-_TILED_MAX_M = 128
+_TILED_MAX_ROWS = 512      # assignments per launch (the one-hot row pick is _TILED_BLOCK_M x this)
+_TILED_BLOCK_M = 16        # an expert's rows per tile (tl.dot's minimum); more rows: more tiles
 _SMEM_BUDGET = 160 * 1024      # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
 
 
@@ -184,32 +187,45 @@ def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
     return y.to(out_ty)
 
 
+@triton.jit
+def _expert_rows(mine, pos, j0, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows j0 .. j0 + BLOCK_M of an expert's assignments, in order: (row index, valid). ``mine`` (BLOCK_R,)
+    marks the expert's assignments and ``pos`` their rank among them (-1 elsewhere). A one-hot (BLOCK_M,
+    BLOCK_R) product picks them out of registers (Triton has no register gather)."""
+    r = tl.arange(0, BLOCK_R)
+    j = j0 + tl.arange(0, BLOCK_M)
+    row = tl.sum(tl.where(pos[None, :] == j[:, None], r[None, :], 0), 1)
+    return row, j < tl.sum(mine, 0)
+
+
 def _gate_up_tiled(
     x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, gb_ptr, ub_ptr, rows, dim, inter, k_slots, alpha, limit,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h, stride_gbe, stride_ube,
     ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     e = tl.program_id(0)
-    r = tl.arange(0, BLOCK_M)                          # every assignment: token * k_slots + slot
-    mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
-    if tl.max(mine.to(tl.int32), 0) > 0:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
-        ty = h_ptr.dtype.element_ty
-        e64 = e.to(tl.int64)
-        x_rows = x_ptr + (r // k_slots).to(tl.int64)[:, None] * stride_xt          # (BLOCK_M, 1)
-        w = tl.load(w_ptr + r, mask=mine, other=0.0)
-        up_cols = up_ptr + e64 * stride_ue + n[None, :] * stride_un              # (1, BLOCK_N)
-        gate_cols = gate_ptr + e64 * stride_ge + n[None, :] * stride_gn
+    r = tl.arange(0, BLOCK_R)                          # every assignment: token * k_slots + slot
+    mine = (tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32)
+    pos = tl.where(mine > 0, tl.cumsum(mine, 0) - 1, -1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    ty = h_ptr.dtype.element_ty
+    e64 = e.to(tl.int64)
+    up_cols = up_ptr + e64 * stride_ue + n[None, :] * stride_un              # (1, BLOCK_N)
+    gate_cols = gate_ptr + e64 * stride_ge + n[None, :] * stride_gn
+    for j0 in range(0, tl.sum(mine, 0), BLOCK_M):      # experts without an assignment skip the loop
+        row, row_ok = _expert_rows(mine, pos, j0, BLOCK_R, BLOCK_M)
+        x_rows = x_ptr + (row // k_slots).to(tl.int64)[:, None] * stride_xt      # (BLOCK_M, 1)
+        w = tl.load(w_ptr + row, mask=row_ok, other=0.0)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, dim, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < dim
-            a = tl.load(x_rows + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)   # (BLOCK_M, BLOCK_K)
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
             if SCALE_INPUT:
                 a = (a.to(tl.float32) * w[:, None]).to(ty)
             m = k_ok[:, None] & n_ok[None, :]
@@ -224,7 +240,7 @@ def _gate_up_tiled(
             h = _gated(g, up, alpha, limit, ty, ACT)
         else:
             h = _activation(up, ACT)                   # not gated: act(up)
-        tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h.to(ty), mask=mine[:, None] & n_ok[None, :])
+        tl.store(h_ptr + row[:, None] * stride_h + n[None, :], h.to(ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 # assignments (and the chunk offsets of a large batch) change per step
@@ -235,31 +251,34 @@ def _down_tiled(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, rows, dim, inter,
     stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
     SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     e = tl.program_id(0)
-    r = tl.arange(0, BLOCK_M)
-    mine = tl.load(ids_ptr + r, mask=r < rows, other=-1) == e
-    if tl.max(mine.to(tl.int32), 0) > 0:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < dim
-        ty = h_ptr.dtype.element_ty
-        down_cols = down_ptr + e.to(tl.int64) * stride_de + n[None, :] * stride_dn
+    r = tl.arange(0, BLOCK_R)
+    mine = (tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32)
+    pos = tl.where(mine > 0, tl.cumsum(mine, 0) - 1, -1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < dim
+    ty = h_ptr.dtype.element_ty
+    down_cols = down_ptr + e.to(tl.int64) * stride_de + n[None, :] * stride_dn
+    for j0 in range(0, tl.sum(mine, 0), BLOCK_M):
+        row, row_ok = _expert_rows(mine, pos, j0, BLOCK_R, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < inter
-            a = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(h_ptr + row[:, None] * stride_h + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             d = tl.load(down_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, d, acc, input_precision="ieee")
         y = _biased(acc, db_ptr + e.to(tl.int64) * stride_dbe + n[None, :], n_ok[None, :], ty, HAS_BIAS)
         if not SCALE_INPUT:
-            y = y * tl.load(w_ptr + r, mask=mine, other=0.0)[:, None]
-        m = mine[:, None] & n_ok[None, :]
-        y = _plus(y, add_ptr + r[:, None] * stride_add + n[None, :], m, y_ptr.dtype.element_ty, HAS_ADD)
-        tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y, mask=m)
+            y = y * tl.load(w_ptr + row, mask=row_ok, other=0.0)[:, None]
+        m = row_ok[:, None] & n_ok[None, :]
+        y = _plus(y, add_ptr + row[:, None] * stride_add + n[None, :], m, y_ptr.dtype.element_ty, HAS_ADD)
+        tl.store(y_ptr + row[:, None] * stride_y + n[None, :], y, mask=m)
 
 
 _down_tiled_kernel = two_forms(_down_tiled, per_step=["rows"], per_step_pointers=["ids_ptr", "w_ptr"])
@@ -343,8 +362,8 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       addend: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
                       up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                       alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """``moe_experts_gemv``'s contract with one program per (expert, output block) over every assignment.
-    An M tile holds at most ``_TILED_MAX_M`` assignments: larger batches run in token chunks of that many."""
+    """``moe_experts_gemv``'s contract with one program per (expert, output block) over its assignments. A
+    launch takes at most ``_TILED_MAX_ROWS`` assignments: larger batches run in token chunks of that many."""
     num_tokens, k = ids.shape
     dim, inter, num_experts = x.shape[1], up.shape[1], up.shape[0]
     flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend,
@@ -352,23 +371,24 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
     fused_add = addend is not None and k == 1
-    chunk = max(1, _TILED_MAX_M // k)                  # tokens per launch
+    chunk = max(1, _TILED_MAX_ROWS // k)               # tokens per launch
+    up_cfg = _tiled_config("gate_up", _TILED_BLOCK_M, x.element_size())
+    down_cfg = _tiled_config("down", _TILED_BLOCK_M, x.element_size())
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
         r0, r1 = t0 * k, t1 * k
-        block_m = max(16, triton.next_power_of_2(r1 - r0))
-        cfg = _tiled_config("gate_up", block_m, x.element_size())
-        _gate_up_tiled_kernel.pick(x)[(num_experts, triton.cdiv(inter, cfg["BLOCK_N"]))](
+        block_r = max(16, triton.next_power_of_2(r1 - r0))
+        _gate_up_tiled_kernel.pick(x)[(num_experts, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
             x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], b["gb"], b["ub"], r1 - r0, dim, inter, k,
             float(alpha), float(limit), x.stride(0), g.stride(0), g.stride(1), up.stride(0), up.stride(1),
             h.stride(0), b["gb"].stride(0), b["ub"].stride(0), ACT=_MOE_ACT_IDS[activation], GATED=gate is not None,
-            SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], BLOCK_M=block_m, **cfg, **pdl_kwargs(x.device))
-        cfg = _tiled_config("down", block_m, x.element_size())
-        _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, cfg["BLOCK_N"]))](
+            SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], BLOCK_R=block_r, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
+            **pdl_kwargs(x.device))
+        _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, down_cfg["BLOCK_N"]))](
             h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y, b["db"],
             r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
             addend.stride(0) if fused_add else 0, b["db"].stride(0), SCALE_INPUT=scale_input, HAS_ADD=fused_add,
-            HAS_BIAS=b["has_down"], BLOCK_M=block_m, **cfg, **pdl_kwargs(h.device))
+            HAS_BIAS=b["has_down"], BLOCK_R=block_r, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
     return _finish(y, x, k, addend)
 
 

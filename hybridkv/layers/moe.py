@@ -33,8 +33,8 @@ what ``auto`` runs somewhere:
 - ``gemv`` (``backends/triton_moe.py``): two Triton GEMV kernels, one program row per (token, slot) reading
   only its expert's weights at memory bandwidth. The CUDA default for decode-size batches (at most
   ``GEMV_MAX_ROWS`` assignments), where a grouped GEMM is dominated by its tile setup.
-- ``tiled`` (``backends/triton_moe.py``): two Triton kernels, one program per (expert, output block) taking
-  every assignment as its M tile with the other experts' rows masked: each active expert's weights read once,
+- ``tiled`` (``backends/triton_moe.py``): two Triton kernels, one program per (expert, output block) that
+  picks its expert's assignments out of all of them in registers: each active expert's weights read once,
   and no sort, gather or scatter around them. The CUDA default for mid-size batches (at most
   ``TILED_MAX_ROWS`` assignments), where those would cost as much as the grouped GEMM.
 
@@ -66,7 +66,7 @@ logger = logging.getLogger("hybridkv.moe")
 MOE_IMPLS = ("auto", "ref", "grouped", "padded", "gemv", "tiled")
 PADDED_MAX_ROWS = 8192        # auto picks "padded" only while num_experts * num_tokens <= this
 GEMV_MAX_ROWS = 8             # auto picks "gemv" on CUDA while num_tokens * top_k <= this
-TILED_MAX_ROWS = 128          # ... and "tiled" while num_tokens * top_k <= this (one M tile)
+TILED_MAX_ROWS = 512          # ... and "tiled" while num_tokens * top_k <= this (one launch per projection)
 _logged: set[tuple[str, torch.dtype, str]] = set()
 
 
