@@ -169,10 +169,13 @@ def _with_fallback(vendor_op: Callable[..., Any], fallback_op: Callable[..., Any
 # kernels beat mamba-ssm / causal-conv1d at every measured size (0.13-0.95x their time); mamba-ssm's Mamba-1
 # state update beats our reference 4-5x. flash-attn 2's paged path (its split-KV kernel, at block size 256)
 # was slower than our paged attention on all 15 measured shapes (ours 0.43-0.97x its time), so ``auto`` takes
-# none of it; ``backend="flash_attn"`` still asks for it. fla's delta-rule kernels are not measured against ours yet
-# (benchmarks/gpu_delta_rule.py), so ``auto`` takes none of them; ``backend="fla"`` asks for them.
+# none of it; ``backend="flash_attn"`` still asks for it. fla-core 0.6.0 against our delta-rule kernels on an H200
+# (benchmarks/gpu_delta_rule.py --quick, head dims 128, 1 x 4096 tokens): its chunked KDA prefill takes 0.27x our
+# time (1.87 vs 6.93 ms), so ``auto`` takes it; its gated-delta-rule prefill takes 1.37-1.52x ours and its decode
+# update (eager only: no CUDA graph) ~9x, so those stay ours (``backend="fla"`` asks for every fla op).
 _AUTO_OPS: dict[str, frozenset[str]] = {
     "mamba_ssm": frozenset({"selective_state_update"}),
+    "fla": frozenset({"kda"}),
 }
 
 

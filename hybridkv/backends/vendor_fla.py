@@ -17,8 +17,8 @@ fla takes a flat packed row with ``cu_seqlens`` and one initial state per sequen
 - The in-op gate (``A_log`` / ``dt_bias``) is computed here in torch (``-exp(A_log) * softplus(g + dt_bias)``) and
   passed as the log decay: fla's own gate option changed shape and name across versions.
 
-A configuration the kernels cannot run raises ``UnsupportedConfig`` before any state is touched. ``auto`` never takes
-these ops unmeasured (``registry._AUTO_OPS``); ``backend="fla"`` asks for them.
+A configuration the kernels cannot run raises ``UnsupportedConfig`` before any state is touched. ``auto`` takes only
+the ops measured faster than ours (``registry._AUTO_OPS``: the chunked KDA prefill); ``backend="fla"`` asks for all.
 """
 
 from __future__ import annotations
