@@ -1,0 +1,132 @@
+# ruff: noqa: B023  (closures are called inside the loop iteration that made them)
+"""Routed experts of decode- and mid-size batches on the GPU: the Triton tiled kernels (``impl="tiled"``) against
+torch's grouped GEMM (``impl="grouped"``), and optionally another version of ``backends/triton_moe.py``.
+
+    python benchmarks/gpu_moe.py [--tokens 4,8,16,32,64,128] [--sweep] [--baseline FILE] [--save]
+
+Shapes: gpt-oss-like (32 biased experts of 2048 x 2048, top-4, clamped SwiGLU) and Qwen3-Next-like (64 experts of
+512 x 2048, top-8, SiLU), bf16, uniform random routing. Each implementation is checked against the reference loop
+(max |diff| / max |ref|), then timed as CUDA-graph replays; TB/s = the weight bytes of the experts the batch
+touched / time, against the copy bandwidth. ``--baseline FILE``: a ``triton_moe.py`` of another commit (e.g.
+``git show <commit>:hybridkv/backends/triton_moe.py > /tmp/old.py``) timed beside this one, up to its own tile size.
+``--sweep``: every tile configuration of the tiled kernels at 32 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, write_json  # noqa: E402
+from gpu_attention import copy_bandwidth, device_meta, graph_time_us, print_table  # noqa: E402
+
+from hybridkv.backends import triton_moe  # noqa: E402
+from hybridkv.layers import moe  # noqa: E402
+
+# name, experts, top-k, dim, inter, activation, biases
+SHAPES = [("gpt_oss", 32, 4, 2048, 2048, "swiglu_oai", True), ("qwen3_next", 64, 8, 2048, 512, "silu", False)]
+
+
+def _experts(E: int, dim: int, inter: int, act: str, bias: bool, gen: torch.Generator) -> moe.Experts:
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+
+    biases = dict(gate_bias=w(E, inter), up_bias=w(E, inter), down_bias=w(E, dim)) if bias else {}
+    return moe.Experts(gate=w(E, inter, dim), up=w(E, inter, dim), down=w(E, dim, inter), activation=act,
+                       scale_input=False, **biases)
+
+
+def _kernel_args(ex: moe.Experts) -> dict:
+    return dict(gate=ex.gate, up=ex.up, down=ex.down, activation=ex.activation, scale_input=False,
+                gate_bias=ex.gate_bias, up_bias=ex.up_bias, down_bias=ex.down_bias)
+
+
+def compare(tokens: list[int], baseline, copy_bw: float) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, E, k, dim, inter, act, bias in SHAPES:
+        ex = _experts(E, dim, inter, act, bias, gen)
+        for T in tokens:
+            x = torch.randn(T, dim, device="cuda", generator=gen).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
+            w = torch.rand(T, k, device="cuda", generator=gen)
+            wbytes = ids.unique().numel() * 3 * inter * dim * 2
+            ref = moe.moe_experts_ref(x, ids, w, ex).float()
+            impls = {"tiled": lambda: triton_moe.moe_experts_tiled(x, ids, w, **_kernel_args(ex)),
+                     "grouped": lambda: moe.moe_experts_grouped(x, ids, w, ex)}
+            if baseline is not None and T * k <= getattr(baseline, "_TILED_MAX_ROWS", 128):
+                impls["baseline tiled"] = lambda: baseline.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
+            row = {"family": name, "tokens": T, "assignments": T * k, "experts_used": ids.unique().numel(),
+                   "weight_MB": wbytes / 1e6}
+            for key, fn in impls.items():
+                row[f"{key} err"] = float((fn().float() - ref).abs().max() / ref.abs().max())
+                us = graph_time_us([fn])
+                row[f"{key} us"] = us
+                row[f"{key} TB/s"] = wbytes / us / 1e6
+            row["tiled % copy"] = 100 * row["tiled TB/s"] * 1e12 / copy_bw
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def sweep() -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    base = dict(triton_moe._TILED_GATE_UP), dict(triton_moe._TILED_DOWN)
+    out = []
+    try:
+        for name, E, k, dim, inter, act, bias in SHAPES:
+            ex = _experts(E, dim, inter, act, bias, gen)
+            x = torch.randn(32, dim, device="cuda", generator=gen).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(32)])
+            w = torch.rand(32, k, device="cuda", generator=gen)
+            ref = moe.moe_experts_ref(x, ids, w, ex).float()
+            wbytes = ids.unique().numel() * 3 * inter * dim * 2
+            for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)):
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+                triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = cfg, cfg
+                fn = lambda: triton_moe.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
+                err = float((fn().float() - ref).abs().max() / ref.abs().max())
+                us = graph_time_us([fn])
+                out.append({"family": name, **cfg, "err": err, "us": us, "TB/s": wbytes / us / 1e6})
+                print("sweep", out[-1], flush=True)
+    finally:
+        triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = base
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4,8,16,32,64,128")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile configuration at 32 tokens")
+    ap.add_argument("--baseline", type=Path, default=None, help="another commit's triton_moe.py to time beside")
+    add_output_args(ap, "gpu_moe")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    baseline = None
+    if args.baseline is not None:
+        spec = importlib.util.spec_from_file_location("triton_moe_baseline", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
+    meta = device_meta() | {"command": " ".join(sys.argv)}
+    copy_bw = copy_bandwidth()
+    meta["copy_bandwidth_GBps"] = copy_bw / 1e9
+    rows = compare([int(t) for t in args.tokens.split(",")], baseline, copy_bw)
+    swept = sweep() if args.sweep else []
+    write_json(args, "gpu_moe", {"meta": meta, "rows": rows, "sweep": swept})
+    cols = ["tiled", "grouped"] + (["baseline tiled"] if baseline is not None else [])
+    print_table(f"routed experts on {meta['device']} (µs per call, graph replays; copy bw {copy_bw / 1e9:.0f} GB/s)",
+                ["family", "tokens", "assignments", "experts", *[f"{c} µs" for c in cols], "tiled TB/s", "% copy",
+                 "tiled err"],
+                [[r["family"], r["tokens"], r["assignments"], r["experts_used"],
+                  *[f"{r[f'{c} us']:.1f}" if f"{c} us" in r else "" for c in cols], f"{r['tiled TB/s']:.2f}",
+                  f"{r['tiled % copy']:.0f}", f"{r['tiled err']:.1e}"] for r in rows])
+
+
+if __name__ == "__main__":
+    main()
