@@ -90,6 +90,7 @@ def sweep() -> list[dict]:
             for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)):
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
                 triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = cfg, cfg
+                triton_moe._tiled_config.cache_clear()          # the launch configuration is cached per shape
                 fn = lambda: triton_moe.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
                 err = float((fn().float() - ref).abs().max() / ref.abs().max())
                 us = graph_time_us([fn])
@@ -97,6 +98,7 @@ def sweep() -> list[dict]:
                 print("sweep", out[-1], flush=True)
     finally:
         triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = base
+        triton_moe._tiled_config.cache_clear()
     return out
 
 

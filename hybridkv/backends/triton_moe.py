@@ -54,9 +54,9 @@ __all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_trit
 # keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
 _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
-# Tiled kernels: with an expert's own rows per tile they read weights at the copy bandwidth (H200: 32 tokens x
-# top-4 of 32 gpt-oss-like 2048x2048 experts in 197 us, 4.08 TB/s), and every configuration of BLOCK_N 16-64,
-# BLOCK_K 64-256, 3-5 stages ran within 0.1 us of that (``benchmarks/gpu_decode.py``'s MoE rows come from them).
+# Tiled kernels: the best of an H100 sweep of the masked-M-tile form (16-128 assignments of 2048x2048 experts);
+# with an expert's own rows per tile they read the weights at ~96% of the copy bandwidth (H200, 32 tokens x top-4 of
+# 32 gpt-oss-like experts: 198 us, ``benchmarks/gpu_moe.py``), so the configuration is not re-swept yet.
 _TILED_GATE_UP = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_DOWN = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_MAX_ROWS = 512      # assignments per launch (the one-hot row pick is _TILED_BLOCK_M x this)
