@@ -1,4 +1,4 @@
-"""The sync-free MoE paths (sorted grouped GEMM, padded bmm, the Triton GEMVs and masked tiles) against the
+"""The sync-free MoE paths (sorted grouped GEMM, padded bmm, the Triton GEMVs and per-expert tiles) against the
 per-expert reference loop.
 
 Every router (softmax with and without renormalisation, Llama-4's input-scaling sigmoid, NemotronH's grouped
@@ -134,6 +134,45 @@ def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int) -> None:
     plain = run_experts(x, ids, weights, layer.experts(), impl=impl)
     got = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend)
     torch.testing.assert_close(got, plain + addend, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("tokens", "k", "counts"), [
+    (48, 1, "one expert, 3 tiles"), (50, 1, "37 interleaved on one expert"), (171, 3, "513: two launches"),
+    (257, 2, "514: 2 rows in the second launch")])
+def test_tiled_kernels_pick_each_experts_rows(tokens: int, k: int, counts: str) -> None:
+    """The tiled kernels' row pick (``_expert_rows``: 128-id slices, 16-row tiles, 512-assignment launches) against
+    the reference loop on tiny experts: busy experts over several tiles, interleaved rows, launch boundaries,
+    the shared expert's addend with one slot, gpt-oss's biases and clamped SwiGLU with two."""
+    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (compiled on a GPU, else the interpreter)")
+    from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
+    from hybridkv.layers.moe import Experts
+
+    dev = _device("tiled")
+    gen = torch.Generator().manual_seed(tokens)
+    E, dim, inter = 5, 8, 16
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(dev)
+
+    oai = k == 2
+    ex = Experts(gate=w(E, inter, dim), up=w(E, inter, dim), down=w(E, dim, inter),
+                 activation="swiglu_oai" if oai else "silu", scale_input=False,
+                 **(dict(gate_bias=w(E, inter), up_bias=w(E, inter), down_bias=w(E, dim)) if oai else {}))
+    if tokens == 48:
+        ids = torch.zeros(tokens, 1, dtype=torch.long)
+    elif tokens == 50:
+        ids = torch.randint(0, E, (tokens, 1), generator=gen)
+        ids[torch.randperm(tokens, generator=gen)[:37]] = 2
+    else:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    ids = ids.to(dev)
+    x, weights = w(tokens, dim), torch.rand(tokens, k, generator=gen).to(dev)
+    addend = w(tokens, dim) if k == 1 else None
+    want = moe_experts_ref(x, ids, weights, ex) + (addend if addend is not None else 0)
+    got = tiled(x, ids, weights, gate=ex.gate, up=ex.up, down=ex.down, activation=ex.activation, scale_input=False,
+                addend=addend, gate_bias=ex.gate_bias, up_bias=ex.up_bias, down_bias=ex.down_bias)
+    torch.testing.assert_close(got, want, **_tol(torch.float32), msg=counts)
 
 
 def test_input_scaling_is_rounded_like_hf() -> None:

@@ -9,8 +9,9 @@ so the kernels only pay off while assignments rarely share an expert (``layers.m
 With a few dozen assignments the experts are shared, and the sort, gathers and scatter around a grouped GEMM
 cost as much as the GEMM. The tiled kernels need none of them: a program owns one expert and BLOCK_N output
 channels, reads every assignment's expert id, picks its own rows out of them in registers (a rank by prefix
-sum, then a one-hot pick, ``_expert_rows``) and multiplies them in tiles of 16 rows (``_TILED_BLOCK_M``)
-while reading its weight slice (a second tile of a busy expert reads it again, from L2). The tile holds the
+sum, then a one-hot pick, 128 ids at a time: ``_expert_rows``) and multiplies them in tiles of 16 rows
+(``_TILED_BLOCK_M``) while reading its weight slice (a second tile of a busy expert reads it again, from L2); no
+block size depends on the assignment count, so one compiled kernel serves every batch. The tile holds the
 expert's rows only: taking every assignment as the M tile with the other experts' rows masked spent E x the
 tensor-core FLOPs (BLOCK_M FLOPs per weight byte, 128 at 128 rows) and ran gpt-oss-like experts at half the
 memory bandwidth on an H200. Experts without an assignment return after reading the ids.
@@ -59,8 +60,9 @@ _DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
 # 32 gpt-oss-like experts: 198 us, ``benchmarks/gpu_moe.py``), so the configuration is not re-swept yet.
 _TILED_GATE_UP = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 _TILED_DOWN = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-_TILED_MAX_ROWS = 512      # assignments per launch (the one-hot row pick is _TILED_BLOCK_M x this)
+_TILED_MAX_ROWS = 512      # assignments per launch
 _TILED_BLOCK_M = 16        # an expert's rows per tile (tl.dot's minimum); more rows: more tiles
+_TILED_SLICE = 128         # ids ranked and picked per slice (``_expert_rows``)
 _SMEM_BUDGET = 160 * 1024      # bytes of pipelined tiles per program (an H100 SM has 228 KiB)
 
 
@@ -190,36 +192,50 @@ def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
 
 
 @triton.jit
-def _expert_rows(mine, pos, j0, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows j0 .. j0 + BLOCK_M of an expert's assignments, in order: (row index, valid). ``mine`` (BLOCK_R,)
-    marks the expert's assignments and ``pos`` their rank among them (-1 elsewhere). A one-hot (BLOCK_M,
-    BLOCK_R) product picks them out of registers (Triton has no register gather)."""
-    r = tl.arange(0, BLOCK_R)
+def _expert_count(ids_ptr, rows, e, SLICE: tl.constexpr):
+    """How many of the ``rows`` assignments chose expert ``e`` (one pass over the ids, ``SLICE`` at a time)."""
+    count = tl.full((), 0, tl.int32)
+    for c in range(0, rows, SLICE):
+        r = c + tl.arange(0, SLICE)
+        count += tl.sum((tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _expert_rows(ids_ptr, rows, e, j0, count, BLOCK_M: tl.constexpr, SLICE: tl.constexpr):
+    """Expert ``e``'s assignments j0 .. j0 + BLOCK_M (of ``count``), in order: (row index, valid). Each ``SLICE`` of
+    the ids ranks its matches by a prefix sum, and a one-hot (BLOCK_M, SLICE) product picks them out of registers
+    (Triton has no register gather). Slices keep that product small: one over 512 ids spilled at sm_90."""
     j = j0 + tl.arange(0, BLOCK_M)
-    row = tl.sum(tl.where(pos[None, :] == j[:, None], r[None, :], 0), 1)
-    return row, j < tl.sum(mine, 0)
+    row = tl.zeros((BLOCK_M,), tl.int32)
+    before = tl.full((), 0, tl.int32)
+    for c in range(0, rows, SLICE):
+        r = c + tl.arange(0, SLICE)
+        mine = (tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32)
+        pos = tl.where(mine > 0, tl.cumsum(mine, 0) - 1 + before, -1)
+        row += tl.sum(tl.where(pos[None, :] == j[:, None], r[None, :], 0), 1)
+        before += tl.sum(mine, 0)
+    return row, j < count
 
 
 def _gate_up_tiled(
     x_ptr, ids_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, gb_ptr, ub_ptr, rows, dim, inter, k_slots, alpha, limit,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_h, stride_gbe, stride_ube,
     ACT: tl.constexpr, GATED: tl.constexpr, SCALE_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     e = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)                          # every assignment: token * k_slots + slot
-    mine = (tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32)
-    pos = tl.where(mine > 0, tl.cumsum(mine, 0) - 1, -1)
+    count = _expert_count(ids_ptr, rows, e, SLICE)     # of the assignments (token * k_slots + slot)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     ty = h_ptr.dtype.element_ty
     e64 = e.to(tl.int64)
     up_cols = up_ptr + e64 * stride_ue + n[None, :] * stride_un              # (1, BLOCK_N)
     gate_cols = gate_ptr + e64 * stride_ge + n[None, :] * stride_gn
-    for j0 in range(0, tl.sum(mine, 0), BLOCK_M):      # experts without an assignment skip the loop
-        row, row_ok = _expert_rows(mine, pos, j0, BLOCK_R, BLOCK_M)
+    for j0 in range(0, count, BLOCK_M):                # experts without an assignment skip the loop
+        row, row_ok = _expert_rows(ids_ptr, rows, e, j0, count, BLOCK_M, SLICE)
         x_rows = x_ptr + (row // k_slots).to(tl.int64)[:, None] * stride_xt      # (BLOCK_M, 1)
         w = tl.load(w_ptr + row, mask=row_ok, other=0.0)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -253,20 +269,18 @@ def _down_tiled(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, rows, dim, inter,
     stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
     SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     e = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)
-    mine = (tl.load(ids_ptr + r, mask=r < rows, other=-1) == e).to(tl.int32)
-    pos = tl.where(mine > 0, tl.cumsum(mine, 0) - 1, -1)
+    count = _expert_count(ids_ptr, rows, e, SLICE)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < dim
     ty = h_ptr.dtype.element_ty
     down_cols = down_ptr + e.to(tl.int64) * stride_de + n[None, :] * stride_dn
-    for j0 in range(0, tl.sum(mine, 0), BLOCK_M):
-        row, row_ok = _expert_rows(mine, pos, j0, BLOCK_R, BLOCK_M)
+    for j0 in range(0, count, BLOCK_M):
+        row, row_ok = _expert_rows(ids_ptr, rows, e, j0, count, BLOCK_M, SLICE)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -379,18 +393,17 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
         r0, r1 = t0 * k, t1 * k
-        block_r = max(16, triton.next_power_of_2(r1 - r0))
         _gate_up_tiled_kernel.pick(x)[(num_experts, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
             x[t0:t1], flat_ids[r0:r1], flat_w[r0:r1], g, up, h[r0:r1], b["gb"], b["ub"], r1 - r0, dim, inter, k,
             float(alpha), float(limit), x.stride(0), g.stride(0), g.stride(1), up.stride(0), up.stride(1),
             h.stride(0), b["gb"].stride(0), b["ub"].stride(0), ACT=_MOE_ACT_IDS[activation], GATED=gate is not None,
-            SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], BLOCK_R=block_r, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
+            SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
             **pdl_kwargs(x.device))
         _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, down_cfg["BLOCK_N"]))](
             h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y, b["db"],
             r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
             addend.stride(0) if fused_add else 0, b["db"].stride(0), SCALE_INPUT=scale_input, HAS_ADD=fused_add,
-            HAS_BIAS=b["has_down"], BLOCK_R=block_r, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
+            HAS_BIAS=b["has_down"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
     return _finish(y, x, k, addend)
 
 

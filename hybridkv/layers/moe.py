@@ -202,7 +202,7 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
                       addend: torch.Tensor | None = None) -> torch.Tensor:
-    """Two Triton kernels, one program per (expert, output block) over every assignment, others masked
+    """Two Triton kernels, one program per (expert, output block) over that expert's assignments
     (``backends/triton_moe.py``); ``moe_experts_gemv``'s contract."""
     from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
 
