@@ -142,6 +142,7 @@ def test_the_api_side_checks_are_the_engines(client: EngineCoreClient, offline) 
         assert coordinator.blocks_to_admit(fits + 1) > offline.engine._capacity_blocks
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_a_checkpoint_that_cannot_load_is_a_clear_start_up_error(tmp_path: Path) -> None:
     with pytest.raises(EngineStartError, match="could not start: FileNotFoundError: .*not a checkpoint directory"):
         EngineCoreClient(tmp_path, CONFIG)
@@ -166,6 +167,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_a_server_whose_engine_process_dies_answers_503(checkpoint: Path, tmp_path: Path) -> None:
     with ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", "tiny") as server:
         (core,) = _children(server.proc.pid)
@@ -208,6 +210,7 @@ def test_a_dead_engine_process_fails_submissions_and_snapshots(checkpoint: Path)
         engine.shutdown(timeout=TIMEOUT)
 
 
+@pytest.mark.slow    # seconds of traffic through tiny socket buffers: the full suite runs it
 def test_a_burst_larger_than_the_socket_buffers(checkpoint: Path, offline, monkeypatch: pytest.MonkeyPatch) -> None:
     """Socket buffers far smaller than the traffic (a burst of long prompts one way, every step's outputs the
     other), so sends block until the other side reads: every request still finishes with the offline API's
@@ -253,6 +256,7 @@ def test_the_app_over_an_in_process_engine_thread(offline) -> None:
         engine.shutdown(timeout=TIMEOUT)
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_sigterm_to_the_whole_process_group_drains(checkpoint: Path, tmp_path: Path) -> None:
     """A supervisor's SIGTERM reaches the engine process too: it leaves it to the server, which lets the running
     request finish, stops the engine process and exits 0."""

@@ -323,6 +323,7 @@ def test_the_stats_line_is_logged(server: ServerProcess) -> None:
     wait_for(lambda: "Avg generation throughput" in server.log.read_text(), "a stats line", timeout=10)
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_sigterm_lets_running_requests_finish(checkpoint: Path, tmp_path: Path) -> None:
     server = ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", MODEL)
     try:

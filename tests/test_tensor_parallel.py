@@ -188,6 +188,7 @@ def _torchrun(tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_torchrun_launch(tmp_path: Path) -> None:
     """Every process runs the same script; rank 1 serves inside ``LLM(...)`` and exits with rank 0."""
     done = _torchrun(tmp_path, _TORCHRUN_SCRIPT)
@@ -197,6 +198,7 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     assert json.loads(lines[0].split(" ", 2)[2]) == run(MIXES["mamba_hybrid"](), 1, prompts(VOCAB)).tokens
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_a_rank_failing_at_startup_is_reported_by_rank_0(tmp_path: Path) -> None:
     """Rank 1 cannot load its shard: rank 0 raises rank 1's error at once (no timeout to wait out)."""
     failing = _TORCHRUN_SCRIPT.replace("from hybridkv import LLM\n", """from hybridkv import LLM
@@ -353,7 +355,7 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 TIMEOUT = 4.0
 
 
-@pytest.mark.parametrize("failure", ["killed", "killed_unnoticed", "stuck"])
+@pytest.mark.parametrize("failure", ["killed", "killed_unnoticed", pytest.param("stuck", marks=pytest.mark.slow)])
 def test_dead_or_stuck_rank_is_an_error_not_a_hang(failure: str) -> None:
     llm = LLM(MIXES["mamba2"](), tensor_parallel_size=2, distributed_timeout=TIMEOUT, **ENGINE_ARGS)
     try:
@@ -378,7 +380,7 @@ def test_dead_or_stuck_rank_is_an_error_not_a_hang(failure: str) -> None:
     assert worker.exitcode is not None
 
 
-@pytest.mark.parametrize("action", ["exit", "hang"])
+@pytest.mark.parametrize("action", ["exit", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_rank_failing_inside_the_forward_is_an_error_not_a_hang(action: str, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
     """Rank 1 takes its third step, runs the first half of the layers (their all-reduces complete), then exits
@@ -450,6 +452,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_spawned_rank_exits_when_rank_0_dies_mid_step(tmp_path: Path) -> None:
     """Rank 0 is killed while rank 1 is stuck inside a forward (not waiting on any socket): rank 1's parent
     watcher ends it within about a second."""
