@@ -24,8 +24,9 @@ from torch import nn
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, metadata_op
-from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
+from hybridkv.layers.kind import DecayMixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.norms import HeadNormWeight
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 @register_mixer
 @dataclass(frozen=True, kw_only=True)
-class GatedDeltaNet(RecurrentMixerConfig):
+class GatedDeltaNet(DecayMixerConfig):
     """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkvz`` gives q, k (``num_k_heads`` x
     ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``), grouped per key head as HF stores
     them; ``in_proj_ba`` gives b, a per value head. A depthwise causal conv (width ``conv_kernel``, SiLU, no bias)
@@ -112,10 +113,6 @@ class GatedDeltaNet(RecurrentMixerConfig):
               model_config: HybridConfig) -> GatedDeltaNetLayer:
         return GatedDeltaNetLayer(hidden_size, self, cache_name=cache_name, tp=tp)
 
-    def init_parameter(self, name: str, shape: tuple[int, ...],
-                       gen: torch.Generator) -> torch.Tensor | float | None:
-        return ssm_parameter_init(name, shape, gen)
-
 
 class GatedDeltaNetLayer(StateSlotMixer):
     """Tensor parallel (``tp``): key heads split, each rank with the value heads they serve (so the ranks must
@@ -154,7 +151,7 @@ class GatedDeltaNetLayer(StateSlotMixer):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_v_heads + 1, dtype=torch.float32)))
-        self.norm = _HeadNorm(dv)
+        self.norm = HeadNormWeight(dv)
         self.out_proj = RowParallelLinear(cfg.value_dim, hidden_size, bias=False, tp=tp, sections=(values,))
         self.tp_shards = {"conv1d.weight": Shard(0, (keys, keys, values)),
                           **dict.fromkeys(("dt_bias", "A_log"), Shard(0, (heads,)))}
@@ -228,11 +225,3 @@ class GatedDeltaNetLayer(StateSlotMixer):
                               self.norm.weight, n_groups=1, eps=self.cfg.norm_eps, norm_before_gate=True)
         return self.out_proj(y.view(n, self.value_dim))
 
-
-class _HeadNorm(nn.Module):
-    """The per-value-head norm's weight (head_v_dim,), shared by every head (HF ``Qwen3NextRMSNormGated``); a
-    module so the hub name ``norm.weight`` maps one to one."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))

@@ -20,8 +20,9 @@ from torch import nn
 
 from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import metadata_op
-from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
+from hybridkv.layers.kind import DecayMixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.norms import HeadNormWeight
 from hybridkv.layers.ops.fused_ref import rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 @register_mixer
 @dataclass(frozen=True, kw_only=True)
-class KimiDeltaAttention(RecurrentMixerConfig):
+class KimiDeltaAttention(DecayMixerConfig):
     """Kimi Delta Attention (HF ``KimiLinearDeltaAttention``): the delta rule with a per-channel decay.
     ``q_proj`` / ``k_proj`` / ``v_proj`` give ``num_heads`` x ``head_dim`` each (keys and values alike); a depthwise
     causal conv (width ``conv_kernel``, SiLU, no bias) runs over q|k|v; the log decay per head and key channel is
@@ -83,10 +84,6 @@ class KimiDeltaAttention(RecurrentMixerConfig):
               model_config: HybridConfig) -> KimiDeltaAttentionLayer:
         return KimiDeltaAttentionLayer(hidden_size, self, cache_name=cache_name, tp=tp)
 
-    def init_parameter(self, name: str, shape: tuple[int, ...],
-                       gen: torch.Generator) -> torch.Tensor | float | None:
-        return ssm_parameter_init(name, shape, gen)
-
 
 class KimiDeltaAttentionLayer(StateSlotMixer):
     """Tensor parallel (``tp``): heads split (the ranks must divide ``num_heads``; a clear error otherwise):
@@ -119,7 +116,7 @@ class KimiDeltaAttentionLayer(StateSlotMixer):
         self.b_proj = ColumnParallelLinear(hidden_size, h, tp=tp, sections=(Split(h, h, what=what),))
         self.dt_bias = nn.Parameter(torch.zeros(self.qkv_dim))
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
-        self.o_norm = _HeadNorm(d)
+        self.o_norm = HeadNormWeight(d)
         self.o_proj = RowParallelLinear(cfg.qkv_dim, hidden_size, tp=tp, sections=(heads,))
         self.tp_shards = {"conv1d.weight": Shard(1, (heads,)), "dt_bias": Shard(0, (heads,)),
                           "A_log": Shard(2, (Split(h, h, what=what),))}
@@ -175,11 +172,3 @@ class KimiDeltaAttentionLayer(StateSlotMixer):
         y = self.o_norm.weight.float() * rms_normalize(o, self.cfg.norm_eps) * torch.sigmoid(gate.float())
         return self.o_proj(y.to(o.dtype).view(n, self.qkv_dim))
 
-
-class _HeadNorm(nn.Module):
-    """The per-head norm's weight (head_dim,), shared by every head; a module so the hub name
-    ``o_norm.weight`` maps one to one."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))

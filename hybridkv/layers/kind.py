@@ -107,6 +107,15 @@ def ssm_parameter_init(name: str, shape: tuple[int, ...], gen: torch.Generator) 
     return 1.0 if leaf == "D" else None
 
 
+class DecayMixerConfig(RecurrentMixerConfig):
+    """A recurrent kind with Mamba's decay parameters (``A_log``, ``dt_bias``, ``D`` where it has them), initialised
+    as Mamba does (``ssm_parameter_init``): Mamba2, Mamba-1 and the delta rules."""
+
+    def init_parameter(self, name: str, shape: tuple[int, ...],
+                       gen: torch.Generator) -> torch.Tensor | float | None:
+        return ssm_parameter_init(name, shape, gen)
+
+
 # The hooks every kind has (``init_parameter`` has a default); the registry refuses a kind missing one.
 MIXER_HOOKS = ("cache_spec", "check_tensor_parallel", "matrix_elements", "build", "init_parameter")
 

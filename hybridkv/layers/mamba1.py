@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import metadata_op
-from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
+from hybridkv.layers.kind import DecayMixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import RMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 @register_mixer
 @dataclass(frozen=True, kw_only=True)
-class Mamba1(RecurrentMixerConfig):
+class Mamba1(DecayMixerConfig):
     """Mamba-1 selective-scan mixer (Jamba: with RMS norms on dt, B and C)."""
 
     ops = ("causal_conv1d", "causal_conv1d_update", "selective_scan", "selective_state_update")
@@ -68,10 +68,6 @@ class Mamba1(RecurrentMixerConfig):
     def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
               model_config: HybridConfig) -> Mamba1Layer:
         return Mamba1Layer(hidden_size, self, cache_name=cache_name, tp=tp)
-
-    def init_parameter(self, name: str, shape: tuple[int, ...],
-                       gen: torch.Generator) -> torch.Tensor | float | None:
-        return ssm_parameter_init(name, shape, gen)
 
 
 class Mamba1Layer(StateSlotMixer):

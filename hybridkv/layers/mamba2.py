@@ -21,7 +21,7 @@ from torch import nn
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, metadata_op
-from hybridkv.layers.kind import RecurrentMixerConfig, register_mixer, ssm_parameter_init
+from hybridkv.layers.kind import DecayMixerConfig, register_mixer
 from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
 from hybridkv.layers.norms import GatedGroupRMSNorm
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 @register_mixer
 @dataclass(frozen=True, kw_only=True)
-class Mamba2(RecurrentMixerConfig):
+class Mamba2(DecayMixerConfig):
     """Mamba2 mixer (HF semantics, docs/design.md "Semantics"). State per request: conv (conv_dim, conv_kernel - 1)
     and SSM (num_heads, head_dim, state_size) in fp32.
 
@@ -108,10 +108,6 @@ class Mamba2(RecurrentMixerConfig):
     def build(self, hidden_size: int, *, cache_name: str, tp: TensorParallel,
               model_config: HybridConfig) -> Mamba2Layer:
         return Mamba2Layer(hidden_size, self, cache_name=cache_name, tp=tp)
-
-    def init_parameter(self, name: str, shape: tuple[int, ...],
-                       gen: torch.Generator) -> torch.Tensor | float | None:
-        return ssm_parameter_init(name, shape, gen)
 
 
 class Mamba2Layer(StateSlotMixer):

@@ -101,3 +101,12 @@ class GatedGroupRMSNorm(nn.Module):
         sums[..., group] = gated.pow(2).sum(-1)
         self.tp.all_reduce(sums)
         return (sums[..., group] / self.group_size).unsqueeze(-1)
+
+
+class HeadNormWeight(nn.Module):
+    """A per-head norm's weight (head_dim,), shared by every head (the delta-rule layers' gated output norms apply
+    it); a module so the hub names ``norm.weight`` / ``o_norm.weight`` map one to one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
