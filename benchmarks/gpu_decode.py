@@ -32,9 +32,9 @@ as generate(1 + N) - generate(1)). Host % = the host's schedule + step batch + m
 as a share of the step (with asynchronous scheduling it runs while the device works); exposed host % = (step −
 the captured graph replayed alone) / step: what the host adds to the device's time.
 Batch-1 step time is compared with the HBM floor = (weight bytes + KV bytes read + Mamba state bytes read
-and written per step) / copy bandwidth (measured here). A short torch.profiler trace of batch-1
-(``--profile-batch``) decode steps gives GPU busy time vs wall time and the top kernels, which explains the gap
-(launch-bound vs kernel-bound).
+and written per step) / copy bandwidth (measured here). A short torch.profiler trace of decode steps
+at each ``--profile-batch`` size (default 1) gives GPU busy time vs wall time and the top kernels, which explains
+the gap (launch-bound vs kernel-bound).
 ``--tiny`` runs tiny models on the CPU (a smoke test of the script; numbers meaningless, nothing written).
 ``--tag`` names the scenario: ``gpu_decode.json`` keeps every scenario's latest result under ``"scenarios"``
 (``docs/performance.md`` lists the commands).
