@@ -325,13 +325,8 @@ def _eager_segments(b: PagedBatch, cfg: dict, cam: CommonAttentionMetadata | Non
 
     cam = cam if cam is not None else b.cams[0]
     n_qblocks = cam.num_actual_tokens // cfg["BLOCK_Q"] + cam.num_reqs
-    progs = n_qblocks * b.kv_heads
-    target = 2 * ta._num_sms(0)
-    if progs >= target:
-        return 1
-    segs = min(ta._MAX_SEGMENTS, ta._next_pow2(-(-target // progs)))
-    tiles = -(-cam.max_seq_len // cfg["TILE"])
-    return max(1, min(segs, ta._next_pow2(-(-tiles // 2))))
+    return ta.split_segments(programs=n_qblocks * b.kv_heads, sms=ta._num_sms(0), max_seq_len=cam.max_seq_len,
+                             tile=cfg["TILE"])
 
 
 def sinks_bench(quick: bool) -> list[dict]:

@@ -1,15 +1,17 @@
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
-"""Routed experts of decode- and mid-size batches on the GPU: the Triton tiled kernels (``impl="tiled"``) against
-torch's grouped GEMM (``impl="grouped"``), and optionally another version of ``backends/triton_moe.py``.
+"""Routed experts of decode- and mid-size batches on the GPU: the Triton tiled kernels (``impl="tiled"``) and, at up
+to ``GEMV_MAX_ROWS`` assignments, the GEMVs (``impl="gemv"``) against torch's grouped GEMM (``impl="grouped"``), and
+optionally another version of ``backends/triton_moe.py``.
 
-    python benchmarks/gpu_moe.py [--tokens 4,8,16,32,64,128] [--sweep] [--baseline FILE] [--save]
+    python benchmarks/gpu_moe.py [--tokens 1,2,4,8,16,32,64,128] [--sweep] [--sweep-gemv] [--baseline FILE] [--save]
 
 Shapes: gpt-oss-like (32 biased experts of 2048 x 2048, top-4, clamped SwiGLU) and Qwen3-Next-like (64 experts of
 512 x 2048, top-8, SiLU), bf16, uniform random routing. Each implementation is checked against the reference loop
 (max |diff| / max |ref|), then timed as CUDA-graph replays; TB/s = the weight bytes of the experts the batch
 touched / time, against the copy bandwidth. ``--baseline FILE``: a ``triton_moe.py`` of another commit (e.g.
 ``git show <commit>:hybridkv/backends/triton_moe.py > /tmp/old.py``) timed beside this one, up to its own tile size.
-``--sweep``: every tile configuration of the tiled kernels at 32 tokens.
+``--sweep``: every tile configuration of the tiled kernels at 32 tokens; ``--sweep-gemv``: the GEMV kernels'
+configurations at one token (each kernel's swept with the other's as committed).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def compare(tokens: list[int], baseline, copy_bw: float) -> list[dict]:
                      "grouped": lambda: moe.moe_experts_grouped(x, ids, w, ex)}
             if baseline is not None and T * k <= getattr(baseline, "_TILED_MAX_ROWS", 128):
                 impls["baseline tiled"] = lambda: baseline.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
+            if T * k <= moe.GEMV_MAX_ROWS:
+                impls["gemv"] = lambda: triton_moe.moe_experts_gemv(x, ids, w, **_kernel_args(ex))
+                if baseline is not None:
+                    impls["baseline gemv"] = lambda: baseline.moe_experts_gemv(x, ids, w, **_kernel_args(ex))
             row = {"family": name, "tokens": T, "assignments": T * k, "experts_used": ids.unique().numel(),
                    "weight_MB": wbytes / 1e6}
             for key, fn in impls.items():
@@ -102,10 +108,47 @@ def sweep() -> list[dict]:
     return out
 
 
+def sweep_gemv() -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    base = dict(triton_moe._GATE_UP), dict(triton_moe._DOWN)
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+               for bn, bk, wp, st in itertools.product((4, 8, 16), (256, 512), (4,), (1, 2, 3))]
+    out = []
+    try:
+        for name, E, k, dim, inter, act, bias in SHAPES:
+            ex = _experts(E, dim, inter, act, bias, gen)
+            x = torch.randn(1, dim, device="cuda", generator=gen).to(torch.bfloat16)
+            ids = torch.randperm(E, device="cuda", generator=gen)[:k][None]
+            w = torch.rand(1, k, device="cuda", generator=gen)
+            ref = moe.moe_experts_ref(x, ids, w, ex).float()
+            wbytes = k * 3 * inter * dim * 2
+            for kernel in ("gate_up", "down"):
+                for cfg in configs:
+                    triton_moe._GATE_UP, triton_moe._DOWN = (cfg, base[1]) if kernel == "gate_up" else (base[0], cfg)
+                    fn = lambda: triton_moe.moe_experts_gemv(x, ids, w, **_kernel_args(ex))
+                    try:
+                        err = float((fn().float() - ref).abs().max() / ref.abs().max())
+                        us = graph_time_us([fn])
+                    except Exception as e:                 # a configuration that does not compile
+                        print("sweep-gemv skip", name, kernel, cfg, type(e).__name__, flush=True)
+                        continue
+                    out.append({"family": name, "kernel": kernel, **cfg, "err": err, "us": us,
+                                "TB/s": wbytes / us / 1e6})
+                    print("sweep-gemv", out[-1], flush=True)
+    finally:
+        triton_moe._GATE_UP, triton_moe._DOWN = base
+    for name in dict.fromkeys(r["family"] for r in out):
+        for kernel in ("gate_up", "down"):
+            best = min((r for r in out if r["family"] == name and r["kernel"] == kernel), key=lambda r: r["us"])
+            print("sweep-gemv best", best, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="4,8,16,32,64,128")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--sweep", action="store_true", help="also time every tile configuration at 32 tokens")
+    ap.add_argument("--sweep-gemv", action="store_true", help="also time the GEMV kernels' configurations")
     ap.add_argument("--baseline", type=Path, default=None, help="another commit's triton_moe.py to time beside")
     add_output_args(ap, "gpu_moe")
     args = ap.parse_args()
@@ -120,8 +163,9 @@ def main() -> None:
     meta["copy_bandwidth_GBps"] = copy_bw / 1e9
     rows = compare([int(t) for t in args.tokens.split(",")], baseline, copy_bw)
     swept = sweep() if args.sweep else []
-    write_json(args, "gpu_moe", {"meta": meta, "rows": rows, "sweep": swept})
-    cols = ["tiled", "grouped"] + (["baseline tiled"] if baseline is not None else [])
+    swept_gemv = sweep_gemv() if args.sweep_gemv else []
+    write_json(args, "gpu_moe", {"meta": meta, "rows": rows, "sweep": swept, "sweep_gemv": swept_gemv})
+    cols = ["gemv", "tiled", "grouped"] + (["baseline gemv", "baseline tiled"] if baseline is not None else [])
     print_table(f"routed experts on {meta['device']} (µs per call, graph replays; copy bw {copy_bw / 1e9:.0f} GB/s)",
                 ["family", "tokens", "assignments", "experts", *[f"{c} µs" for c in cols], "tiled TB/s", "% copy",
                  "tiled err"],

@@ -38,6 +38,8 @@ CONFIGS = {
     "nemotron": MoE(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_bias", num_groups=4,
                     topk_groups=2, latent_size=16, shared_intermediate_size=24, routed_scaling_factor=2.0,
                     activation="relu2", gated=False),
+    "qwen3_next": MoE(num_experts=8, top_k=4, intermediate_size=16, router="softmax", renormalize=True,
+                      shared_intermediate_size=16, shared_gate=True),
     # a limit of 1.5 (gpt-oss: 7) so the clamps bite at these scales
     "gpt_oss": MoE(num_experts=6, top_k=3, intermediate_size=16, router="topk_softmax", router_bias=True,
                    bias=True, activation="swiglu_oai", swiglu_limit=1.5),
@@ -120,20 +122,49 @@ def test_skewed_and_empty_routing(impl: str) -> None:
                                    **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("impl", ("ref",) + FAST)
-def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int) -> None:
-    """``run_experts(..., addend=a)`` == ``run_experts(...) + a`` (the shared expert's output: in-kernel for
-    the Triton paths with one slot per token, after the slot sum otherwise)."""
+def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int, gated: bool) -> None:
+    """``run_experts(..., addend=a)`` == ``run_experts(...) + a`` and with a gate logit g, ``+ a * sigmoid(g)``
+    (the shared expert's output: in-kernel for the Triton paths, by the down kernel's last slot with several;
+    after the slot sum otherwise). The GEMV's arrival counters are left zero: a second call gives the same."""
     dev = _device(impl)
     layer = _layer("mixtral", torch.float32, seed=4).to(dev)
     x = torch.randn(7, HIDDEN).to(dev)
     ids = torch.stack([torch.randperm(6)[:top_k] for _ in range(7)]).to(dev)
     weights = torch.rand(7, top_k).to(dev)
     addend = torch.randn(7, HIDDEN).to(dev)
+    gate = torch.randn(7, 1).to(dev) if gated else None
     plain = run_experts(x, ids, weights, layer.experts(), impl=impl)
-    got = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend)
-    torch.testing.assert_close(got, plain + addend, atol=1e-6, rtol=1e-6)
+    got = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend, addend_gate=gate)
+    torch.testing.assert_close(got, plain + (addend * torch.sigmoid(gate) if gated else addend), atol=1e-6,
+                               rtol=1e-6)
+    if impl == "gemv":
+        from hybridkv.backends.triton_moe import _counter_buffers
+
+        assert all(int(c.count_nonzero()) == 0 for c in _counter_buffers.values())
+        again = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend, addend_gate=gate)
+        assert torch.equal(again, got)
+
+
+def test_router_and_shared_gate_pack_into_one_projection() -> None:
+    """``fuse_projections`` makes the router and the shared expert's gate views of one weight (same
+    ``state_dict``) and the layer's output does not change; a moved layer projects them one by one."""
+    layer = _layer("qwen3_next", torch.float32)
+    x = torch.randn(5, HIDDEN)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with torch.no_grad():
+        want = layer(x)
+        layer.fuse_projections()
+        assert layer.router_gate is not None and layer.router_gate.weight.shape == (9, HIDDEN)
+        assert layer.router.weight.data_ptr() == layer.router_gate.weight.data_ptr()
+        torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=1e-6)
+        after = layer.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        layer.to(torch.float64)
+        assert not layer.router_gate.valid()
+        torch.testing.assert_close(layer(x.double()).float(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("tokens", "k", "counts"), [

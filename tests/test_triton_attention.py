@@ -650,3 +650,16 @@ def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkey
             torch.testing.assert_close(out, ref)
     lines = [r.getMessage() for r in caplog.records if "falls back to torch" in r.getMessage()]
     assert len(lines) == 1 and "head_dim 640" in lines[0]
+
+
+@pytest.mark.parametrize(("programs", "max_seq_len", "tile", "want", "case"), [
+    (8, 160, 64, 1, "gpt-oss sliding-128 decode row in a graph (3 tiles): one program per kv head, no reduction"),
+    (8, 128, 64, 1, "two tiles"),
+    (8, 256, 64, 2, "four tiles: two segments of two"),
+    (8, 320, 64, 2, "five tiles: segments of at least two"),
+    (8, 131072, 64, 64, "long rows: >= 2 programs per SM (132 SMs)"),
+    (1, 1 << 20, 16, 128, "capped at _MAX_SEGMENTS"),
+    (132, 131072, 64, 1, "as many programs as SMs: no split"),
+])
+def test_split_segments(programs: int, max_seq_len: int, tile: int, want: int, case: str) -> None:
+    assert ta.split_segments(programs=programs, sms=132, max_seq_len=max_seq_len, tile=tile) == want, case

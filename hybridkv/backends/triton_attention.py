@@ -444,6 +444,18 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def split_segments(*, programs: int, sms: int, max_seq_len: int, tile: int) -> int:
+    """The split-KV factor of a launch of ``programs`` (q-block, kv-head) programs: with fewer than the SMs,
+    each one's keys split until there are >= 2 programs per SM, into segments of at least two key tiles of the
+    longest row (``max_seq_len`` bounds every seq_len; a captured graph's is the widest row its buffers hold, so
+    replays stay correct). Rounding the tiles per segment up, not down, split a sliding-128 decode row (at most
+    160 keys: 3 tiles) in two and paid a reduction launch per layer for it."""
+    if programs >= sms:
+        return 1
+    tiles = -(-max(max_seq_len, 1) // tile)
+    return min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // programs)), _next_pow2(max(1, tiles // 2)))
+
+
 def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
     """Tile shapes, the best of sweeps on an H100 (tiles, warps, stages, segments, each checked against the
     reference): decode-only batches get the smallest row tile that holds a GQA group (>= 16 rows for the tensor cores)
@@ -612,14 +624,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
     if num_segments is None:
         num_segments = 1
         if q.is_cuda:
-            # Fewer programs than SMs: split each one's keys until there are >= 2 programs per SM.
-            progs = n_qblocks * num_kv_heads
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            if progs < sms:
-                # No more segments than half the key tiles of the longest row: ``max_seq_len`` bounds every
-                # seq_len (a captured graph's is the widest row its buffers hold, so replays stay correct).
-                tiles = -(-max(cam.max_seq_len, 1) // cfg["TILE"])
-                num_segments = min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // progs)), _next_pow2(-(-tiles // 2)))
+            num_segments = split_segments(programs=n_qblocks * num_kv_heads, sms=sms, max_seq_len=cam.max_seq_len,
+                                          tile=cfg["TILE"])
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128:
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)

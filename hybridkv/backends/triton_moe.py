@@ -21,9 +21,12 @@ memory bandwidth on an H200. Experts without an assignment return after reading 
   rounds (x, gate, up, act, h in the model dtype; fp32 accumulation).
 - ``_down_kernel``: grid (assignments, dim blocks): ``y = down_e h`` in fp32, times the routing weight
   unless it scaled the input. With one slot per token it stores the layer's output in the model dtype, plus
-  the shared expert's output when given (``addend``); with more the slots are summed in fp32 after. (Summing a
-  token's slots inside the program instead, grid (tokens, dim blocks), saved two launches per layer but
-  serialized the slots' weight reads: gpt-oss-like batch-1 decode 1.10 -> 1.18 ms on an H200.)
+  the shared expert's output when given (``addend``, times the sigmoid of its gate logit when given); with more,
+  each program stores its slot in fp32 and the token's last program to finish an output block (an arrival
+  counter per (token, block)) sums the slots and stores the layer's output: two launches per layer fewer than
+  a torch sum and cast after (five with Qwen3-Next's gated shared expert). (Summing a token's slots inside one
+  program instead, grid (tokens, dim blocks), serialized the slots' weight reads: gpt-oss-like batch-1 decode
+  1.10 -> 1.18 ms on an H200.)
 - ``_gate_up_tiled_kernel`` / ``_down_tiled_kernel``: the same two steps, grid (experts, output blocks),
   rounded at the same places.
 - gpt-oss experts: biases after each projection (``HAS_BIAS``, rounded to the model dtype after the product as
@@ -47,7 +50,7 @@ import triton.language as tl
 from hybridkv.backends.jit_forms import two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
-from hybridkv.layers.ops.fused_ref import ROUTERS, moe_route_ref
+from hybridkv.layers.ops.fused_ref import ROUTERS, gated_addend, moe_route_ref
 
 __all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_triton"]
 
@@ -156,10 +159,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
-    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, gl_ptr, db_ptr, out_ptr, cnt_ptr, dim, inter, k_slots,
+    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_gl, stride_dbe, stride_out,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FINISH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -179,15 +182,40 @@ def _down_kernel(
     y = _biased(acc, db_ptr + e * stride_dbe + n, n_ok, ty, HAS_BIAS)   # the reference's projection: model dtype
     if not SCALE_INPUT:
         y = y * tl.load(w_ptr + a)
-    y = _plus(y, add_ptr + a * stride_add + n, n_ok, y_ptr.dtype.element_ty, HAS_ADD)
-    tl.store(y_ptr + a * stride_y + n, y, mask=n_ok)
+    t = a // k_slots
+    if FINISH:
+        # Several slots per token: each program stores its fp32 slot, and the token's last program to arrive at
+        # this output block (a per-(token, block) counter, which it resets for the next launch) sums the slots in
+        # slot order and stores the layer's output: no reduction and cast kernels after, no slot's weight read
+        # waiting on another's. The barrier and the counter's acq_rel order the block's stores before the count.
+        tl.store(y_ptr + a * stride_y + n, y, mask=n_ok)
+        tl.debug_barrier()
+        cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == k_slots - 1:
+            y = tl.zeros((BLOCK_N,), tl.float32)
+            for j in range(k_slots):
+                y += tl.load(y_ptr + (t * k_slots + j) * stride_y + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            y = _plus(y, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok, out_ptr.dtype.element_ty,
+                      HAS_ADD, HAS_GATE)
+            tl.store(out_ptr + t * stride_out + n, y, mask=n_ok)
+            tl.store(cnt, 0)
+    else:
+        y = _plus(y, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok, y_ptr.dtype.element_ty, HAS_ADD,
+                  HAS_GATE)
+        tl.store(y_ptr + a * stride_y + n, y, mask=n_ok)
 
 
 @triton.jit
-def _plus(y, add_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr):
-    """y rounded to the output dtype, plus the addend (one slot per token: the output is the layer's)."""
+def _plus(y, add_ptrs, gate_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr):
+    """y rounded to the output dtype, plus the addend (the shared expert's output), first scaled by the sigmoid of
+    its gate logit when ``HAS_GATE`` (Qwen3-Next's shared-expert gate), each product rounded as the reference's."""
     if HAS_ADD:
-        y = y.to(out_ty).to(tl.float32) + tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
+        add = tl.load(add_ptrs, mask=mask, other=0.0)
+        if HAS_GATE:
+            g = tl.load(gate_ptrs).to(tl.float32)
+            g = (1.0 / (1.0 + tl.exp(-g))).to(gate_ptrs.dtype.element_ty).to(tl.float32)
+            add = (add.to(tl.float32) * g).to(add.dtype)
+        y = y.to(out_ty).to(tl.float32) + add.to(tl.float32)
     return y.to(out_ty)
 
 
@@ -266,9 +294,9 @@ _gate_up_tiled_kernel = two_forms(_gate_up_tiled, per_step=["rows"], per_step_po
 
 
 def _down_tiled(
-    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, db_ptr, rows, dim, inter,
-    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_dbe,
-    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, add_ptr, gl_ptr, db_ptr, rows, dim, inter,
+    stride_h, stride_de, stride_dn, stride_y, stride_add, stride_gl, stride_dbe,
+    SCALE_INPUT: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -293,7 +321,8 @@ def _down_tiled(
         if not SCALE_INPUT:
             y = y * tl.load(w_ptr + row, mask=row_ok, other=0.0)[:, None]
         m = row_ok[:, None] & n_ok[None, :]
-        y = _plus(y, add_ptr + row[:, None] * stride_add + n[None, :], m, y_ptr.dtype.element_ty, HAS_ADD)
+        y = _plus(y, add_ptr + row[:, None] * stride_add + n[None, :], gl_ptr + row[:, None] * stride_gl, m,
+                  y_ptr.dtype.element_ty, HAS_ADD, HAS_GATE)      # one slot per token when HAS_ADD: row = token
         tl.store(y_ptr + row[:, None] * stride_y + n[None, :], y, mask=m)
 
 
@@ -301,11 +330,11 @@ _down_tiled_kernel = two_forms(_down_tiled, per_step=["rows"], per_step_pointers
 
 
 def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
-             up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None, activation: str,
-             biases: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+             up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None, addend_gate: torch.Tensor | None,
+             activation: str, biases: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
     """Checked inputs and the kernels' buffers: flat ids, flat fp32 weights (T*k,); h (T*k, inter) in x's
     dtype; y (T*k, dim): x's dtype with one slot per token (the down kernel writes the layer's output), else
-    fp32 (the slots are summed after)."""
+    fp32 (the slots' products, summed after)."""
     gate_bias, up_bias, down_bias = biases
     for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate), ("addend", addend),
                     ("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)):
@@ -319,18 +348,22 @@ def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate:
         raise ValueError("MoE Triton kernels: gate and up biases come together")
     if addend is not None and addend.shape != x.shape:
         raise ValueError(f"MoE Triton kernels: addend {tuple(addend.shape)} vs x {tuple(x.shape)}")
+    if addend_gate is not None and (addend is None or addend_gate.shape != (x.shape[0], 1)):
+        raise ValueError(f"MoE Triton kernels: addend_gate must be ({x.shape[0]}, 1) logits beside an addend, got "
+                         f"{None if addend_gate is None else tuple(addend_gate.shape)}")
     rows = ids.numel()
     h = torch.empty(rows, up.shape[1], dtype=x.dtype, device=x.device)
     y = torch.empty(rows, x.shape[1], dtype=x.dtype if ids.shape[1] == 1 else torch.float32, device=x.device)
     return ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous(), h, y
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | None) -> torch.Tensor:
+def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | None,
+            addend_gate: torch.Tensor | None) -> torch.Tensor:
     """(T*k, dim) per-slot outputs -> the layer's (T, dim) in x's dtype (one slot: already done in-kernel)."""
     if k == 1:
         return y
     out = y.view(x.shape[0], k, -1).sum(1).to(x.dtype)
-    return out if addend is None else out + addend
+    return out if addend is None else out + gated_addend(addend, addend_gate)
 
 
 def _bias_args(gate: torch.Tensor | None, up: torch.Tensor, gate_bias: torch.Tensor | None,
@@ -342,51 +375,76 @@ def _bias_args(gate: torch.Tensor | None, up: torch.Tensor, gate_bias: torch.Ten
     return dict(gb=gb, ub=ub, db=db, has_up=up_bias is not None, has_down=down_bias is not None)
 
 
+_counter_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 zeros for the down GEMV's arrival counters, kept per device: every launch leaves them zero
+    again (the last program of each counter resets it), so no memset per call. One stream at a time uses them,
+    as the engine runs its steps."""
+    c = _counter_buffers.get(device)
+    if c is None or c.numel() < n:
+        c = _counter_buffers[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
-                     addend: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
-                     up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                     alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                     addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None,
+                     gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                     down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """x (T, dim); ids (T, k) expert ids; weights (T, k) fp32; gate/up (E, inter, dim), down (E, dim, inter)
     -> (T, dim) in x's dtype: the weighted sum of each token's experts, summed in fp32 and rounded once (the
     values of ``moe_experts_ref``), plus ``addend`` (T, dim) when given, rounded again (``out + addend``: the
-    shared expert's output). With one slot per token the down kernel stores both. Biases: gate/up (E, inter),
-    down (E, dim); ``alpha`` / ``limit``: ``swiglu_oai``'s."""
+    shared expert's output), scaled first by ``sigmoid(addend_gate)`` ((T, 1) logits) when given. The down kernel
+    stores the result (its last slot to finish sums them). Biases: gate/up (E, inter), down (E, dim); ``alpha`` /
+    ``limit``: ``swiglu_oai``'s."""
     num_tokens, k = ids.shape
     dim, inter, rows = x.shape[1], up.shape[1], ids.numel()
     flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend,
-                                      activation=activation, biases=(gate_bias, up_bias, down_bias))
+                                      addend_gate=addend_gate, activation=activation,
+                                      biases=(gate_bias, up_bias, down_bias))
     if rows == 0:
         return y.view(num_tokens, dim).to(x.dtype)
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
-    fused_add = addend is not None and k == 1
     _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
         x, flat_ids, flat_w, g, up, h, b["gb"], b["ub"], dim, inter, k, float(alpha), float(limit), x.stride(0),
         g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), b["gb"].stride(0), b["ub"].stride(0),
         ACT=_MOE_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"],
         **_GATE_UP, **pdl_kwargs(x.device))
-    _down_kernel[(rows, triton.cdiv(dim, _DOWN["BLOCK_N"]))](
-        h, flat_ids, flat_w, down, y, addend if fused_add else y, b["db"], dim, inter, h.stride(0), down.stride(0),
-        down.stride(1), y.stride(0), addend.stride(0) if fused_add else 0, b["db"].stride(0),
-        SCALE_INPUT=scale_input, HAS_ADD=fused_add, HAS_BIAS=b["has_down"], **_DOWN, **pdl_kwargs(h.device))
-    return _finish(y, x, k, addend)
+    n_blocks = triton.cdiv(dim, _DOWN["BLOCK_N"])
+    out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if k > 1 else y
+    cnt = _counters(x.device, num_tokens * n_blocks) if k > 1 else flat_ids
+    add = addend if addend is not None else y
+    gl = addend_gate if addend_gate is not None else y
+    _down_kernel[(rows, n_blocks)](
+        h, flat_ids, flat_w, down, y, add, gl, b["db"], out, cnt, dim, inter, k, h.stride(0), down.stride(0),
+        down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0), out.stride(0),
+        SCALE_INPUT=scale_input, HAS_ADD=addend is not None, HAS_GATE=addend_gate is not None,
+        HAS_BIAS=b["has_down"], FINISH=k > 1, **_DOWN, **pdl_kwargs(h.device))
+    return out
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                       up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
-                      addend: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
-                      up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                      alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """``moe_experts_gemv``'s contract with one program per (expert, output block) over its assignments. A
-    launch takes at most ``_TILED_MAX_ROWS`` assignments: larger batches run in token chunks of that many."""
+                      addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None,
+                      gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """``moe_experts_gemv``'s contract with one program per (expert, output block) over its assignments, the
+    slots summed after (torch) unless one per token. A launch takes at most ``_TILED_MAX_ROWS`` assignments:
+    larger batches run in token chunks of that many."""
     num_tokens, k = ids.shape
     dim, inter, num_experts = x.shape[1], up.shape[1], up.shape[0]
     flat_ids, flat_w, h, y = _buffers(x, ids, weights, gate=gate, up=up, down=down, addend=addend,
-                                      activation=activation, biases=(gate_bias, up_bias, down_bias))
+                                      addend_gate=addend_gate, activation=activation,
+                                      biases=(gate_bias, up_bias, down_bias))
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
     fused_add = addend is not None and k == 1
+    fused_gate = fused_add and addend_gate is not None
+    add = addend if fused_add else y
+    gl = addend_gate if fused_gate else y
     chunk = max(1, _TILED_MAX_ROWS // k)               # tokens per launch
     up_cfg = _tiled_config("gate_up", _TILED_BLOCK_M, x.element_size())
     down_cfg = _tiled_config("down", _TILED_BLOCK_M, x.element_size())
@@ -400,11 +458,12 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
             **pdl_kwargs(x.device))
         _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, down_cfg["BLOCK_N"]))](
-            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], addend[t0:t1] if fused_add else y, b["db"],
-            r1 - r0, dim, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-            addend.stride(0) if fused_add else 0, b["db"].stride(0), SCALE_INPUT=scale_input, HAS_ADD=fused_add,
-            HAS_BIAS=b["has_down"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
-    return _finish(y, x, k, addend)
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], add[t0:t1] if fused_add else y,
+            gl[t0:t1] if fused_gate else y, b["db"], r1 - r0, dim, inter, h.stride(0), down.stride(0),
+            down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0), SCALE_INPUT=scale_input,
+            HAS_ADD=fused_add, HAS_GATE=fused_gate, HAS_BIAS=b["has_down"], SLICE=_TILED_SLICE,
+            BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
+    return _finish(y, x, k, addend, addend_gate)
 
 
 ROUTE_MAX_EXPERTS = 4096        # one program holds a token's logits in registers

@@ -25,7 +25,7 @@ from hybridkv.backends.registry import KernelBackend
 from hybridkv.config_base import check_fields, positive
 from hybridkv.forward_context import current_ops, metadata_op
 from hybridkv.layers.kind import DecayMixerConfig, register_mixer
-from hybridkv.layers.linear import ColumnParallelLinear, RowParallelLinear
+from hybridkv.layers.linear import ColumnParallelLinear, PackedLinears, RowParallelLinear
 from hybridkv.layers.norms import HeadNormWeight
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel, local_units
 from hybridkv.layers.state_slots import StateSlotMixer
@@ -155,6 +155,20 @@ class GatedDeltaNetLayer(StateSlotMixer):
         self.out_proj = RowParallelLinear(cfg.value_dim, hidden_size, bias=False, tp=tp, sections=(values,))
         self.tp_shards = {"conv1d.weight": Shard(0, (keys, keys, values)),
                           **dict.fromkeys(("dt_bias", "A_log"), Shard(0, (heads,)))}
+        self.packed: PackedLinears | None = None         # the input projections as one GEMM (``fuse_projections``)
+
+    def _in_projs(self) -> tuple[nn.Linear, ...]:
+        if self.cfg.projections == "flat":
+            return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        return self.in_proj_qkvz, self.in_proj_ba
+
+    def fuse_projections(self) -> None:
+        """Pack the input projections (qkvz|ba, or qkv|z|b|a) into one weight whose rows the parameters view:
+        one GEMM (one weight-streaming launch at decode) instead of two or four."""
+        if self.packed is not None and self.packed.valid():
+            return
+        if PackedLinears.can_pack(*self._in_projs()):
+            self.packed = PackedLinears(*self._in_projs())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
@@ -201,12 +215,14 @@ class GatedDeltaNetLayer(StateSlotMixer):
         """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b and a (n, v heads);
         value head j serves key head j // rep in both layouts."""
         n, cfg = x.shape[0], self.cfg
-        if cfg.projections == "flat":
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        outs = self.packed(x) if self.packed is not None and self.packed.valid() else [p(x) for p in self._in_projs()]
+        if cfg.projections == "flat":       # column views of the packed GEMM's rows: contiguous at decode (n = 1)
+            qkv, z, b, a = outs
+            return qkv.contiguous(), z, b, a.contiguous()
         dk, dv, r = cfg.head_k_dim, cfg.head_v_dim, self.rep
-        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, 2 * dk + 2 * r * dv)
+        qkvz = outs[0].view(n, self.num_k_heads, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = outs[1].view(n, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.reshape(n, -1), b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads)
 

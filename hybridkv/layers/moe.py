@@ -55,9 +55,10 @@ from torch import nn
 
 from hybridkv.forward_context import current_ops
 from hybridkv.layers.activations import get_activation, swiglu_oai
+from hybridkv.layers.linear import PackedLinears
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.norms import RMSNorm
-from hybridkv.layers.ops.fused_ref import rms_normalize
+from hybridkv.layers.ops.fused_ref import gated_addend, rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
 
@@ -192,21 +193,21 @@ def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
-                     addend: torch.Tensor | None = None) -> torch.Tensor:
+                     addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Two Triton GEMV kernels, one program row per (token, slot) (``backends/triton_moe.py``) -> x's dtype,
-    plus ``addend`` (``run_experts``), added in the down kernel with one slot per token."""
+    plus the (gated) ``addend`` (``run_experts``), both added in the down kernel."""
     from hybridkv.backends.triton_moe import moe_experts_gemv as gemv
 
-    return gemv(x, ids, weights, **_kernel_experts(experts), addend=addend)
+    return gemv(x, ids, weights, **_kernel_experts(experts), addend=addend, addend_gate=addend_gate)
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
-                      addend: torch.Tensor | None = None) -> torch.Tensor:
+                      addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Two Triton kernels, one program per (expert, output block) over that expert's assignments
     (``backends/triton_moe.py``); ``moe_experts_gemv``'s contract."""
     from hybridkv.backends.triton_moe import moe_experts_tiled as tiled
 
-    return tiled(x, ids, weights, **_kernel_experts(experts), addend=addend)
+    return tiled(x, ids, weights, **_kernel_experts(experts), addend=addend, addend_gate=addend_gate)
 
 
 def _kernel_experts(experts: Experts) -> dict:
@@ -249,10 +250,12 @@ def choose_impl(impl: str, x: torch.Tensor, ids: torch.Tensor, experts: Experts)
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
-                impl: str = "auto", addend: torch.Tensor | None = None) -> torch.Tensor:
+                impl: str = "auto", addend: torch.Tensor | None = None,
+                addend_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum: x (T, dim); ids (T, k) expert ids; weights (T, k) fp32 -> (T, dim) in
     x's dtype, summed in fp32 and rounded once, plus ``addend`` (T, dim) in x's dtype when given (``out +
-    addend``, rounded again: the shared expert's output, which the Triton kernels add in their last store).
+    addend``, rounded again: the shared expert's output, which the Triton kernels add in their last store),
+    first scaled by ``sigmoid(addend_gate)`` ((T, 1) logits, the shared expert's gate) when given.
     ``impl``: one of ``MOE_IMPLS``."""
     if x.shape[0] == 0:                      # no tokens: nothing to route (grouped GEMMs of zero rows are avoided)
         return x.new_zeros(x.shape)
@@ -263,9 +266,9 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         logger.info("MoE experts on %s %s: %s (asked: %s)", x.device.type, str(x.dtype).removeprefix("torch."),
                     name, impl)
     if name in _ADDS_IN_KERNEL:
-        return _IMPLS[name](x, ids, weights, experts, addend=addend)
+        return _IMPLS[name](x, ids, weights, experts, addend=addend, addend_gate=addend_gate)
     out = _IMPLS[name](x, ids, weights, experts).to(x.dtype)
-    return out if addend is None else out + addend
+    return out if addend is None else out + gated_addend(addend, addend_gate)
 
 
 def _check_impl(impl: str) -> str:
@@ -319,12 +322,16 @@ class MoEFeedForward(nn.Module):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
         self._gate_up: tuple[torch.Tensor, tuple[int, int]] | None = None    # (packed, its views' pointers)
+        self.router_gate: PackedLinears | None = None      # router|shared gate as one GEMM (``fuse_projections``)
         self._gate_up_bias: tuple[torch.Tensor, tuple[int, int]] | None = None
 
     def fuse_projections(self) -> None:
         """Pack the routed experts' gate and up into one (E, 2 * inter, dim) tensor whose halves become the
         parameters (no extra memory, the same ``state_dict``): one grouped GEMM instead of two, and the
-        fused act x up after it."""
+        fused act x up after it. The router and the shared expert's gate likewise: one GEMV at decode."""
+        if (self.shared_gate is not None and not (self.router_gate is not None and self.router_gate.valid())
+                and PackedLinears.can_pack(self.router, self.shared_gate)):
+            self.router_gate = PackedLinears(self.router, self.shared_gate)
         if self.gate_proj is None or self._packed_gate_up() is not None:
             return
         if self.gate_proj.dtype != self.up_proj.dtype or self.gate_proj.device != self.up_proj.device:
@@ -362,12 +369,22 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
+        return self._route(self._logits(x)[0])
+
+    def _logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's logits (T, E) and the shared expert's gate logit (T, 1) or None: one GEMM when packed."""
+        if self.router_gate is not None and self.router_gate.valid():
+            logits, gate = self.router_gate(x)
+            return logits, gate
         ops = current_ops()
+        logits = ops.linear(x, self.router.weight, self.router.bias)
+        return logits, ops.linear(x, self.shared_gate.weight, None) if self.shared_gate is not None else None
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return ops.moe_route(ops.linear(x, self.router.weight, self.router.bias), router=cfg.router, top_k=cfg.top_k,
-                             renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
-                             correction_bias=self.correction_bias, num_groups=cfg.num_groups,
-                             topk_groups=cfg.topk_groups)
+        return current_ops().moe_route(logits, router=cfg.router, top_k=cfg.top_k, renormalize=cfg.renormalize,
+                                       scaling=cfg.routed_scaling_factor, correction_bias=self.correction_bias,
+                                       num_groups=cfg.num_groups, topk_groups=cfg.topk_groups)
 
     def experts(self) -> Experts:
         gate_up = self._packed_gate_up()
@@ -380,15 +397,15 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
-        ids, weights = self.route(x)
+        logits, gate_logit = self._logits(x)
+        ids, weights = self._route(logits)
         shared = self.shared(x) if self.shared is not None else None
-        if self.shared_gate is not None:
-            shared = shared * torch.sigmoid(current_ops().linear(x, self.shared_gate.weight, None))
-        if self.fc1_latent_proj is None:       # the shared expert's output joins in the experts' last store
-            return self.tp.all_reduce(run_experts(x, ids, weights, self.experts(), impl=self.impl, addend=shared))
+        if self.fc1_latent_proj is None:       # the (gated) shared expert's output joins in the experts' last store
+            return self.tp.all_reduce(run_experts(x, ids, weights, self.experts(), impl=self.impl, addend=shared,
+                                                  addend_gate=gate_logit))
         out = run_experts(self.fc1_latent_proj(x), ids, weights, self.experts(), impl=self.impl)
         out = self.fc2_latent_proj(out)          # linear, so it may run on this rank's partial sum
-        return self.tp.all_reduce(out if shared is None else out + shared)
+        return self.tp.all_reduce(out if shared is None else out + gated_addend(shared, gate_logit))
 
 
 class DenseMoEFeedForward(nn.Module):

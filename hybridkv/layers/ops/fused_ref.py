@@ -40,6 +40,12 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def gated_addend(addend: torch.Tensor | None, gate_logit: torch.Tensor | None) -> torch.Tensor | None:
+    """``addend * sigmoid(gate_logit)`` in the addend's dtype (Qwen3-Next's gated shared expert: (T, dim) times
+    (T, 1) logits), or ``addend`` without a gate."""
+    return addend if addend is None or gate_logit is None else addend * torch.sigmoid(gate_logit)
+
+
 def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / std over the last dim, in fp32 (Cohere's bias-free LayerNorm before its weight)."""
     xf = x.float()
