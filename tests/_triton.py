@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -40,3 +43,40 @@ def tiles(module: ModuleType, function: str, overrides: dict[str, Any] | None) -
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, function, lambda *args, **kwargs: {**rule(*args, **kwargs), **overrides})
         yield
+
+
+_HOPPER_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def build(fn, consts, ptrs, *, num_warps, default_ptr="*fp32", floats=("scale",)):
+    \"\"\"``fn`` compiled for sm_90: ``consts`` its constexprs, ``ptrs`` pointer types by argument name (others
+    ``default_ptr``), scalars i32 except the names in ``floats``.\"\"\"
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif name.endswith("_ptr"):
+            signature[name] = ptrs.get(name, default_ptr)
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    out = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": num_warps})
+    assert out.asm["cubin"]
+    return out
+"""
+
+
+def build_for_hopper(snippet: str) -> str:
+    """Run ``snippet`` (which may call ``build(fn, consts, ptrs, num_warps=...)``) in a child process without
+    TRITON_INTERPRET (the interpreter never lowers a kernel, and it decides at decoration time), so a kernel that
+    cannot be compiled for sm_90 fails on a CPU machine too; returns its stdout."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _HOPPER_BUILD + snippet], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

@@ -319,3 +319,32 @@ def test_packed_experts_run_on_the_backend_act_mul(impl: str) -> None:
         with forward_context(ForwardContext(inputs={}, backend=backend)):
             got = layer(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+_MOE_FOR_HOPPER = """
+from hybridkv.backends import triton_moe as mod
+
+for name, fn, cfg, extra in (
+        ("gate_up", mod._gate_up_kernel, mod._GATE_UP, dict(ACT=4, GATED=True)),
+        ("down", mod._down_kernel, mod._DOWN, dict(HAS_ADD=True, HAS_GATE=True, FINISH=False)),
+        ("down slots", mod._down_kernel, mod._DOWN, dict(HAS_ADD=True, HAS_GATE=True, FINISH=True)),
+        ("gate_up tiled", mod._gate_up_tiled_kernel.graph, mod._TILED_GATE_UP, dict(ACT=4, GATED=True)),
+        ("down tiled", mod._down_tiled_kernel.graph, mod._TILED_DOWN, dict(HAS_ADD=True, HAS_GATE=True))):
+    consts = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    consts.update(extra, SCALE_INPUT=False, HAS_BIAS=True, PDL=False, SLICE=128, BLOCK_M=16)
+    ptrs = {"ids_ptr": "*i64", "w_ptr": "*fp32", "cnt_ptr": "*i32",
+            "y_ptr": "*fp32" if extra.get("FINISH") else "*bf16"}
+    build(fn, consts, ptrs, num_warps=cfg["num_warps"], default_ptr="*bf16", floats=("alpha", "limit"))
+    print("compiled", name)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled by the tests above")
+def test_kernels_compile_for_hopper() -> None:
+    """The interpreter runs fp32 only here and never lowers a kernel (a branch that changes a value's dtype compiles
+    only for real): build the bf16 expert kernels for sm_90, biases, the shared expert's gated addend and the
+    GEMV's slot sum included."""
+    from _triton import build_for_hopper
+
+    assert build_for_hopper(_MOE_FOR_HOPPER).count("compiled") == 5

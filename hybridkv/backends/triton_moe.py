@@ -192,12 +192,13 @@ def _down_kernel(
         tl.debug_barrier()
         cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
         if tl.atomic_add(cnt, 1, sem="acq_rel") == k_slots - 1:
-            y = tl.zeros((BLOCK_N,), tl.float32)
+            total = tl.zeros((BLOCK_N,), tl.float32)
             for j in range(k_slots):
-                y += tl.load(y_ptr + (t * k_slots + j) * stride_y + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            y = _plus(y, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok, out_ptr.dtype.element_ty,
-                      HAS_ADD, HAS_GATE)
-            tl.store(out_ptr + t * stride_out + n, y, mask=n_ok)
+                total += tl.load(y_ptr + (t * k_slots + j) * stride_y + n, mask=n_ok, other=0.0,
+                                 cache_modifier=".cg")
+            total = _plus(total, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok,
+                          out_ptr.dtype.element_ty, HAS_ADD, HAS_GATE)
+            tl.store(out_ptr + t * stride_out + n, total, mask=n_ok)
             tl.store(cnt, 0)
     else:
         y = _plus(y, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok, y_ptr.dtype.element_ty, HAS_ADD,
