@@ -24,7 +24,7 @@ from test_layers_vs_hf import (
     same_names,
 )
 
-from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer
+from hybridkv.layers.gated_deltanet import GatedDeltaNetLayer, qwen3_next_rows
 from hybridkv.layers.parallel import TensorParallel
 from hybridkv.models.config import GatedDeltaNet
 
@@ -51,18 +51,22 @@ def _hf_layer(variant: str, k_heads: int, v_heads: int) -> tuple[torch.nn.Module
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
         cfg = Qwen3_5TextConfig(hidden_size=H, **heads, **one)
-        return Qwen3_5GatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-6, projections="flat")
+        return Qwen3_5GatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-6)
     from transformers import OlmoHybridConfig
     from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
 
     cfg = OlmoHybridConfig(hidden_size=H, num_attention_heads=4, pad_token_id=None, **heads, num_hidden_layers=2,
                            layer_types=["linear_attention", "full_attention"], linear_allow_neg_eigval=True)
-    return OlmoHybridGatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-5, projections="flat", beta_scale=2.0)
+    return OlmoHybridGatedDeltaNet(cfg, 0), cfg, dict(norm_eps=1e-5, beta_scale=2.0)
 
 
-def _our_weights(variant: str, hf: torch.nn.Module) -> dict[str, torch.Tensor]:
-    if variant == "qwen3_next":
-        return same_names(hf, ["in_proj_qkvz.weight", "in_proj_ba.weight", "norm.weight", *COMMON])
+def _our_weights(variant: str, hf: torch.nn.Module, cfg: GatedDeltaNet) -> dict[str, torch.Tensor]:
+    if variant == "qwen3_next":      # the loader's reordering of the per-key-head groups
+        p = {n: t.detach().clone() for n, t in hf.named_parameters()}
+        rows = {part: qwen3_next_rows(p[f"in_proj_{fused}.weight"], part, cfg)
+                for fused, parts in (("qkvz", ("qkv", "z")), ("ba", ("b", "a"))) for part in parts}
+        return {**{f"in_proj_{part}.weight": t for part, t in rows.items()},
+                **same_names(hf, ["norm.weight", *COMMON])}
     if variant == "qwen3_5":
         return same_names(hf, [f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")] + ["norm.weight", *COMMON])
     p = {n: t.detach().clone() for n, t in hf.named_parameters()}
@@ -82,10 +86,10 @@ def build(seed: int = 0, *, k_heads: int = 2, v_heads: int = 4, variant: str = "
     with torch.no_grad():   # A in [0.5, 4] (decays from ~0.99 to ~0.3 per token), dt_bias around 0
         hf.A_log.copy_(torch.log(0.5 + 3.5 * torch.rand(v_heads, generator=gen)))
         hf.dt_bias.copy_(torch.randn(v_heads, generator=gen))
-    ours = GatedDeltaNetLayer(H, GatedDeltaNet(num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=8,
-                                               head_v_dim=12, conv_kernel=4, chunk_size=8, **options),
-                              cache_name="gdn")
-    load_exact(ours, _our_weights(variant, hf))
+    ours_cfg = GatedDeltaNet(num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=8, head_v_dim=12, conv_kernel=4,
+                             chunk_size=8, **options)
+    ours = GatedDeltaNetLayer(H, ours_cfg, cache_name="gdn")
+    load_exact(ours, _our_weights(variant, hf, ours_cfg))
     return ours, hf
 
 
@@ -130,22 +134,15 @@ def test_tensor_parallel_rule_and_state_shapes() -> None:
         cfg.state_shapes(3)
     with pytest.raises(ValueError, match="must divide num_v_heads"):
         GatedDeltaNet(num_k_heads=3, num_v_heads=8, head_k_dim=8, head_v_dim=8)
-    # One rank's shard of each parameter is its key heads' rows: q/k/v/z and b/a grouped per key head.
-    full = GatedDeltaNetLayer(H, cfg, cache_name="gdn")
+    # One rank's shard: each of q, k, v, z, b, a cut by key heads.
     rank = GatedDeltaNetLayer(H, cfg, cache_name="gdn", tp=TensorParallel(rank=1, size=2))
-    assert rank.in_proj_qkvz.weight.shape[0] * 2 == full.in_proj_qkvz.weight.shape[0]
+    assert rank.in_proj_qkv.weight.shape[0] == cfg.state_shapes(2)[0][0] == 2 * 16 + 48
+    assert rank.in_proj_z.weight.shape[0] == 48
+    assert rank.in_proj_b.weight.shape[0] == rank.in_proj_a.weight.shape[0] == 4
     assert rank.conv1d.weight.shape[0] == cfg.state_shapes(2)[0][0]
     assert rank.A_log.shape == (4,) and rank.out_proj.weight.shape[1] == 48
     with pytest.raises(ValueError, match="num_k_heads"):
         GatedDeltaNetLayer(H, cfg, cache_name="gdn", tp=TensorParallel(rank=0, size=8))
-    # Unfused projections: each of q, k, v, z, b, a cut by key heads.
-    flat = GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, projections="flat")
-    rank = GatedDeltaNetLayer(H, flat, cache_name="gdn", tp=TensorParallel(rank=1, size=2))
-    assert rank.in_proj_qkv.weight.shape[0] == flat.state_shapes(2)[0][0] == 2 * 16 + 48
-    assert rank.in_proj_z.weight.shape[0] == 48
-    assert rank.in_proj_b.weight.shape[0] == rank.in_proj_a.weight.shape[0] == 4
-    with pytest.raises(ValueError, match="projections"):
-        GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, projections="fused")
     with pytest.raises(ValueError, match="beta_scale"):
         GatedDeltaNet(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, beta_scale=0.0)
 

@@ -117,3 +117,31 @@ def test_bf16_logits_on_gpu() -> None:
         bias = torch.linspace(-0.01, 0.01, experts, device=DEVICE) if router == "sigmoid_bias" else None
         _check(_logits(33, experts, seed=experts, dtype=torch.bfloat16), router=router, top_k=top_k,
                renormalize=True, scaling=1.5, correction_bias=bias)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])          # 20: past LINEAR_ROUTE_MAX_ROWS, the linear then the route
+@pytest.mark.parametrize("router,experts,top_k,renormalize,scaling", CASES[2:5] + CASES[6:8])
+def test_linear_route_matches_reference(router: str, experts: int, top_k: int, renormalize: bool, scaling: float,
+                                        tokens: int) -> None:
+    """The router's projection and the routing in one kernel (``linear_moe_route``) against ``linear`` then
+    ``moe_route``: one-hot inputs pick rows of a weight holding the spaced logits (exact in fp32), two extra rows
+    past the experts (Qwen3-Next's shared-expert gate rides along), a router bias (gpt-oss); the arrival counters
+    are zero again afterwards."""
+    from hybridkv.backends.triton_linear import counters
+    from hybridkv.layers.ops.fused_ref import linear_moe_route_ref
+
+    n, k = experts + 2, max(tokens, 8) + 3
+    want = torch.cat([_logits(tokens, experts, seed=experts), torch.randn(tokens, 2).to(DEVICE)], dim=1)
+    x = torch.eye(tokens, k, device=DEVICE)
+    weight = torch.zeros(n, k, device=DEVICE)
+    weight[:, :tokens] = want.T
+    bias = torch.linspace(-0.01, 0.01, n, device=DEVICE) if router == "topk_softmax" else None
+    corr = torch.linspace(-0.01, 0.01, experts).to(DEVICE) if router == "sigmoid_bias" else None
+    kw = dict(num_experts=experts, router=router, top_k=top_k, renormalize=renormalize, scaling=scaling,
+              correction_bias=corr)
+    ids, w, logits = tm.linear_moe_route(x, weight, bias, **kw)
+    ref_ids, ref_w, ref_logits = linear_moe_route_ref(x, weight, bias, **kw)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(w, ref_w, rtol=2e-6, atol=1e-7)
+    assert int(counters(x.device).count_nonzero()) == 0

@@ -105,7 +105,7 @@ def test_config_translation_follows_hf(extra: dict) -> None:
     assert config.norm == "rms" and config.norm_eps == hf.rms_norm_eps
     deltanet = GatedDeltaNet(num_k_heads=hf.linear_num_key_heads, num_v_heads=hf.linear_num_value_heads,
                              head_k_dim=hf.linear_key_head_dim, head_v_dim=hf.linear_value_head_dim,
-                             norm_eps=1e-5, projections="flat", beta_scale=2.0 if hf.linear_allow_neg_eigval else 1.0)
+                             norm_eps=1e-5, beta_scale=2.0 if hf.linear_allow_neg_eigval else 1.0)
     for layer, kind in zip(config.layers, hf.layer_types, strict=True):
         assert layer.ffn == MLP(intermediate_size=hf.intermediate_size)
         if kind == "full_attention":

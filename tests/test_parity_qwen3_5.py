@@ -66,7 +66,7 @@ def _check_layers(config: Any, hf: Any, moe: bool) -> None:
             assert layer.mixer == GatedDeltaNet(
                 num_k_heads=hf.linear_num_key_heads, num_v_heads=hf.linear_num_value_heads,
                 head_k_dim=hf.linear_key_head_dim, head_v_dim=hf.linear_value_head_dim,
-                conv_kernel=hf.linear_conv_kernel_dim, norm_eps=hf.rms_norm_eps, projections="flat")
+                conv_kernel=hf.linear_conv_kernel_dim, norm_eps=hf.rms_norm_eps)
         if moe:
             assert layer.ffn == MoE(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok,
                                     intermediate_size=hf.moe_intermediate_size, renormalize=True,

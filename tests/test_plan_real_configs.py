@@ -314,13 +314,13 @@ def test_kimi_linear_48b_a3b_latent_cache_and_kda_slots() -> None:
         config.check_tensor_parallel(64)
 def test_qwen3_5_35b_a3b_text_part_plan() -> None:
     """The multimodal checkpoint's text part: 40 layers, gated attention every 4th (2 kv heads of 256), Gated DeltaNet
-    elsewhere with unfused projections; per DeltaNet layer a bf16 conv state (2 x 16 x 128 + 32 x 128 = 8192 channels
+    elsewhere; per DeltaNet layer a bf16 conv state (2 x 16 x 128 + 32 x 128 = 8192 channels
     x 3) and an fp32 recurrent state (32 x 128 x 128); 256 experts of 512, top-8 renormalised, with a gated shared
     expert on every layer. The vision tower is not part of the plan."""
     config = hf_config_to_hybrid(QWEN3_5_35B_A3B)
     assert (config.architecture, config.dtype, config.norm, config.tie_word_embeddings) == (
         "Qwen3_5MoeForConditionalGeneration", "bfloat16", "gemma_rms", False)
-    assert config.layers[0].mixer.projections == "flat"
+    assert type(config.layers[0].mixer).__name__ == "GatedDeltaNet"
     moe = config.layers[0].ffn
     assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size, moe.shared_gate) == (
         256, 8, True, 512, True)

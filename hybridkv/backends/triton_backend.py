@@ -38,13 +38,13 @@ def triton_backend() -> KernelBackend:
     from hybridkv.backends import triton_linear as linear
     from hybridkv.backends.triton_attention import paged_attention_triton, rope_attention_triton, write_kv_triton
     from hybridkv.backends.triton_conv1d import causal_conv1d_triton, causal_conv1d_update_triton
-    from hybridkv.backends.triton_moe import moe_route
+    from hybridkv.backends.triton_moe import linear_moe_route, moe_route
     from hybridkv.backends.triton_sampling import argmax_triton
     from hybridkv.backends.triton_ssd import ssd_chunk_scan_triton, ssd_state_update_triton
 
     logger.info("kernel backend triton: Triton paged attention + KV write, causal conv1d (+ update), Mamba2 "
                 "SSD chunk scan (+ state update), gated delta rule and KDA (chunked + decode update), fused norms / "
-                "activations / RoPE, MoE routing, greedy argmax, "
+                "activations / RoPE, MoE routing (with the router's GEMV at decode), greedy argmax, "
                 "decode-size linears (%s); Mamba-1 selective scan uses the torch reference",
                 linear.dispatch_description())
     # The ops it has kernels for; the rest (Mamba-1's) are the references.
@@ -60,4 +60,5 @@ def triton_backend() -> KernelBackend:
                          argmax=argmax_triton, linear_argmax=linear.linear_argmax,
                          qk_rope_write_kv=fused.qk_rope_write_kv_triton, rope_attention=rope_attention_triton,
                          gated_rms_norm=fused.gated_rms_norm_triton, moe_route=moe_route,
+                         linear_moe_route=linear_moe_route,
                          cuda_graph_safe=True)

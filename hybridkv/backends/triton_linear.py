@@ -45,15 +45,17 @@ DISPATCH_MAX_ROWS = 32
 SMALL_MAX_ROWS = 64
 SMALL_WEIGHT = 3 << 20              # elements (6.3 MB in bf16)
 _NO_ACT = -1
-_MAX_COLUMN_BLOCKS = 1 << 16        # counters per device (one per column block of a split-K launch)
+MAX_COUNTERS = 1 << 16              # arrival counters per device (one per column block of a split-K launch)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 split-K counters, allocated once per device (each launch's last program re-zeroes its own,
-    so a captured graph can replay them)."""
+def counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters, allocated once per device and shared by the kernels whose last program
+    finishes the others' work (split-K here; the MoE router and expert GEMVs, ``triton_moe.py``): each launch's
+    last programs re-zero their own, so the next launch, or a captured graph's replay, finds them zero. One
+    stream at a time, as the engine runs its steps."""
     if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
@@ -202,8 +204,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     cfg = default_config(rows, n, k, gated=gated, itemsize=x.element_size())
     split = cfg.pop("SPLIT_K")
     column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1 and column_blocks > _MAX_COLUMN_BLOCKS:
-        raise ValueError(f"linear_triton: split-K over {column_blocks} column blocks (at most {_MAX_COLUMN_BLOCKS})")
+    if split > 1 and column_blocks > MAX_COUNTERS:
+        raise ValueError(f"linear_triton: split-K over {column_blocks} column blocks (at most {MAX_COUNTERS})")
     part = (torch.empty(split, 2 if gated else 1, cfg["BLOCK_M"], n, dtype=torch.float32, device=x.device)
             if split > 1 else y)
     amax, amax_idx = argmax if argmax is not None else (y, y)
@@ -211,7 +213,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError(f"linear_triton: argmax partials of shape {tuple(amax.shape)}, expected "
                          f"{(rows, column_blocks)}")
     _skinny_linear_kernel.pick(x)[(column_blocks, split)](
-        x, weight, bias if bias is not None else weight, y, part, _counters(x.device), amax, amax_idx,
+        x, weight, bias if bias is not None else weight, y, part, counters(x.device), amax, amax_idx,
         write_logits if write_logits is not None else y, rows, n, k, gate_multiplier, x.stride(0), weight.stride(0),
         y.stride(0), ACT=act, GATED=gated, HAS_BIAS=bias is not None, HAS_MULT=gate_multiplier != 1.0,
         ARGMAX=argmax is not None, WRITE_FLAG=write_logits is not None, SPLIT_K=split, **cfg, **pdl_kwargs(x.device))

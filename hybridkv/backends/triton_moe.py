@@ -50,14 +50,18 @@ import triton.language as tl
 from hybridkv.backends.jit_forms import two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
+from hybridkv.backends.triton_linear import MAX_COUNTERS, counters, linear
 from hybridkv.layers.ops.fused_ref import ROUTERS, gated_addend, moe_route_ref
 
-__all__ = ["moe_experts_gemv", "moe_experts_tiled", "moe_route", "moe_route_triton"]
+__all__ = ["linear_moe_route", "linear_moe_route_triton", "moe_experts_gemv", "moe_experts_tiled", "moe_route",
+           "moe_route_triton"]
 
 # The best of an H100 sweep (expert shapes 2048x2048 and 5120x8192, 1-8 rows): few output channels per program
-# keep enough programs in flight to saturate memory; 16 ran at half the bandwidth.
+# keep enough programs in flight to saturate memory; 16 ran at half the bandwidth. Re-swept on an H200 at one token
+# (``benchmarks/gpu_moe.py --sweep-gemv``): the down kernel's 256-wide K steps beat 512 (gpt-oss-like experts
+# 33.1 -> 31.9 µs per layer, Qwen3-Next-like 21.0 -> 19.4); stages change nothing (the loops do not pipeline).
 _GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
-_DOWN = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
+_DOWN = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=1)
 # Tiled kernels: the best of an H100 sweep of the masked-M-tile form (16-128 assignments of 2048x2048 experts);
 # with an expert's own rows per tile they read the weights at ~96% of the copy bandwidth (H200, 32 tokens x top-4 of
 # 32 gpt-oss-like experts: 198 us, ``benchmarks/gpu_moe.py``), so the configuration is not re-swept yet.
@@ -376,19 +380,6 @@ def _bias_args(gate: torch.Tensor | None, up: torch.Tensor, gate_bias: torch.Ten
     return dict(gb=gb, ub=ub, db=db, has_up=up_bias is not None, has_down=down_bias is not None)
 
 
-_counter_buffers: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 zeros for the down GEMV's arrival counters, kept per device: every launch leaves them zero
-    again (the last program of each counter resets it), so no memset per call. One stream at a time uses them,
-    as the engine runs its steps."""
-    c = _counter_buffers.get(device)
-    if c is None or c.numel() < n:
-        c = _counter_buffers[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,
                      up: torch.Tensor, down: torch.Tensor, activation: str, scale_input: bool,
                      addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None,
@@ -416,7 +407,10 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         **_GATE_UP, **pdl_kwargs(x.device))
     n_blocks = triton.cdiv(dim, _DOWN["BLOCK_N"])
     out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if k > 1 else y
-    cnt = _counters(x.device, num_tokens * n_blocks) if k > 1 else flat_ids
+    if k > 1 and num_tokens * n_blocks > MAX_COUNTERS:
+        raise ValueError(f"moe_experts_gemv: {num_tokens} tokens x {n_blocks} output blocks is more than the "
+                         f"{MAX_COUNTERS} arrival counters")
+    cnt = counters(x.device) if k > 1 else flat_ids
     add = addend if addend is not None else y
     gl = addend_gate if addend_gate is not None else y
     _down_kernel[(rows, n_blocks)](
@@ -471,17 +465,9 @@ ROUTE_MAX_EXPERTS = 4096        # one program holds a token's logits in register
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, stride_i, stride_w, scaling,
-    SCORING: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < E
-    logit = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=0.0).to(tl.float32)
+def _top_k(logit, ok, offs, bias_ptr, scaling, SCORING: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+           HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's fp32 logits (BLOCK_E,) -> its (BLOCK_K,) expert ids and weights, the first TOP_K valid."""
     if SCORING == 0:                                   # softmax: choose by the probabilities themselves
         m = tl.max(tl.where(ok, logit, float("-inf")), 0)
         p = tl.where(ok, tl.exp(logit - m), 0.0)
@@ -515,20 +501,71 @@ def _route_kernel(
         sel_w = sel_w / total
     if HAS_SCALE:
         sel_w = sel_w * scaling
+    return sel_ids, sel_w
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, stride_i, stride_w, scaling,
+    SCORING: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    logit = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=0.0).to(tl.float32)
+    sel_ids, sel_w = _top_k(logit, ok, offs, bias_ptr, scaling, SCORING, TOP_K, RENORM, HAS_SCALE, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
     tl.store(ids_ptr + row * stride_i + slots, sel_ids, mask=slots < TOP_K)
     tl.store(w_ptr + row * stride_w + slots, sel_w, mask=slots < TOP_K)
 
 
-def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
-                     scaling: float = 1.0, correction_bias: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_route_ref``'s contract without expert groups (``num_groups == topk_groups``), one launch."""
+@triton.jit
+def _linear_route_kernel(
+    x_ptr, wt_ptr, b_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, K, N, E, stride_x, stride_wt, stride_l,
+    stride_i, stride_w, scaling,
+    HAS_BIAS: tl.constexpr, SCORING: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """grid (tokens, N blocks): each program streams BLOCK_N router rows for one token and stores those logits
+    (rounded once to the model dtype, as ``F.linear``); the token's last program to finish (a counter per token,
+    which it resets) reads all E of them back and routes, as ``_route_kernel`` does: one launch for both."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_KD):
+        kk = k0 + tl.arange(0, BLOCK_KD)
+        k_ok = kk < K
+        xv = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(wt_ptr + n[:, None].to(tl.int64) * stride_wt + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + t * stride_l + n, acc.to(logits_ptr.dtype.element_ty), mask=n_ok)
+    tl.debug_barrier()                                 # every thread's logits issued before the release
+    cnt = cnt_ptr + t
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < E
+        logit = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        sel_ids, sel_w = _top_k(logit, ok, offs, bias_ptr, scaling, SCORING, TOP_K, RENORM, HAS_SCALE, BLOCK_K)
+        slots = tl.arange(0, BLOCK_K)
+        tl.store(ids_ptr + t * stride_i + slots, sel_ids, mask=slots < TOP_K)
+        tl.store(w_ptr + t * stride_w + slots, sel_w, mask=slots < TOP_K)
+        tl.store(cnt, 0)                               # ready for the next launch (or graph replay)
+
+
+def _route_check(num_experts: int, *, router: str, top_k: int, correction_bias: torch.Tensor | None) -> int:
+    """The kernels' routing arguments checked; returns the router's ``SCORING`` id."""
     if router not in ROUTERS:
         raise ValueError(f"moe_route: router must be one of {ROUTERS}, got {router!r}")
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"moe_route: expected (num_tokens, num_experts) logits with a contiguous last dim, got "
-                         f"shape {tuple(logits.shape)} strides {logits.stride()}")
-    num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"moe_route: top_k={top_k} must be in [1, num_experts={num_experts}]")
     if num_experts > ROUTE_MAX_EXPERTS:
@@ -536,17 +573,80 @@ def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormali
     scoring = ROUTERS.index(router)
     if scoring == 2 and (correction_bias is None or correction_bias.shape != (num_experts,)):
         raise ValueError(f"moe_route: the 'sigmoid_bias' router needs a ({num_experts},) correction_bias")
+    return scoring
+
+
+def _route_constexprs(scoring: int, num_experts: int, top_k: int, renormalize: bool, scaling: float) -> dict:
+    return dict(SCORING=scoring, TOP_K=top_k, RENORM=renormalize and scoring in (0, 2), HAS_SCALE=scaling != 1.0,
+                BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k))
+
+
+def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False,
+                     scaling: float = 1.0, correction_bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_route_ref``'s contract without expert groups (``num_groups == topk_groups``), one launch."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"moe_route: expected (num_tokens, num_experts) logits with a contiguous last dim, got "
+                         f"shape {tuple(logits.shape)} strides {logits.stride()}")
+    num_tokens, num_experts = logits.shape
+    scoring = _route_check(num_experts, router=router, top_k=top_k, correction_bias=correction_bias)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     if num_tokens:
-        block_e = triton.next_power_of_2(num_experts)
+        consts = _route_constexprs(scoring, num_experts, top_k, renormalize, scaling)
         _route_kernel[(num_tokens,)](
             logits, correction_bias if scoring == 2 else logits, ids, weights, num_experts, logits.stride(0),
-            ids.stride(0), weights.stride(0), scaling, SCORING=scoring, TOP_K=top_k,
-            RENORM=renormalize and scoring in (0, 2), HAS_SCALE=scaling != 1.0, BLOCK_E=block_e,
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e >= 1024 else 1,
+            ids.stride(0), weights.stride(0), scaling, **consts, num_warps=4 if consts["BLOCK_E"] >= 1024 else 1,
             **pdl_kwargs(logits.device))
     return ids, weights
+
+
+LINEAR_ROUTE_MAX_ROWS = 16      # tokens the fused router takes (each re-reads the router weight, from L2 after one)
+_LINEAR_ROUTE = dict(BLOCK_N=4, BLOCK_KD=256, num_warps=4)     # the expert GEMV's streaming shape
+
+
+def linear_moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                            num_experts: int, router: str, top_k: int, renormalize: bool = False,
+                            scaling: float = 1.0, correction_bias: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_moe_route_ref``'s contract without expert groups, one launch (``_linear_route_kernel``)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"linear_moe_route: x {tuple(x.shape)} / weight {tuple(weight.shape)} need a shared, "
+                         f"contiguous last dim")
+    num_tokens, n = x.shape[0], weight.shape[0]
+    if not num_experts <= n:
+        raise ValueError(f"linear_moe_route: {num_experts} experts but {n} router rows")
+    if num_tokens > MAX_COUNTERS:
+        raise ValueError(f"linear_moe_route_triton: at most {MAX_COUNTERS} tokens, got {num_tokens}")
+    scoring = _route_check(num_experts, router=router, top_k=top_k, correction_bias=correction_bias)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    logits = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        cfg = dict(_LINEAR_ROUTE)
+        _linear_route_kernel[(num_tokens, triton.cdiv(n, cfg["BLOCK_N"]))](
+            x, weight, bias if bias is not None else weight, logits, counters(x.device),
+            correction_bias if scoring == 2 else logits, ids, weights, x.shape[1], n, num_experts, x.stride(0),
+            weight.stride(0), logits.stride(0), ids.stride(0), weights.stride(0), scaling, HAS_BIAS=bias is not None,
+            **_route_constexprs(scoring, num_experts, top_k, renormalize, scaling), **cfg, **pdl_kwargs(x.device))
+    return ids, weights, logits
+
+
+def linear_moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, num_experts: int,
+                     router: str, top_k: int, renormalize: bool = False, scaling: float = 1.0,
+                     correction_bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The triton backend's ``linear_moe_route``: the fused kernel for up to ``LINEAR_ROUTE_MAX_ROWS`` tokens
+    (routers the route kernel takes), else the backend's ``linear`` then ``moe_route``."""
+    if (x.shape[0] <= LINEAR_ROUTE_MAX_ROWS and topk_groups >= num_groups and num_experts <= ROUTE_MAX_EXPERTS
+            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+        return linear_moe_route_triton(x, weight, bias, num_experts=num_experts, router=router, top_k=top_k,
+                                       renormalize=renormalize, scaling=scaling, correction_bias=correction_bias)
+    logits = linear(x, weight, bias)
+    ids, weights = moe_route(logits[:, :num_experts], router=router, top_k=top_k, renormalize=renormalize,
+                             scaling=scaling, correction_bias=correction_bias, num_groups=num_groups,
+                             topk_groups=topk_groups)
+    return ids, weights, logits
 
 
 def moe_route(logits: torch.Tensor, *, router: str, top_k: int, renormalize: bool = False, scaling: float = 1.0,

@@ -1,10 +1,11 @@
 """Gated DeltaNet over per-request state slots (HF ``Qwen3NextGatedDeltaNet`` semantics; Qwen3.5's and
 OLMo-Hybrid's variants as options).
 
-Grouped projections (Qwen3-Next): in_proj_qkvz -> per key head [q | k | v | z] (HF's layout, kept so a key head and
-the value heads it serves are one contiguous run of rows: tensor parallelism cuts whole runs); in_proj_ba -> per key
-head [b | a]. Flat projections (Qwen3.5, OLMo-Hybrid): in_proj_qkv -> [q | k | v], in_proj_z, in_proj_b, in_proj_a,
-each in head order (tensor parallelism cuts each of q, k, v by key heads). OLMo-Hybrid scales beta by 2.
+Projections: in_proj_qkv -> [q | k | v], in_proj_z, in_proj_b, in_proj_a, each in head order (tensor parallelism
+cuts each of q, k, v by key heads), packed into one GEMM (``fuse_projections``). Qwen3-Next's checkpoints store
+in_proj_qkvz (per key head [q | k | v | z]) and in_proj_ba (per key head [b | a]); the loader reorders their rows
+into these (``qwen3_next_rows``), so a decode step slices one GEMM's output where the grouped layout needed seven
+copies per layer (q, k, v, z, b and a out of their groups, then q|k|v joined). OLMo-Hybrid scales beta by 2.
 A depthwise causal conv with SiLU runs over q|k|v (conv state = the last kernel - 1 inputs); the gated delta rule
 (``layers/ops/gated_delta_ref.py``, the Triton / fla twins on GPU) with L2-normalised q/k, beta = sigmoid(b) and the
 decay computed in the op from a, A_log and dt_bias; then an RMS norm per value head gated by silu(z), out_proj.
@@ -37,17 +38,15 @@ if TYPE_CHECKING:
 @register_mixer
 @dataclass(frozen=True, kw_only=True)
 class GatedDeltaNet(DecayMixerConfig):
-    """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkvz`` gives q, k (``num_k_heads`` x
-    ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``), grouped per key head as HF stores
-    them; ``in_proj_ba`` gives b, a per value head. A depthwise causal conv (width ``conv_kernel``, SiLU, no bias)
-    runs over q|k|v; then the gated delta rule (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k, the log
-    decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is
-    ``out_proj(norm(o) * silu(z))``, an RMS norm per value head (weight (head_v_dim,), eps ``norm_eps``).
-
-    ``projections``: "grouped" (Qwen3-Next, as above) or "flat" (Qwen3.5, OLMo-Hybrid): ``in_proj_qkv`` gives
-    [q | k | v] in the conv's channel order, ``in_proj_z`` the gate, ``in_proj_b`` / ``in_proj_a`` b and a, each
-    per head in head order. ``beta_scale`` multiplies beta (OLMo-Hybrid's ``linear_allow_neg_eigval``: 2, so the
-    delta rule's eigenvalues 1 - beta k.k reach [-1, 1]).
+    """Gated DeltaNet (HF ``Qwen3NextGatedDeltaNet``): ``in_proj_qkv`` gives q, k (``num_k_heads`` x
+    ``head_k_dim``) and v (``num_v_heads`` x ``head_v_dim``) in the conv's channel order, ``in_proj_z`` the output
+    gate z, ``in_proj_b`` / ``in_proj_a`` b and a per value head, each in head order (Qwen3.5's and OLMo-Hybrid's
+    layout; Qwen3-Next's checkpoints group q|k|v|z and b|a per key head, ``qwen3_next_rows`` reorders them at load).
+    A depthwise causal conv (width ``conv_kernel``, SiLU, no bias) runs over q|k|v; then the gated delta rule
+    (``layers/ops/gated_delta_ref.py``) with L2-normalised q/k, the log decay ``g = -exp(A_log) * softplus(a +
+    dt_bias)`` and ``beta = sigmoid(b)``; the output is ``out_proj(norm(o) * silu(z))``, an RMS norm per value head
+    (weight (head_v_dim,), eps ``norm_eps``). ``beta_scale`` multiplies beta (OLMo-Hybrid's
+    ``linear_allow_neg_eigval``: 2, so the delta rule's eigenvalues 1 - beta k.k reach [-1, 1]).
 
     State per request: the conv state (2 * key dim + value dim, conv_kernel - 1) and the recurrent state
     (num_v_heads, head_k_dim, head_v_dim) in fp32. ``chunk_size``: the chunked prefill's chunk."""
@@ -61,7 +60,6 @@ class GatedDeltaNet(DecayMixerConfig):
     conv_kernel: int = 4
     norm_eps: float = 1e-6
     chunk_size: int = 64
-    projections: str = "grouped"
     beta_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -74,8 +72,6 @@ class GatedDeltaNet(DecayMixerConfig):
                              f"num_v_heads={self.num_v_heads}")
         if self.conv_kernel < 2:
             raise ValueError(f"GatedDeltaNet.conv_kernel must be at least 2, got {self.conv_kernel}")
-        if self.projections not in ("grouped", "flat"):
-            raise ValueError(f"GatedDeltaNet.projections must be 'grouped' or 'flat', got {self.projections!r}")
         positive("GatedDeltaNet", beta_scale=self.beta_scale)
 
     @property
@@ -134,18 +130,11 @@ class GatedDeltaNetLayer(StateSlotMixer):
         self.key_dim, self.value_dim = self.num_k_heads * dk, self.num_v_heads * dv
         keys, values = Split(cfg.key_dim, nk, what=what), Split(cfg.value_dim, nk, what=what)
         heads = Split(nv, nk, what=what)
-        if cfg.projections == "grouped":
-            group = 2 * dk + 2 * self.rep * dv                # one key head's q, k, v, z rows
-            self.in_proj_qkvz = ColumnParallelLinear(hidden_size, nk * group, bias=False, tp=tp,
-                                                     sections=(Split(nk * group, nk, what=what),))
-            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * nv, bias=False, tp=tp,
-                                                   sections=(Split(2 * nv, nk, what=what),))
-        else:                                                 # q, k, v, z, b, a each in head order
-            self.in_proj_qkv = ColumnParallelLinear(hidden_size, cfg.conv_dim, bias=False, tp=tp,
-                                                    sections=(keys, keys, values))
-            self.in_proj_z = ColumnParallelLinear(hidden_size, cfg.value_dim, bias=False, tp=tp, sections=(values,))
-            self.in_proj_b = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
-            self.in_proj_a = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, cfg.conv_dim, bias=False, tp=tp,
+                                                sections=(keys, keys, values))
+        self.in_proj_z = ColumnParallelLinear(hidden_size, cfg.value_dim, bias=False, tp=tp, sections=(values,))
+        self.in_proj_b = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
+        self.in_proj_a = ColumnParallelLinear(hidden_size, nv, bias=False, tp=tp, sections=(heads,))
         conv_dim = 2 * self.key_dim + self.value_dim
         # HF stores the depthwise conv as (conv_dim, 1, kernel); we keep that layout for loading.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=False)
@@ -158,13 +147,11 @@ class GatedDeltaNetLayer(StateSlotMixer):
         self.packed: PackedLinears | None = None         # the input projections as one GEMM (``fuse_projections``)
 
     def _in_projs(self) -> tuple[nn.Linear, ...]:
-        if self.cfg.projections == "flat":
-            return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
-        return self.in_proj_qkvz, self.in_proj_ba
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def fuse_projections(self) -> None:
-        """Pack the input projections (qkvz|ba, or qkv|z|b|a) into one weight whose rows the parameters view:
-        one GEMM (one weight-streaming launch at decode) instead of two or four."""
+        """Pack the input projections (qkv|z|b|a) into one weight whose rows the parameters view: one GEMM (one
+        weight-streaming launch at decode) instead of four."""
         if self.packed is not None and self.packed.valid():
             return
         if PackedLinears.can_pack(*self._in_projs()):
@@ -213,18 +200,11 @@ class GatedDeltaNetLayer(StateSlotMixer):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b and a (n, v heads);
-        value head j serves key head j // rep in both layouts."""
-        n, cfg = x.shape[0], self.cfg
-        outs = self.packed(x) if self.packed is not None and self.packed.valid() else [p(x) for p in self._in_projs()]
-        if cfg.projections == "flat":       # column views of the packed GEMM's rows: contiguous at decode (n = 1)
-            qkv, z, b, a = outs
-            return qkv.contiguous(), z, b, a.contiguous()
-        dk, dv, r = cfg.head_k_dim, cfg.head_v_dim, self.rep
-        qkvz = outs[0].view(n, self.num_k_heads, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = outs[1].view(n, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        return mixed, z.reshape(n, -1), b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads)
+        value head j serves key head j // rep. Packed, they are column views of one GEMM's rows: contiguous at
+        decode (n = 1)."""
+        packed = self.packed is not None and self.packed.valid()
+        qkv, z, b, a = self.packed(x) if packed else [p(x) for p in self._in_projs()]
+        return qkv.contiguous(), z, b, a.contiguous()
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, conv_dim) conv output -> q, k (n, k heads, head_k_dim), v (n, v heads, head_v_dim)."""
@@ -241,3 +221,21 @@ class GatedDeltaNetLayer(StateSlotMixer):
                               self.norm.weight, n_groups=1, eps=self.cfg.norm_eps, norm_before_gate=True)
         return self.out_proj(y.view(n, self.value_dim))
 
+
+
+def qwen3_next_rows(weight: torch.Tensor, part: str, cfg: GatedDeltaNet) -> torch.Tensor:
+    """Rows of a Qwen3-Next checkpoint's fused projection in this layer's layout: ``in_proj_qkvz`` (per key head
+    [q | k | v | z], (num_k_heads * (2 * head_k_dim + 2 * rep * head_v_dim), hidden)) -> ``part`` "qkv" (every q
+    head, then every k head, then every v head) or "z"; ``in_proj_ba`` (per key head [b | a], (2 * num_v_heads,
+    hidden)) -> "b" or "a"."""
+    nk, dk, dv, rep = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.num_v_heads // cfg.num_k_heads
+    hidden = weight.shape[-1]
+    if part in ("b", "a"):
+        b, a = weight.view(nk, 2 * rep, hidden).split([rep, rep], dim=1)
+        return (b if part == "b" else a).reshape(nk * rep, hidden)
+    if part not in ("qkv", "z"):
+        raise ValueError(f"qwen3_next_rows: part must be one of qkv, z, b, a; got {part!r}")
+    q, k, v, z = weight.view(nk, 2 * dk + 2 * rep * dv, hidden).split([dk, dk, rep * dv, rep * dv], dim=1)
+    if part == "z":
+        return z.reshape(nk * rep * dv, hidden)
+    return torch.cat([q.reshape(nk * dk, hidden), k.reshape(nk * dk, hidden), v.reshape(nk * rep * dv, hidden)])

@@ -369,22 +369,23 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids, fp32 weights), both (num_tokens, top_k). No host sync."""
-        return self._route(self._logits(x)[0])
+        return self._route(x)[:2]
 
-    def _logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The router's logits (T, E) and the shared expert's gate logit (T, 1) or None: one GEMM when packed."""
-        if self.router_gate is not None and self.router_gate.valid():
-            logits, gate = self.router_gate(x)
-            return logits, gate
-        ops = current_ops()
-        logits = ops.linear(x, self.router.weight, self.router.bias)
-        return logits, ops.linear(x, self.shared_gate.weight, None) if self.shared_gate is not None else None
-
-    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        return current_ops().moe_route(logits, router=cfg.router, top_k=cfg.top_k, renormalize=cfg.renormalize,
-                                       scaling=cfg.routed_scaling_factor, correction_bias=self.correction_bias,
-                                       num_groups=cfg.num_groups, topk_groups=cfg.topk_groups)
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(expert ids, fp32 weights, the shared expert's gate logit (T, 1) or None): the router's projection and
+        the routing as one op (one kernel at decode), the gate's row packed with the router's when it can be."""
+        ops, cfg = current_ops(), self.cfg
+        packed = self.router_gate is not None and self.router_gate.valid()
+        weight, bias = (self.router_gate.weight, self.router_gate.bias) if packed else (self.router.weight,
+                                                                                         self.router.bias)
+        ids, weights, logits = ops.linear_moe_route(
+            x, weight, bias, num_experts=cfg.num_experts, router=cfg.router, top_k=cfg.top_k,
+            renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, correction_bias=self.correction_bias,
+            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups)
+        if self.shared_gate is None:
+            return ids, weights, None
+        gate = logits[:, cfg.num_experts:] if packed else ops.linear(x, self.shared_gate.weight, None)
+        return ids, weights, gate
 
     def experts(self) -> Experts:
         gate_up = self._packed_gate_up()
@@ -397,8 +398,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size)
-        logits, gate_logit = self._logits(x)
-        ids, weights = self._route(logits)
+        ids, weights, gate_logit = self._route(x)
         shared = self.shared(x) if self.shared is not None else None
         if self.fc1_latent_proj is None:       # the (gated) shared expert's output joins in the experts' last store
             return self.tp.all_reduce(run_experts(x, ids, weights, self.experts(), impl=self.impl, addend=shared,
@@ -432,8 +432,8 @@ class DenseMoEFeedForward(nn.Module):
         x = x.to(normed.dtype)
         dense = self.post_mlp_norm(self.mlp(normed))
         routed_in = rms_normalize(x, self.norm_eps).to(x.dtype) * self.router_scale * x.shape[-1] ** -0.5
-        logits = ops.linear(routed_in, self.moe.router.weight, None)
-        ids, weights = ops.moe_route(logits, router="softmax", top_k=cfg.top_k, renormalize=True)
+        ids, weights, _ = ops.linear_moe_route(routed_in, self.moe.router.weight, None, num_experts=cfg.num_experts,
+                                               router="softmax", top_k=cfg.top_k, renormalize=True)
         weights = weights * self.per_expert_scale[ids].float()
         routed = run_experts(self.moe_norm(x), ids, weights, self.moe.experts(), impl=self.moe.impl)
         return dense + self.post_moe_norm(self.tp.all_reduce(routed))

@@ -1323,7 +1323,7 @@ _QWEN3_NEXT_DEFAULTS = dict(
 _QWEN3_NEXT_TYPES = ("linear_attention", "full_attention")
 
 
-def _qwen3_next_mixers(cfg: _Fields, projections: str) -> list[Attention | GatedDeltaNet]:
+def _qwen3_next_mixers(cfg: _Fields) -> list[Attention | GatedDeltaNet]:
     """Qwen3-Next's and Qwen3.5's mixers: Gated DeltaNet (``linear_attention``) and gated full attention per
     ``layer_types``, else full attention every ``full_attention_interval``-th layer. ``hidden_act`` is also the
     DeltaNet conv's activation in HF, so only "silu" is accepted."""
@@ -1345,8 +1345,7 @@ def _qwen3_next_mixers(cfg: _Fields, projections: str) -> list[Attention | Gated
                           qkv_bias=bias, o_bias=bias, output_gate=True)
     deltanet = GatedDeltaNet(num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
                              head_k_dim=cfg["linear_key_head_dim"], head_v_dim=cfg["linear_value_head_dim"],
-                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=cfg["rms_norm_eps"],
-                             projections=projections)
+                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=cfg["rms_norm_eps"])
     return [attention if kind == "full_attention" else deltanet for kind in types]
 
 
@@ -1368,7 +1367,7 @@ def qwen3_next(config: Mapping[str, Any]) -> HybridConfig:
     ``mlp_only_layers``, a SwiGLU MLP of ``intermediate_size`` elsewhere. ``hidden_act`` is also the DeltaNet conv's
     activation in HF, so only "silu" is accepted; the multi-token-prediction head (``mtp.*``) is not served."""
     cfg = _Fields("Qwen3NextForCausalLM", config, _QWEN3_NEXT_DEFAULTS)
-    mixers = _qwen3_next_mixers(cfg, "grouped")
+    mixers = _qwen3_next_mixers(cfg)
     dense = MLP(intermediate_size=cfg["intermediate_size"])
     experts, step = cfg["num_experts"], cfg["decoder_sparse_step"]
     if experts and (not isinstance(step, int) or step < 1):
@@ -1497,7 +1496,7 @@ _QWEN3_5_MOE_DEFAULTS = dict(
 def qwen3_5(config: Mapping[str, Any]) -> HybridConfig:
     """Qwen3.5 (dense and MoE; the text part of the multimodal ``...ForConditionalGeneration``, its vision
     tower not served): Qwen3-Next's layers with the DeltaNet's projections unfused (``in_proj_qkv`` /
-    ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``: ``GatedDeltaNet.projections="flat"``). The dense model has a
+    ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, stored as ``GatedDeltaNet`` holds them). The dense model has a
     SwiGLU MLP on every layer; the MoE model routed experts (softmax top-k, always renormalised) with a
     sigmoid-gated shared expert on every layer. HF's multimodal RoPE (``mrope_section``) gives text positions the
     same angle on each of its three axes, so on text it is the plain (partial) RoPE served here. The multimodal
@@ -1507,7 +1506,7 @@ def qwen3_5(config: Mapping[str, Any]) -> HybridConfig:
     text = _text_part(config)
     cfg = _Fields(arch, text, _QWEN3_5_MOE_DEFAULTS if moe else _QWEN3_5_DEFAULTS)
     ffn = _qwen3_next_moe(cfg, renormalize=True) if moe else MLP(intermediate_size=cfg["intermediate_size"])
-    layers = [Layer(mixer=mixer, ffn=ffn) for mixer in _qwen3_next_mixers(cfg, "flat")]
+    layers = [Layer(mixer=mixer, ffn=ffn) for mixer in _qwen3_next_mixers(cfg)]
     outer = config if text is not config else None
     tie = config.get("tie_word_embeddings", False) if outer is not None else cfg["tie_word_embeddings"]
     return _model(cfg, layers, outer=outer, norm="gemma_rms", tie_word_embeddings=bool(tie))
@@ -1564,7 +1563,7 @@ def olmo_hybrid(config: Mapping[str, Any]) -> HybridConfig:
     k_dim = cfg["linear_key_head_dim"] or int(0.75 * hidden / k_heads)
     deltanet = GatedDeltaNet(num_k_heads=k_heads, num_v_heads=cfg["linear_num_value_heads"] or heads,
                              head_k_dim=k_dim, head_v_dim=cfg["linear_value_head_dim"] or 2 * k_dim,
-                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=1e-5, projections="flat",
+                             conv_kernel=cfg["linear_conv_kernel_dim"], norm_eps=1e-5,
                              beta_scale=2.0 if cfg["linear_allow_neg_eigval"] else 1.0)
     mlp = MLP(intermediate_size=cfg["intermediate_size"])
     layers = [Layer(mixer=attention, ffn=mlp, sandwich_norm=True, pre_norm=False) if kind == "full_attention"

@@ -17,7 +17,8 @@ each into one kernel (``backends/triton_fused.py``) with the same signature:
   as one kernel: the attention programs prepare their own q, and the one that reads the new key writes it);
 - ``gated_rms_norm``: Mamba2's ``norm(y * silu(z))`` per group (or ``y * silu(z)`` without a norm weight);
 - ``moe_route``: a router's expert choice and routing weights from its logits (top-k, scoring, bias,
-  renormalisation, scaling), which torch runs as ~5 small launches per MoE layer.
+  renormalisation, scaling), which torch runs as ~5 small launches per MoE layer; ``linear_moe_route``: the
+  router's projection and the routing (the Triton backend runs a decode batch's as one kernel).
 """
 
 from __future__ import annotations
@@ -324,3 +325,18 @@ def moe_route_ref(logits: torch.Tensor, *, router: str, top_k: int, renormalize:
         if renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, (weights * scaling if scaling != 1.0 else weights)
+
+
+@reference_op("linear_moe_route")
+def linear_moe_route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         num_experts: int, router: str, top_k: int, renormalize: bool = False, scaling: float = 1.0,
+                         correction_bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear`` then ``moe_route`` of its first ``num_experts`` columns: x (T, hidden), weight (N >= num_experts,
+    hidden) -> (expert ids, fp32 weights, logits (T, N) in x's dtype); columns past the experts ride along
+    (Qwen3-Next's shared-expert gate, packed with the router)."""
+    logits = linear_ref(x, weight, bias)
+    ids, weights = moe_route_ref(logits[:, :num_experts], router=router, top_k=top_k, renormalize=renormalize,
+                                 scaling=scaling, correction_bias=correction_bias, num_groups=num_groups,
+                                 topk_groups=topk_groups)
+    return ids, weights, logits
