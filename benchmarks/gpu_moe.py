@@ -3,7 +3,8 @@
 to ``GEMV_MAX_ROWS`` assignments, the GEMVs (``impl="gemv"``) against torch's grouped GEMM (``impl="grouped"``), and
 optionally another version of ``backends/triton_moe.py``.
 
-    python benchmarks/gpu_moe.py [--tokens 1,2,4,8,16,32,64,128] [--sweep] [--sweep-gemv] [--baseline FILE] [--save]
+    python benchmarks/gpu_moe.py [--tokens 1,2,4,8,16,32,64,128] [--sweep] [--sweep-gemv] [--router] [--baseline FILE]
+                                 [--save]
 
 Shapes: gpt-oss-like (32 biased experts of 2048 x 2048, top-4, clamped SwiGLU) and Qwen3-Next-like (64 experts of
 512 x 2048, top-8, SiLU), bf16, uniform random routing. Each implementation is checked against the reference loop
@@ -11,7 +12,8 @@ Shapes: gpt-oss-like (32 biased experts of 2048 x 2048, top-4, clamped SwiGLU) a
 touched / time, against the copy bandwidth. ``--baseline FILE``: a ``triton_moe.py`` of another commit (e.g.
 ``git show <commit>:hybridkv/backends/triton_moe.py > /tmp/old.py``) timed beside this one, up to its own tile size.
 ``--sweep``: every tile configuration of the tiled kernels at 32 tokens; ``--sweep-gemv``: the GEMV kernels'
-configurations at one token (each kernel's swept with the other's as committed).
+configurations at one token (each kernel's swept with the other's as committed); ``--router``: the router's GEMV and
+routing as one kernel (``linear_moe_route_triton``, a few tile shapes) against the ``linear`` + ``moe_route`` kernels.
 """
 
 from __future__ import annotations
@@ -144,11 +146,48 @@ def sweep_gemv() -> list[dict]:
     return out
 
 
+def router(tokens: list[int]) -> list[dict]:
+    from hybridkv.backends import triton_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    base = dict(triton_moe._LINEAR_ROUTE)
+    configs = [dict(BLOCK_N=bn, BLOCK_KD=bk, num_warps=4) for bn, bk in ((1, 2048), (2, 1024), (1, 1024), (4, 256))]
+    # name, rows (experts + packed gates), experts, top-k, router, bias
+    shapes = [("gpt_oss", 32, 32, 4, "topk_softmax", True), ("qwen3_next", 65, 64, 8, "softmax", False)]
+    out = []
+    try:
+        for name, n, E, k, kind, bias in shapes:
+            w = (torch.randn(n, 2048, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            b = (torch.randn(n, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) if bias else None
+            kw = dict(num_experts=E, router=kind, top_k=k, renormalize=kind == "softmax")
+            for T in tokens:
+                x = torch.randn(T, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+
+                def composite():
+                    logits = triton_linear.linear(x, w, b)
+                    return triton_moe.moe_route(logits[:, :E], router=kind, top_k=k,
+                                                renormalize=kind == "softmax")
+
+                want = composite()[0]
+                row = {"family": name, "tokens": T, "linear + route us": graph_time_us([composite])}
+                for cfg in configs:
+                    triton_moe._LINEAR_ROUTE = cfg
+                    fn = lambda: triton_moe.linear_moe_route_triton(x, w, b, **kw)
+                    row[f"fused {cfg['BLOCK_N']}x{cfg['BLOCK_KD']} same ids"] = bool(torch.equal(fn()[0], want))
+                    row[f"fused {cfg['BLOCK_N']}x{cfg['BLOCK_KD']} us"] = graph_time_us([fn])
+                out.append(row)
+                print("router", row, flush=True)
+    finally:
+        triton_moe._LINEAR_ROUTE = base
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--sweep", action="store_true", help="also time every tile configuration at 32 tokens")
     ap.add_argument("--sweep-gemv", action="store_true", help="also time the GEMV kernels' configurations")
+    ap.add_argument("--router", action="store_true", help="also time the fused router against linear + route")
     ap.add_argument("--baseline", type=Path, default=None, help="another commit's triton_moe.py to time beside")
     add_output_args(ap, "gpu_moe")
     args = ap.parse_args()
@@ -164,7 +203,9 @@ def main() -> None:
     rows = compare([int(t) for t in args.tokens.split(",")], baseline, copy_bw)
     swept = sweep() if args.sweep else []
     swept_gemv = sweep_gemv() if args.sweep_gemv else []
-    write_json(args, "gpu_moe", {"meta": meta, "rows": rows, "sweep": swept, "sweep_gemv": swept_gemv})
+    routed = router([1, 2, 8]) if args.router else []
+    write_json(args, "gpu_moe", {"meta": meta, "rows": rows, "sweep": swept, "sweep_gemv": swept_gemv,
+                                 "router": routed})
     cols = ["gemv", "tiled", "grouped"] + (["baseline gemv", "baseline tiled"] if baseline is not None else [])
     print_table(f"routed experts on {meta['device']} (µs per call, graph replays; copy bw {copy_bw / 1e9:.0f} GB/s)",
                 ["family", "tokens", "assignments", "experts", *[f"{c} µs" for c in cols], "tiled TB/s", "% copy",
