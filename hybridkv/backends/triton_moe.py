@@ -601,10 +601,13 @@ def moe_route_triton(logits: torch.Tensor, *, router: str, top_k: int, renormali
     return ids, weights
 
 
-LINEAR_ROUTE_MAX_ROWS = 16      # tokens the fused router takes (each re-reads the router weight, from L2 after one)
+# Tokens the fused router takes (each re-reads the router weight, from L2 after the first). H200, one 2048-wide router
+# (``gpu_moe.py --router``), fused vs linear + route kernels: gpt-oss-like (32 rows) 2.8 vs 4.1 µs at 1 token, 3.1 vs
+# 4.1 at 8; Qwen3-Next-like (64 + 1 rows) 5.0 vs 4.9 at 1 and 2, 5.7 vs 5.2 at 8.
+LINEAR_ROUTE_MAX_ROWS = 8
 # One router row per program, K in one or two steps: the router is a few hundred KB, so its GEMV is latency-bound;
-# 4 rows x 256-wide K steps (the experts' shape) left gpt-oss-like's 32 rows to 8 programs of 8 dependent loads and
-# made batch-1 decode slower than the linear + route kernels it replaced (1.032 -> 1.069 ms on an H200).
+# 4 rows x 256-wide K steps (the experts' shape) left gpt-oss-like's 32 rows to 8 programs of 8 dependent loads
+# (5.8 µs, slower than the linear + route kernels it replaced; 1 x 2048: 2.8 µs, 2 x 1024: 3.1).
 _LINEAR_ROUTE = dict(BLOCK_N=1, BLOCK_KD=2048, num_warps=4)
 
 
