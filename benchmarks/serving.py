@@ -131,16 +131,20 @@ class ModelCost:
 
 
 def model_cost(llm, batches: list[int]) -> ModelCost:
+    from hybridkv.layers.moe import MoEFeedForward
     from hybridkv.models.config import Attention, MoE
 
     model, config, plan = llm.model, llm.model.config, llm.plan
     moe = next((layer.ffn for layer in config.layers if isinstance(layer.ffn, MoE)), None)
+    # the routed experts' stacked weights and biases (E leading): a token multiplies through top_k of them
+    routed = {id(p) for m in model.modules() if isinstance(m, MoEFeedForward)
+              for p in (m.gate_proj, m.up_proj, m.down_proj, m.gate_bias, m.up_bias, m.down_bias) if p is not None}
     dense, experts, embed = 0, 0, 0
     elem = next(model.parameters()).element_size()
     for name, p in model.named_parameters():
         if "embed" in name and "lm_head" not in name:
             embed += p.numel()
-        elif moe is not None and ".experts." in name and p.dim() == 3:
+        elif id(p) in routed:
             experts += p.numel()
         else:
             dense += p.numel()
