@@ -132,10 +132,11 @@ class ModelCost:
 
 def model_cost(llm, batches: list[int]) -> ModelCost:
     from hybridkv.layers.moe import MoEFeedForward
-    from hybridkv.models.config import Attention, MoE
+    from hybridkv.models.config import Attention, DenseMoE, MoE
 
     model, config, plan = llm.model, llm.model.config, llm.plan
-    moe = next((layer.ffn for layer in config.layers if isinstance(layer.ffn, MoE)), None)
+    moe = next((layer.ffn.moe if isinstance(layer.ffn, DenseMoE) else layer.ffn for layer in config.layers
+                if isinstance(layer.ffn, (MoE, DenseMoE))), None)        # Gemma-4: a dense MLP beside the experts
     # the routed experts' stacked weights and biases (E leading): a token multiplies through top_k of them
     routed = {id(p) for m in model.modules() if isinstance(m, MoEFeedForward)
               for p in (m.gate_proj, m.up_proj, m.down_proj, m.gate_bias, m.up_bias, m.down_bias) if p is not None}

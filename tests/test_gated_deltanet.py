@@ -161,3 +161,22 @@ def test_gated_deltanet_on_gpu_matches_hf(sched: str, backend: str, variant: str
     out = LayerHarness(ours, max_len=SEQ, max_reqs=1, seed=4, backend=backend).run(x, SCHEDULES[sched])
     with torch.no_grad():
         assert_close(out, hf(x[None])[0], atol=1e-4)
+
+
+def test_configs_saved_with_a_projection_layout() -> None:
+    """Configs saved while GatedDeltaNet had two projection layouts: "flat" (today's) loads, "grouped" (whose
+    in_proj_qkvz / in_proj_ba tensors no longer exist) is a clear error saying what to do."""
+    import json
+
+    from hybridkv.models import HybridConfig, Layer
+
+    config = HybridConfig(vocab_size=32, hidden_size=H, max_position_embeddings=64, dtype="float32",
+                          layers=(Layer(mixer=GatedDeltaNet(num_k_heads=2, num_v_heads=4, head_k_dim=8,
+                                                            head_v_dim=8)),))
+    saved = json.loads(json.dumps(config.to_dict()))
+    mixer = saved["hybridkv_config"]["layers"][0]["mixer"]
+    mixer["projections"] = "flat"
+    assert HybridConfig.from_dict(saved) == config
+    mixer["projections"] = "grouped"
+    with pytest.raises(ValueError, match="Hugging Face checkpoint"):
+        HybridConfig.from_dict(saved)

@@ -86,6 +86,8 @@ def test_fast_paths_match_the_reference_loop(impl: str, name: str, dtype: torch.
     """The whole layer (router, latent projections, shared expert) with each expert implementation; packed:
     gate|up as one tensor (``fuse_projections``), which the fast paths project with once."""
     _skip_interpreted_bf16(impl, dtype)
+    if name == "qwen3_next" and impl in TRITON and not packed and not torch.cuda.is_available():
+        pytest.skip("interpreted: the gated shared expert runs packed only (its router | gate view is the new path)")
     dev = _device(impl)
     layer = _layer(name, dtype).to(dev)
     if packed:
@@ -141,11 +143,16 @@ def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int, gated: bool) 
     torch.testing.assert_close(got, plain + (addend * torch.sigmoid(gate) if gated else addend), atol=1e-6,
                                rtol=1e-6)
     if impl == "gemv":
+        from hybridkv.backends import triton_moe
         from hybridkv.backends.triton_linear import counters
 
         assert int(counters(x.device).count_nonzero()) == 0
         again = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend, addend_gate=gate)
         assert torch.equal(again, got)
+        with pytest.MonkeyPatch.context() as mp:     # a forced batch past the counters: the slots summed after
+            mp.setattr(triton_moe, "MAX_COUNTERS", 0)
+            past = run_experts(x, ids, weights, layer.experts(), impl=impl, addend=addend, addend_gate=gate)
+        torch.testing.assert_close(past, got, atol=1e-6, rtol=1e-6)
 
 
 def test_router_and_shared_gate_pack_into_one_projection() -> None:

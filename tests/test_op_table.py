@@ -25,7 +25,7 @@ REFERENCES = {
     "linear": fused_ref.linear_ref, "linear_act_mul": fused_ref.linear_act_mul_ref, "argmax": fused_ref.argmax_ref,
     "linear_argmax": fused_ref.linear_argmax_ref, "qk_rope_write_kv": fused_ref.qk_rope_write_kv_ref,
     "rope_attention": fused_ref.rope_attention_ref, "gated_rms_norm": fused_ref.gated_rms_norm_ref,
-    "moe_route": fused_ref.moe_route_ref,
+    "moe_route": fused_ref.moe_route_ref, "linear_moe_route": fused_ref.linear_moe_route_ref,
 }
 
 

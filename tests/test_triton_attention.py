@@ -657,6 +657,7 @@ def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkey
     (8, 128, 64, 1, "two tiles"),
     (8, 256, 64, 2, "four tiles: two segments of two"),
     (8, 320, 64, 2, "five tiles: segments of at least two"),
+    (8, 384, 64, 4, "six tiles: the next power of two of half of them"),
     (8, 131072, 64, 64, "long rows: >= 2 programs per SM (132 SMs)"),
     (1, 1 << 20, 16, 128, "capped at _MAX_SEGMENTS"),
     (132, 131072, 64, 1, "as many programs as SMs: no split"),

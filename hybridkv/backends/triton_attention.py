@@ -446,10 +446,10 @@ def _num_sms(index: int) -> int:
 
 def split_segments(*, programs: int, sms: int, max_seq_len: int, tile: int) -> int:
     """The split-KV factor of a launch of ``programs`` (q-block, kv-head) programs: with fewer than the SMs,
-    each one's keys split until there are >= 2 programs per SM, into segments of at least two key tiles of the
-    longest row (``max_seq_len`` bounds every seq_len; a captured graph's is the widest row its buffers hold, so
-    replays stay correct). Rounding the tiles per segment up, not down, split a sliding-128 decode row (at most
-    160 keys: 3 tiles) in two and paid a reduction launch per layer for it."""
+    each one's keys split until there are >= 2 programs per SM, into no more segments than the next power of two of
+    half the key tiles of the longest row (``max_seq_len`` bounds every seq_len; a captured graph's is the widest row
+    its buffers hold, so replays stay correct). Half the tiles rounded up, as before, split a sliding-128 decode row
+    (at most 160 keys: 3 tiles) in two and paid a reduction launch per layer for it."""
     if programs >= sms:
         return 1
     tiles = -(-max(max_seq_len, 1) // tile)

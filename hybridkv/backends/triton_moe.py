@@ -353,9 +353,10 @@ def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate:
         raise ValueError("MoE Triton kernels: gate and up biases come together")
     if addend is not None and addend.shape != x.shape:
         raise ValueError(f"MoE Triton kernels: addend {tuple(addend.shape)} vs x {tuple(x.shape)}")
-    if addend_gate is not None and (addend is None or addend_gate.shape != (x.shape[0], 1)):
-        raise ValueError(f"MoE Triton kernels: addend_gate must be ({x.shape[0]}, 1) logits beside an addend, got "
-                         f"{None if addend_gate is None else tuple(addend_gate.shape)}")
+    if addend_gate is not None and (addend is None or addend_gate.shape != (x.shape[0], 1)
+                                    or addend_gate.dtype != addend.dtype):
+        raise ValueError(f"MoE Triton kernels: addend_gate must be ({x.shape[0]}, 1) logits in the addend's dtype "
+                         f"beside an addend, got {tuple(addend_gate.shape)} {addend_gate.dtype}")
     rows = ids.numel()
     h = torch.empty(rows, up.shape[1], dtype=x.dtype, device=x.device)
     y = torch.empty(rows, x.shape[1], dtype=x.dtype if ids.shape[1] == 1 else torch.float32, device=x.device)
@@ -400,25 +401,26 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         return y.view(num_tokens, dim).to(x.dtype)
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
+    n_blocks = triton.cdiv(dim, _DOWN["BLOCK_N"])
+    # several slots: the down kernel's last program per (token, block) sums them, while the counters cover the
+    # batch (decode sizes, what ``auto`` gives it); a larger forced batch sums them after, as the tiled path does
+    finish = k > 1 and num_tokens * n_blocks <= MAX_COUNTERS
     _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
         x, flat_ids, flat_w, g, up, h, b["gb"], b["ub"], dim, inter, k, float(alpha), float(limit), x.stride(0),
         g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), b["gb"].stride(0), b["ub"].stride(0),
         ACT=_MOE_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"],
         **_GATE_UP, **pdl_kwargs(x.device))
-    n_blocks = triton.cdiv(dim, _DOWN["BLOCK_N"])
-    out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if k > 1 else y
-    if k > 1 and num_tokens * n_blocks > MAX_COUNTERS:
-        raise ValueError(f"moe_experts_gemv: {num_tokens} tokens x {n_blocks} output blocks is more than the "
-                         f"{MAX_COUNTERS} arrival counters")
-    cnt = counters(x.device) if k > 1 else flat_ids
-    add = addend if addend is not None else y
-    gl = addend_gate if addend_gate is not None else y
+    out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if finish else y
+    add_in_kernel = addend is not None and (k == 1 or finish)
+    add = addend if add_in_kernel else y
+    gl = addend_gate if add_in_kernel and addend_gate is not None else y
     _down_kernel[(rows, n_blocks)](
-        h, flat_ids, flat_w, down, y, add, gl, b["db"], out, cnt, dim, inter, k, h.stride(0), down.stride(0),
-        down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0), out.stride(0),
-        SCALE_INPUT=scale_input, HAS_ADD=addend is not None, HAS_GATE=addend_gate is not None,
-        HAS_BIAS=b["has_down"], FINISH=k > 1, **_DOWN, **pdl_kwargs(h.device))
-    return out
+        h, flat_ids, flat_w, down, y, add, gl, b["db"], out, counters(x.device) if finish else flat_ids, dim, inter,
+        k, h.stride(0), down.stride(0), down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0),
+        out.stride(0), SCALE_INPUT=scale_input, HAS_ADD=add_in_kernel,
+        HAS_GATE=add_in_kernel and addend_gate is not None, HAS_BIAS=b["has_down"], FINISH=finish, **_DOWN,
+        **pdl_kwargs(h.device))
+    return out if finish else _finish(y, x, k, addend, addend_gate)
 
 
 def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate: torch.Tensor | None,

@@ -17,7 +17,7 @@ packed conv and the chunked delta rule, each request continuing from its own slo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,6 +61,18 @@ class GatedDeltaNet(DecayMixerConfig):
     norm_eps: float = 1e-6
     chunk_size: int = 64
     beta_scale: float = 1.0
+
+    @classmethod
+    def saved_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """Configs saved before the projections had one layout carry ``projections``: "flat" is today's layout;
+        "grouped" (Qwen3-Next) saved in_proj_qkvz / in_proj_ba tensors that no longer exist."""
+        fields = dict(fields)
+        layout = fields.pop("projections", "flat")
+        if layout != "flat":
+            raise ValueError(f"GatedDeltaNet: this model was saved with projections={layout!r} (in_proj_qkvz / "
+                             f"in_proj_ba), which this version no longer has; load the Hugging Face checkpoint "
+                             f"instead (its loader reorders those rows) and save it again")
+        return fields
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -26,7 +26,7 @@ import abc
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -78,6 +78,12 @@ class MixerConfig(abc.ABC):
         """The random init of its parameter ``name`` (relative to its module) of full ``shape``: a full tensor drawn
         from ``gen`` on ``gen.device``, a value to fill, or None for the model's rule."""
         return None
+
+    @classmethod
+    def saved_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields of a config saved by an earlier hybridkv (``HybridConfig.from_dict``) as this one takes them:
+        a kind that dropped or renamed a field maps it here, or raises ``ValueError`` saying what to do."""
+        return fields
 
 
 class RecurrentMixerConfig(MixerConfig):

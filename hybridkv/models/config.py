@@ -506,6 +506,8 @@ class HybridConfig:
                     raise ValueError(f"{where}: unknown config type {kind!r} (known: {sorted(types)})")
                 fields = {k: decode(v, f"{where}.{k}") for k, v in obj.items() if k != "type"}
                 try:
+                    if kind in mixer_kinds():
+                        fields = types[kind].saved_fields(fields)
                     return types[kind](**fields)
                 except (TypeError, ValueError) as err:    # nested errors were prefixed where they arose
                     raise ValueError(f"{where}: {err}") from None
