@@ -222,6 +222,23 @@ def test_an_answer_checkpoint_someone_else_uses_is_not_replaced(use: str) -> Non
     s.check_invariants()
 
 
+def test_an_answer_checkpoint_a_prompt_ends_at_stops_growing() -> None:
+    """A decoding request's answer checkpoint that another request's prompt reaches becomes a prompt checkpoint (the
+    higher kind protects it) and gives up the growing answer's exemption: answer stores may not count it among the
+    growing ones, its request's later settle changes nothing, and the kind's lists stay consistent (the oracle in
+    tests/test_kv_manager_oracle.py found this state)."""
+    s = StateSlotPool(5, 3)
+    x, _ = s.store_checkpoint("x1", K.ANSWER, growing=True)
+    assert s.store_checkpoint("x1", K.PROMPT) == (x, False)
+    assert s.kind_of(x) == K.PROMPT
+    s.check_invariants()
+    y, _ = s.store_checkpoint("y1", K.ANSWER, growing=True)
+    assert s.store_checkpoint("y2", K.ANSWER, growing=True)[1]      # one free slot left: taken
+    assert s.store_checkpoint("w", K.ANSWER, growing=True) == (0, False)  # both answers grow; the prompt outranks
+    s.settle(x)
+    s.check_invariants()
+
+
 # -- hashing -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["blake2b", "builtin"])
 def test_chain_is_a_prefix_function(algorithm: str) -> None:

@@ -504,6 +504,9 @@ class StateSlotPool:
         if slot != NULL_SLOT:
             self._uses[slot] += 1
             if kind > self._kind[slot]:
+                # e.g. a decoding request's answer checkpoint that another request's prompt ends at: a higher kind
+                # protects it from answer stores now, so it no longer holds the growing answer's exemption
+                self.settle(slot)
                 del self._lru[self._kind[slot]][slot]
                 self._kind[slot] = kind
                 self._lru[kind][slot] = None
