@@ -19,10 +19,12 @@ routing as one kernel (``linear_moe_route_triton``, a few tile shapes) against t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -83,62 +85,64 @@ def compare(tokens: list[int], baseline, copy_bw: float) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _configured(**attrs: dict):
+    """``backends/triton_moe.py``'s launch configurations ``attrs`` for the block (the tiled kernels' choice, cached
+    per shape, cleared on the way in and out)."""
+    with mock.patch.multiple(triton_moe, **attrs):
+        triton_moe._tiled_config.cache_clear()
+        try:
+            yield
+        finally:
+            triton_moe._tiled_config.cache_clear()
+
+
 def sweep() -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    base = dict(triton_moe._TILED_GATE_UP), dict(triton_moe._TILED_DOWN)
     out = []
-    try:
-        for name, E, k, dim, inter, act, bias in SHAPES:
-            ex = _experts(E, dim, inter, act, bias, gen)
-            x = torch.randn(32, dim, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(32)])
-            w = torch.rand(32, k, device="cuda", generator=gen)
-            ref = moe.moe_experts_ref(x, ids, w, ex).float()
-            wbytes = ids.unique().numel() * 3 * inter * dim * 2
-            for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)):
-                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
-                triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = cfg, cfg
-                triton_moe._tiled_config.cache_clear()          # the launch configuration is cached per shape
-                fn = lambda: triton_moe.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
+    for name, E, k, dim, inter, act, bias in SHAPES:
+        ex = _experts(E, dim, inter, act, bias, gen)
+        x = torch.randn(32, dim, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(32)])
+        w = torch.rand(32, k, device="cuda", generator=gen)
+        ref = moe.moe_experts_ref(x, ids, w, ex).float()
+        wbytes = ids.unique().numel() * 3 * inter * dim * 2
+        for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+            fn = lambda: triton_moe.moe_experts_tiled(x, ids, w, **_kernel_args(ex))
+            with _configured(_TILED_GATE_UP=cfg, _TILED_DOWN=cfg):
                 err = float((fn().float() - ref).abs().max() / ref.abs().max())
                 us = graph_time_us([fn])
-                out.append({"family": name, **cfg, "err": err, "us": us, "TB/s": wbytes / us / 1e6})
-                print("sweep", out[-1], flush=True)
-    finally:
-        triton_moe._TILED_GATE_UP, triton_moe._TILED_DOWN = base
-        triton_moe._tiled_config.cache_clear()
+            out.append({"family": name, **cfg, "err": err, "us": us, "TB/s": wbytes / us / 1e6})
+            print("sweep", out[-1], flush=True)
     return out
 
 
 def sweep_gemv() -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(2)
-    base = dict(triton_moe._GATE_UP), dict(triton_moe._DOWN)
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
                for bn, bk, wp, st in itertools.product((4, 8, 16), (256, 512), (4,), (1, 2, 3))]
     out = []
-    try:
-        for name, E, k, dim, inter, act, bias in SHAPES:
-            ex = _experts(E, dim, inter, act, bias, gen)
-            x = torch.randn(1, dim, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.randperm(E, device="cuda", generator=gen)[:k][None]
-            w = torch.rand(1, k, device="cuda", generator=gen)
-            ref = moe.moe_experts_ref(x, ids, w, ex).float()
-            wbytes = k * 3 * inter * dim * 2
-            for kernel in ("gate_up", "down"):
-                for cfg in configs:
-                    triton_moe._GATE_UP, triton_moe._DOWN = (cfg, base[1]) if kernel == "gate_up" else (base[0], cfg)
-                    fn = lambda: triton_moe.moe_experts_gemv(x, ids, w, **_kernel_args(ex))
-                    try:
+    for name, E, k, dim, inter, act, bias in SHAPES:
+        ex = _experts(E, dim, inter, act, bias, gen)
+        x = torch.randn(1, dim, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.randperm(E, device="cuda", generator=gen)[:k][None]
+        w = torch.rand(1, k, device="cuda", generator=gen)
+        ref = moe.moe_experts_ref(x, ids, w, ex).float()
+        wbytes = k * 3 * inter * dim * 2
+        fn = lambda: triton_moe.moe_experts_gemv(x, ids, w, **_kernel_args(ex))
+        for kernel in ("gate_up", "down"):
+            for cfg in configs:
+                try:
+                    with _configured(**{"_GATE_UP" if kernel == "gate_up" else "_DOWN": cfg}):
                         err = float((fn().float() - ref).abs().max() / ref.abs().max())
                         us = graph_time_us([fn])
-                    except Exception as e:                 # a configuration that does not compile
-                        print("sweep-gemv skip", name, kernel, cfg, type(e).__name__, flush=True)
-                        continue
-                    out.append({"family": name, "kernel": kernel, **cfg, "err": err, "us": us,
-                                "TB/s": wbytes / us / 1e6})
-                    print("sweep-gemv", out[-1], flush=True)
-    finally:
-        triton_moe._GATE_UP, triton_moe._DOWN = base
+                except Exception as e:                 # a configuration that does not compile
+                    print("sweep-gemv skip", name, kernel, cfg, type(e).__name__, flush=True)
+                    continue
+                out.append({"family": name, "kernel": kernel, **cfg, "err": err, "us": us,
+                            "TB/s": wbytes / us / 1e6})
+                print("sweep-gemv", out[-1], flush=True)
     for name in dict.fromkeys(r["family"] for r in out):
         for kernel in ("gate_up", "down"):
             best = min((r for r in out if r["family"] == name and r["kernel"] == kernel), key=lambda r: r["us"])
@@ -150,35 +154,30 @@ def router(tokens: list[int]) -> list[dict]:
     from hybridkv.backends import triton_linear
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    base = dict(triton_moe._LINEAR_ROUTE)
     configs = [dict(BLOCK_N=bn, BLOCK_KD=bk, num_warps=4) for bn, bk in ((1, 2048), (2, 1024), (1, 1024), (4, 256))]
     # name, rows (experts + packed gates), experts, top-k, router, bias
     shapes = [("gpt_oss", 32, 32, 4, "topk_softmax", True), ("qwen3_next", 65, 64, 8, "softmax", False)]
     out = []
-    try:
-        for name, n, E, k, kind, bias in shapes:
-            w = (torch.randn(n, 2048, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            b = (torch.randn(n, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) if bias else None
-            kw = dict(num_experts=E, router=kind, top_k=k, renormalize=kind == "softmax")
-            for T in tokens:
-                x = torch.randn(T, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    for name, n, E, k, kind, bias in shapes:
+        w = (torch.randn(n, 2048, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        b = (torch.randn(n, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) if bias else None
+        kw = dict(num_experts=E, router=kind, top_k=k, renormalize=kind == "softmax")
+        for T in tokens:
+            x = torch.randn(T, 2048, device="cuda", generator=gen).to(torch.bfloat16)
 
-                def composite():
-                    logits = triton_linear.linear(x, w, b)
-                    return triton_moe.moe_route(logits[:, :E], router=kind, top_k=k,
-                                                renormalize=kind == "softmax")
+            def composite():
+                logits = triton_linear.linear(x, w, b)
+                return triton_moe.moe_route(logits[:, :E], router=kind, top_k=k, renormalize=kind == "softmax")
 
-                want = composite()[0]
-                row = {"family": name, "tokens": T, "linear + route us": graph_time_us([composite])}
-                for cfg in configs:
-                    triton_moe._LINEAR_ROUTE = cfg
-                    fn = lambda: triton_moe.linear_moe_route_triton(x, w, b, **kw)
+            want = composite()[0]
+            row = {"family": name, "tokens": T, "linear + route us": graph_time_us([composite])}
+            fn = lambda: triton_moe.linear_moe_route_triton(x, w, b, **kw)
+            for cfg in configs:
+                with _configured(_LINEAR_ROUTE=cfg):
                     row[f"fused {cfg['BLOCK_N']}x{cfg['BLOCK_KD']} same ids"] = bool(torch.equal(fn()[0], want))
                     row[f"fused {cfg['BLOCK_N']}x{cfg['BLOCK_KD']} us"] = graph_time_us([fn])
-                out.append(row)
-                print("router", row, flush=True)
-    finally:
-        triton_moe._LINEAR_ROUTE = base
+            out.append(row)
+            print("router", row, flush=True)
     return out
 
 

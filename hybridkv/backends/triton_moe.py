@@ -372,6 +372,16 @@ def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | Non
     return out if addend is None else out + gated_addend(addend, addend_gate)
 
 
+def _addend_args(addend: torch.Tensor | None, addend_gate: torch.Tensor | None, in_kernel: bool,
+                 fallback: torch.Tensor) -> dict:
+    """The down kernels' addend and gate-logit pointers and flags: the (gated) shared expert's output joins in the
+    kernel's store when ``in_kernel`` (``fallback`` where absent: never read)."""
+    has_add = addend is not None and in_kernel
+    has_gate = has_add and addend_gate is not None
+    return dict(add=addend if has_add else fallback, gl=addend_gate if has_gate else fallback, has_add=has_add,
+                has_gate=has_gate)
+
+
 def _bias_args(gate: torch.Tensor | None, up: torch.Tensor, gate_bias: torch.Tensor | None,
                up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, fallback: torch.Tensor) -> dict:
     """The kernels' bias pointers and strides (``fallback`` where a bias is absent: never read)."""
@@ -411,15 +421,12 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         ACT=_MOE_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"],
         **_GATE_UP, **pdl_kwargs(x.device))
     out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if finish else y
-    add_in_kernel = addend is not None and (k == 1 or finish)
-    add = addend if add_in_kernel else y
-    gl = addend_gate if add_in_kernel and addend_gate is not None else y
+    a = _addend_args(addend, addend_gate, k == 1 or finish, y)
     _down_kernel[(rows, n_blocks)](
-        h, flat_ids, flat_w, down, y, add, gl, b["db"], out, counters(x.device) if finish else flat_ids, dim, inter,
-        k, h.stride(0), down.stride(0), down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0),
-        out.stride(0), SCALE_INPUT=scale_input, HAS_ADD=add_in_kernel,
-        HAS_GATE=add_in_kernel and addend_gate is not None, HAS_BIAS=b["has_down"], FINISH=finish, **_DOWN,
-        **pdl_kwargs(h.device))
+        h, flat_ids, flat_w, down, y, a["add"], a["gl"], b["db"], out, counters(x.device) if finish else flat_ids,
+        dim, inter, k, h.stride(0), down.stride(0), down.stride(1), y.stride(0), a["add"].stride(0),
+        a["gl"].stride(0), b["db"].stride(0), out.stride(0), SCALE_INPUT=scale_input, HAS_ADD=a["has_add"],
+        HAS_GATE=a["has_gate"], HAS_BIAS=b["has_down"], FINISH=finish, **_DOWN, **pdl_kwargs(h.device))
     return out if finish else _finish(y, x, k, addend, addend_gate)
 
 
@@ -438,10 +445,7 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                                       biases=(gate_bias, up_bias, down_bias))
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
-    fused_add = addend is not None and k == 1
-    fused_gate = fused_add and addend_gate is not None
-    add = addend if fused_add else y
-    gl = addend_gate if fused_gate else y
+    a = _addend_args(addend, addend_gate, k == 1, y)
     chunk = max(1, _TILED_MAX_ROWS // k)               # tokens per launch
     up_cfg = _tiled_config("gate_up", _TILED_BLOCK_M, x.element_size())
     down_cfg = _tiled_config("down", _TILED_BLOCK_M, x.element_size())
@@ -455,11 +459,11 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
             **pdl_kwargs(x.device))
         _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, down_cfg["BLOCK_N"]))](
-            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], add[t0:t1] if fused_add else y,
-            gl[t0:t1] if fused_gate else y, b["db"], r1 - r0, dim, inter, h.stride(0), down.stride(0),
-            down.stride(1), y.stride(0), add.stride(0), gl.stride(0), b["db"].stride(0), SCALE_INPUT=scale_input,
-            HAS_ADD=fused_add, HAS_GATE=fused_gate, HAS_BIAS=b["has_down"], SLICE=_TILED_SLICE,
-            BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], a["add"][t0:t1] if a["has_add"] else y,
+            a["gl"][t0:t1] if a["has_gate"] else y, b["db"], r1 - r0, dim, inter, h.stride(0), down.stride(0),
+            down.stride(1), y.stride(0), a["add"].stride(0), a["gl"].stride(0), b["db"].stride(0),
+            SCALE_INPUT=scale_input, HAS_ADD=a["has_add"], HAS_GATE=a["has_gate"], HAS_BIAS=b["has_down"],
+            SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))
     return _finish(y, x, k, addend, addend_gate)
 
 
@@ -631,12 +635,12 @@ def linear_moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     logits = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     if num_tokens:
-        cfg = dict(_LINEAR_ROUTE)
-        _linear_route_kernel[(num_tokens, triton.cdiv(n, cfg["BLOCK_N"]))](
+        _linear_route_kernel[(num_tokens, triton.cdiv(n, _LINEAR_ROUTE["BLOCK_N"]))](
             x, weight, bias if bias is not None else weight, logits, counters(x.device),
             correction_bias if scoring == 2 else logits, ids, weights, x.shape[1], n, num_experts, x.stride(0),
             weight.stride(0), logits.stride(0), ids.stride(0), weights.stride(0), scaling, HAS_BIAS=bias is not None,
-            **_route_constexprs(scoring, num_experts, top_k, renormalize, scaling), **cfg, **pdl_kwargs(x.device))
+            **_route_constexprs(scoring, num_experts, top_k, renormalize, scaling), **_LINEAR_ROUTE,
+            **pdl_kwargs(x.device))
     return ids, weights, logits
 
 

@@ -135,10 +135,9 @@ class GatedDeltaNetLayer(StateSlotMixer):
         super().__init__(cache_name=cache_name)
         self.cfg = cfg
         nk, nv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        self.rep = nv // nk                                   # value heads per key head
         what = f"{cache_name} GatedDeltaNet.num_k_heads"
         self.num_k_heads = Split(nk, nk, what=what).local_size(tp.size)
-        self.num_v_heads = self.num_k_heads * self.rep
+        self.num_v_heads = self.num_k_heads * (nv // nk)      # the value heads its key heads serve
         self.key_dim, self.value_dim = self.num_k_heads * dk, self.num_v_heads * dv
         keys, values = Split(cfg.key_dim, nk, what=what), Split(cfg.value_dim, nk, what=what)
         heads = Split(nv, nk, what=what)
@@ -232,7 +231,6 @@ class GatedDeltaNetLayer(StateSlotMixer):
         y = be.gated_rms_norm(o.reshape(n * self.num_v_heads, dv), z.reshape(n * self.num_v_heads, dv),
                               self.norm.weight, n_groups=1, eps=self.cfg.norm_eps, norm_before_gate=True)
         return self.out_proj(y.view(n, self.value_dim))
-
 
 
 def qwen3_next_rows(weight: torch.Tensor, part: str, cfg: GatedDeltaNet) -> torch.Tensor:

@@ -122,8 +122,9 @@ class DecayMixerConfig(RecurrentMixerConfig):
         return ssm_parameter_init(name, shape, gen)
 
 
-# The hooks every kind has (``init_parameter`` has a default); the registry refuses a kind missing one.
-MIXER_HOOKS = ("cache_spec", "check_tensor_parallel", "matrix_elements", "build", "init_parameter")
+# The hooks every kind has (``init_parameter`` and ``saved_fields`` have defaults); the registry refuses a kind
+# missing one.
+MIXER_HOOKS = ("cache_spec", "check_tensor_parallel", "matrix_elements", "build", "init_parameter", "saved_fields")
 
 _KINDS: dict[str, type[MixerConfig]] = {}
 
