@@ -332,9 +332,11 @@ _MOE_FOR_HOPPER = """
 from hybridkv.backends import triton_moe as mod
 
 for name, fn, cfg, extra in (
-        ("gate_up", mod._gate_up_kernel, mod._GATE_UP, dict(ACT=4, GATED=True)),
-        ("down", mod._down_kernel, mod._DOWN, dict(HAS_ADD=True, HAS_GATE=True, FINISH=False)),
-        ("down slots", mod._down_kernel, mod._DOWN, dict(HAS_ADD=True, HAS_GATE=True, FINISH=True)),
+        ("gate_up", mod._gate_up_kernel, mod._GATE_UP["wide"], dict(ACT=4, GATED=True)),
+        ("gate_up narrow", mod._gate_up_kernel, mod._GATE_UP["narrow"], dict(ACT=0, GATED=True)),
+        ("down", mod._down_kernel, mod._DOWN["wide"], dict(HAS_ADD=True, HAS_GATE=True, FINISH=False)),
+        ("down slots", mod._down_kernel, mod._DOWN["wide"], dict(HAS_ADD=True, HAS_GATE=True, FINISH=True)),
+        ("down slots narrow", mod._down_kernel, mod._DOWN["narrow"], dict(HAS_ADD=True, HAS_GATE=True, FINISH=True)),
         ("gate_up tiled", mod._gate_up_tiled_kernel.graph, mod._TILED_GATE_UP, dict(ACT=4, GATED=True)),
         ("down tiled", mod._down_tiled_kernel.graph, mod._TILED_DOWN, dict(HAS_ADD=True, HAS_GATE=True))):
     consts = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
@@ -360,4 +362,4 @@ def test_kernels_compile_for_hopper() -> None:
     GEMV's slot sum included, and the router's projection with the routing."""
     from _triton import build_for_hopper
 
-    assert build_for_hopper(_MOE_FOR_HOPPER).count("compiled") == 6
+    assert build_for_hopper(_MOE_FOR_HOPPER).count("compiled") == 8

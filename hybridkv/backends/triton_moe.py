@@ -56,12 +56,23 @@ from hybridkv.layers.ops.fused_ref import ROUTERS, gated_addend, moe_route_ref
 __all__ = ["linear_moe_route", "linear_moe_route_triton", "moe_experts_gemv", "moe_experts_tiled", "moe_route",
            "moe_route_triton"]
 
-# The best of an H100 sweep (expert shapes 2048x2048 and 5120x8192, 1-8 rows): few output channels per program
-# keep enough programs in flight to saturate memory; 16 ran at half the bandwidth. Re-swept on an H200 at one token
-# (``benchmarks/gpu_moe.py --sweep-gemv``): the down kernel's 256-wide K steps beat 512 (gpt-oss-like experts
-# 33.1 -> 31.9 µs per layer, Qwen3-Next-like 21.0 -> 19.4); stages change nothing (the loops do not pipeline).
-_GATE_UP = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=3)
-_DOWN = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=1)
+# GEMV launch configurations by the experts' intermediate size (``_gemv_width``): few output channels per program
+# keep enough programs in flight to saturate memory (16 ran at half the bandwidth on an H100); stages change
+# nothing (the loops do not pipeline). The best of an H200 sweep at one token over rows per program, K step and
+# warps (``benchmarks/gpu_moe.py --sweep-gemv``; layer = gate_up + down): "wide" experts (gpt-oss-like,
+# 2048 x 2048, top-4) take 2 rows in 512-wide K steps on 2 warps, 31.5 -> ~30.2 µs a layer; "narrow" ones
+# (Qwen3-Next-like, 512 x 2048, top-8) 2 rows in 1024-wide steps for gate_up and 8 rows in 256-wide steps for
+# down, 20.0 -> ~17.2 µs.
+_GATE_UP = {"wide": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=1),
+            "narrow": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1)}
+_DOWN = {"wide": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=1),
+         "narrow": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=1)}
+
+
+def _gemv_width(inter: int) -> str:
+    return "wide" if inter >= 1024 else "narrow"
+
+
 # Tiled kernels: the best of an H100 sweep of the masked-M-tile form (16-128 assignments of 2048x2048 experts);
 # with an expert's own rows per tile they read the weights at ~96% of the copy bandwidth (H200, 32 tokens x top-4 of
 # 32 gpt-oss-like experts: 198 us, ``benchmarks/gpu_moe.py``), so the configuration is not re-swept yet.
@@ -411,22 +422,23 @@ def moe_experts_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         return y.view(num_tokens, dim).to(x.dtype)
     g = gate if gate is not None else up
     b = _bias_args(gate, up, gate_bias, up_bias, down_bias, x)
-    n_blocks = triton.cdiv(dim, _DOWN["BLOCK_N"])
+    up_cfg, down_cfg = _GATE_UP[_gemv_width(inter)], _DOWN[_gemv_width(inter)]
+    n_blocks = triton.cdiv(dim, down_cfg["BLOCK_N"])
     # several slots: the down kernel's last program per (token, block) sums them, while the counters cover the
     # batch (decode sizes, what ``auto`` gives it); a larger forced batch sums them after, as the tiled path does
     finish = k > 1 and num_tokens * n_blocks <= MAX_COUNTERS
-    _gate_up_kernel[(rows, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
+    _gate_up_kernel[(rows, triton.cdiv(inter, up_cfg["BLOCK_N"]))](
         x, flat_ids, flat_w, g, up, h, b["gb"], b["ub"], dim, inter, k, float(alpha), float(limit), x.stride(0),
         g.stride(0), g.stride(1), up.stride(0), up.stride(1), h.stride(0), b["gb"].stride(0), b["ub"].stride(0),
         ACT=_MOE_ACT_IDS[activation], GATED=gate is not None, SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"],
-        **_GATE_UP, **pdl_kwargs(x.device))
+        **up_cfg, **pdl_kwargs(x.device))
     out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if finish else y
     a = _addend_args(addend, addend_gate, k == 1 or finish, y)
     _down_kernel[(rows, n_blocks)](
         h, flat_ids, flat_w, down, y, a["add"], a["gl"], b["db"], out, counters(x.device) if finish else flat_ids,
         dim, inter, k, h.stride(0), down.stride(0), down.stride(1), y.stride(0), a["add"].stride(0),
         a["gl"].stride(0), b["db"].stride(0), out.stride(0), SCALE_INPUT=scale_input, HAS_ADD=a["has_add"],
-        HAS_GATE=a["has_gate"], HAS_BIAS=b["has_down"], FINISH=finish, **_DOWN, **pdl_kwargs(h.device))
+        HAS_GATE=a["has_gate"], HAS_BIAS=b["has_down"], FINISH=finish, **down_cfg, **pdl_kwargs(h.device))
     return out if finish else _finish(y, x, k, addend, addend_gate)
 
 
