@@ -2,7 +2,7 @@
 
     python benchmarks/prefix_caching.py [--families llama4,gemma3,mamba2,nemotronh]
                                         [--workloads shared,repeat,chat,none] [--requests 256]
-                                        [--kv-memory 24GiB] [--tiny]
+                                        [--kv-memory 24GiB] [--host-cache-memory 32GiB] [--tiny]
     # writes benchmarks/results/prefix_caching.json
 
 Models: the random-init ~1B models of ``gpu_decode.py`` (Llama-4-like: chunked local + global; Gemma-3-like:
@@ -80,11 +80,13 @@ class NoModel:
 class Simulated:
     """What the workloads use of ``LLM``, over an engine with ``NoModel``: the real scheduler and coordinator."""
 
-    def __init__(self, family: str, *, caching: bool, kv_memory: int, requests: int, step_tokens: int | None) -> None:
+    def __init__(self, family: str, *, caching: bool, kv_memory: int, requests: int, step_tokens: int | None,
+                 host_cache_memory: int = 0) -> None:
         config, _ = hf_config(family, False)
         step = step_tokens or 8192                          # LLM's default for these models' 16k context
         self.plan = plan_for(config.to_dict(), kv_memory=kv_memory, max_num_seqs=requests, kv_dtype="bfloat16",
-                             max_num_batched_tokens=step, enable_prefix_caching=caching)
+                             max_num_batched_tokens=step, enable_prefix_caching=caching,
+                             host_cache_memory=host_cache_memory)
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=config.vocab_size, eos_token_ids=()))
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=requests, max_num_batched_tokens=step,  # type: ignore[arg-type]
                                 enable_prefix_caching=caching, runner=NoModel(self.plan, config.vocab_size))
@@ -107,9 +109,10 @@ class Simulated:
 
 
 def build(family: str, *, tiny: bool, caching: bool, kv_memory: int, requests: int, step_tokens: int | None,
-          simulate: bool = False) -> LLM | Simulated:
+          simulate: bool = False, host_cache_memory: int = 0) -> LLM | Simulated:
     if simulate:
-        return Simulated(family, caching=caching, kv_memory=kv_memory, requests=requests, step_tokens=step_tokens)
+        return Simulated(family, caching=caching, kv_memory=kv_memory, requests=requests, step_tokens=step_tokens,
+                         host_cache_memory=host_cache_memory)
     config, cls = hf_config(family, tiny)
     torch.manual_seed(0)
     device = "cpu" if tiny else "cuda"
@@ -120,7 +123,8 @@ def build(family: str, *, tiny: bool, caching: bool, kv_memory: int, requests: i
         del hf
         return LLM(tmp, device=device, dtype=torch.float32 if tiny else torch.bfloat16,
                    backend="torch" if tiny else "triton", kv_cache_memory=kv_memory, max_num_seqs=requests,
-                   max_num_batched_tokens=step_tokens, enable_prefix_caching=caching)
+                   max_num_batched_tokens=step_tokens, enable_prefix_caching=caching,
+                   host_cache_memory=host_cache_memory)
 
 
 def aligned(n: int, bs: int) -> int:
@@ -204,6 +208,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--requests", type=int, default=None, help="N (default 256; 16 with --tiny)")
     ap.add_argument("--kv-memory", default=None, help="KV budget (default 24GiB; 64MiB with --tiny)")
+    ap.add_argument("--host-cache-memory", default="0",
+                    help="host memory for recurrent-state checkpoints the device slots evict (e.g. 32GiB)")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="max_num_batched_tokens (default: the engine's; 128 with --tiny)")
     ap.add_argument("--tiny", action="store_true")
@@ -220,7 +226,8 @@ def main() -> None:
         results: dict[bool, dict[str, Result]] = {}
         for caching in (True, False):
             llm = build(family, tiny=args.tiny, caching=caching, kv_memory=kv_memory, requests=n,
-                        step_tokens=args.step_tokens or (128 if args.tiny else None), simulate=args.simulate)
+                        step_tokens=args.step_tokens or (128 if args.tiny else None), simulate=args.simulate,
+                        host_cache_memory=parse_bytes(args.host_cache_memory))
             vocab, bs = llm.model.config.vocab_size, llm.plan.block_size
             if caching:
                 print(f"{family}: {llm.plan.summary()}")
@@ -260,6 +267,7 @@ def main() -> None:
         commit = ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=device, commit=commit, requests=n, kv_memory=kv_memory,
+                                        host_cache_memory=parse_bytes(args.host_cache_memory),
                                         tiny=args.tiny, simulate=args.simulate, rows=rows), indent=1))
 
 

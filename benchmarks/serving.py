@@ -1,7 +1,8 @@
 """Serving-shaped traffic: what users run, against the workload's physical floor and HF's own engine.
 
     python benchmarks/serving.py [--models llama4,gemma3,mamba2,nemotronh] [--workloads ...]
-                                 [--hf-models gemma3] [--kv-memory 24GiB] [--step-trace] [--save] [--tiny]
+                                 [--hf-models gemma3] [--kv-memory 24GiB] [--host-cache-memory 32GiB]
+                                 [--step-trace] [--save] [--tiny]
 
 Models: the ~1B random-init mixes of ``gpu_decode.py`` (Llama-4-like, Gemma-3-like, Mamba2, NemotronH-like),
 built by transformers, saved with ``save_pretrained`` and loaded by hybridkv (bf16, triton backend).
@@ -23,6 +24,9 @@ physical floor: prefill FLOPs of the tokens no cache can serve (2 x active param
 bf16 matmul rate + decode bytes (weights per step, KV read, Mamba state read and written) / measured copy
 bandwidth. HF transformers' continuous-batching engine (``generate_batch``, same weights, same prompts) is
 the peer on ``mixed`` for ``--hf-models``.
+
+The Mamba models keep the prefix-cache checkpoints their device slots evict in ``--host-cache-memory`` of host
+memory (default 32 GiB: 24 GiB hold too few 65 MiB Mamba2 states for a repeat of 256 distinct prompts).
 
 Writes ``benchmarks/out/serving.json`` (``--save``: the tracked ``benchmarks/results/serving.json``).
 ``--tiny`` runs tiny models on the CPU: a smoke test of the script (numbers meaningless).
@@ -272,6 +276,7 @@ def run_pass(llm, w: Workload, seed: int, vocab: int, tiny: bool, compiles: Comp
 
     params = SamplingParams(temperature=0.0, max_tokens=w.new_tokens, ignore_eos=True)
     before = llm.stats()
+    ckpt_before = llm.engine.coordinator.checkpoint_stats()
     n_compiled = len(compiles.names)
     answers_per_turn = []
     sync(device)
@@ -290,7 +295,12 @@ def run_pass(llm, w: Workload, seed: int, vocab: int, tiny: bool, compiles: Comp
     out_tokens = sum(len(a) for turn in answers_per_turn for a in turn)
     reusable = sum(sum(r) for r in w.reusable)
     hit = after.prefix_hit_tokens - before.prefix_hit_tokens
-    return {"wall_s": wall, "steps": after.steps - before.steps, "prompt_tokens": prompt_tokens,
+    ckpt = llm.engine.coordinator.checkpoint_stats()
+    moved = {} if ckpt is None else {          # Mamba checkpoints: written, moved to host memory, lost
+        "checkpoints_written": ckpt.written - ckpt_before.written,
+        "checkpoints_to_host": ckpt.demoted - ckpt_before.demoted,
+        "checkpoints_lost": ckpt.evicted - ckpt_before.evicted}
+    return {**moved, "wall_s": wall, "steps": after.steps - before.steps, "prompt_tokens": prompt_tokens,
             "output_tokens": out_tokens, "in_tok_s": prompt_tokens / wall, "out_tok_s": out_tokens / wall,
             "hit_tokens": hit, "reusable_tokens": reusable, "hit_of_reusable": hit / reusable if reusable else None,
             "preemptions": after.preemptions - before.preemptions,
@@ -368,7 +378,7 @@ def bench_model(family: str, args, device, dtype, bw: float, mm: float, compiles
     long_len = (33 << 10) if not args.tiny else 600
     max_len = args.max_model_len or (long_len if "long" in workloads else (4096 if not args.tiny else 256))
     kw = dict(dtype=dtype, device=str(device), backend=args.backend, kv_cache_memory=args.kv_memory,
-              max_model_len=max_len, max_num_seqs=args.max_num_seqs)
+              host_cache_memory=args.host_cache_memory, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
     model = None
     for caching in (True, False):
         t0 = time.perf_counter()
@@ -483,6 +493,8 @@ def main() -> None:
     ap.add_argument("--hf-models", default="gemma3", help="models HF generate_batch runs mixed on ('' = none)")
     ap.add_argument("--hf-requests", type=int, default=256, help="the first N mixed prompts for HF")
     ap.add_argument("--kv-memory", default="24GiB")
+    ap.add_argument("--host-cache-memory", default="32GiB",
+                    help="host memory for the Mamba checkpoints the device slots evict ('0': none)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: 33792 with the long workload, else 4096 (it sets the step token budget too)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -500,7 +512,7 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
-        args.backend, args.kv_memory, args.max_num_seqs = "torch", "256MiB", 32
+        args.backend, args.kv_memory, args.max_num_seqs, args.host_cache_memory = "torch", "256MiB", 32, "256MiB"
     compiles = CompileCounter()
     if args.startup_only:
         for family in args.models.split(","):
@@ -509,7 +521,8 @@ def main() -> None:
     bw, mm = (copy_bandwidth(device), matmul_rate(device)) if device.type == "cuda" else (50e9, 1e12)
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
             "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "matmul_tflops": mm / 1e12,
-            "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs, "backend": args.backend,
+            "kv_memory": args.kv_memory, "host_cache_memory": args.host_cache_memory,
+            "max_num_seqs": args.max_num_seqs, "backend": args.backend,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import transformers

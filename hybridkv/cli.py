@@ -117,6 +117,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="tokens per request (default: the model's max positions)")
     parser.add_argument("--kv-memory", default="40GiB", help="KV-cache budget, e.g. 40GiB (default: 40GiB)")
+    parser.add_argument("--host-cache-memory", default="0",
+                        help="host memory for more recurrent-state prefix-cache checkpoints, e.g. 32GiB (default: 0)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default: 16)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None,
                         help="cap on concurrent requests")
@@ -157,7 +159,7 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan]:
     result = plan(config, max_model_len=args.max_model_len, kv_memory=args.kv_memory,
                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, host_cache_memory=args.host_cache_memory)
     report = {"model": str(args.config), "architecture": config.architecture,
               "num_layers": len(config.layers), **result.to_dict()}
     if args.tensor_parallel_size > 1:      # byte figures above are one GPU's (its shard of every request)
@@ -216,7 +218,10 @@ def _print_tables(report: dict[str, Any], result: KVCachePlan) -> None:
         ("block pool", f"{report['num_blocks']} blocks x {format_bytes(report['page_bytes'])} "
                        f"({_page_layers(report)} layers x {report['block_size']} tokens)"
                        if report["num_blocks"] else "none (no attention layers)"),
-        ("state slots", f"{report['num_state_slots']} ({report['num_checkpoint_slots']} checkpoint)"),
+        ("state slots", f"{report['num_state_slots']} ({report['num_checkpoint_slots']} checkpoint)"
+                        + (f" + {report['num_host_checkpoint_slots']} checkpoint in host memory "
+                           f"({format_bytes(report['host_checkpoint_bytes'])})"
+                           if report["num_host_checkpoint_slots"] else "")),
         ("step reserve (prefill chunks)", f"{report['reserved_step_blocks']} blocks"),
         ("allocated", f"{format_bytes(report['allocated_bytes'])} of {format_bytes(report['budget_bytes'])}"),
         ("padding bytes", str(report["padding_bytes"])),

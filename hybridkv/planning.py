@@ -71,6 +71,7 @@ def plan(
     kv_dtype: str | torch.dtype | None = None,
     tensor_parallel_size: int = 1,
     enable_prefix_caching: bool = True,
+    host_cache_memory: int | str = 0,
 ) -> KVCachePlan:
     """Split ``kv_memory`` (bytes, or a size such as "40GiB") into the block and state-slot pools and
     report how many ``max_model_len``-token requests fit (default: the model's max positions).
@@ -81,7 +82,7 @@ def plan(
     byte figure is per GPU (its shard of each request), and the concurrency is the whole group's (every
     rank holds a shard of every running request, so all ranks admit the same requests). With prefix caching
     (and Mamba layers) the plan holds the engine's checkpoint slots (``checkpoint_slots``; ``max_num_seqs``
-    defaults to the engine's 256 there)."""
+    defaults to the engine's 256 there), and ``host_cache_memory`` adds checkpoint slots in host memory."""
     config = load_model_config(model)
     length = config.max_position_embeddings if max_model_len is None else max_model_len
     specs = config.kv_specs(block_size=block_size, kv_dtype=_torch_dtype(kv_dtype),
@@ -92,4 +93,5 @@ def plan(
     checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS) \
         if enable_prefix_caching else 0
     return plan_kv_cache(specs, max_model_len=length, kv_memory=budget, max_num_seqs=max_num_seqs,
-                         step_tokens=max_num_batched_tokens, num_checkpoint_slots=checkpoints)
+                         step_tokens=max_num_batched_tokens, num_checkpoint_slots=checkpoints,
+                         host_checkpoint_memory=parse_bytes(host_cache_memory))

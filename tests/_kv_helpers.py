@@ -45,14 +45,16 @@ def mamba(bs: int = 4, *, shapes: tuple[tuple[int, ...], ...] = ((3, 4), (2, 2))
 
 
 def small_plan(layer_specs: dict[str, KVCacheSpec], *, num_blocks: int, num_working_slots: int = 4,
-               num_checkpoint_slots: int = 0, max_model_len: int = 64, step_tokens: int | None = None) -> KVCachePlan:
+               num_checkpoint_slots: int = 0, max_model_len: int = 64, step_tokens: int | None = None,
+               num_host_slots: int = 0) -> KVCachePlan:
     """A plan with exactly ``num_blocks`` pool blocks (null included) and the given slot counts."""
     plan = plan_kv_cache(layer_specs, max_model_len=max_model_len, kv_memory=1 << 30, max_num_seqs=4,
                          num_checkpoint_slots=num_checkpoint_slots, step_tokens=step_tokens)
     has_mamba = bool(plan.mamba_groups)
     return dataclasses.replace(
         plan, num_blocks=num_blocks if plan.attention_groups else 0,
-        num_state_slots=(1 + num_checkpoint_slots + num_working_slots) if has_mamba else 0)
+        num_state_slots=(1 + num_checkpoint_slots + num_working_slots) if has_mamba else 0,
+        num_host_checkpoint_slots=num_host_slots if has_mamba and num_checkpoint_slots else 0)
 
 
 def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
@@ -72,7 +74,8 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
     if c.slots and c.state:
         s = c.slots
         out += [list(s._free), dict(s._ckpt), list(s._pins), list(s._wants), [list(q) for q in s._lru],
-                dict(c.state._copies), [a.tobytes() for a in c.state.row_arrays()]]
+                [list(q) for q in s._host_lru], list(s._free_host), dict(c.state._copies),
+                [a.tobytes() for a in c.state.row_arrays()]]
     return out
 
 

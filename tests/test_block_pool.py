@@ -139,6 +139,40 @@ def test_checkpoints_lru_with_pins() -> None:
     s.check_invariants()
 
 
+def test_host_tier_keeps_what_the_device_slots_evict() -> None:
+    s = StateSlotPool(4, 2, num_host_slots=2)   # working 1, checkpoints 2-3, host checkpoints 4-5
+    a, _ = s.store_checkpoint("a")
+    b, _ = s.store_checkpoint("b")
+    assert s.take_demotions() == []
+    c, new_c = s.store_checkpoint("c")          # a (least recently used) moves to host slot 5 (4 goes last)
+    assert c == a and new_c and s.take_demotions() == [(a, 4)]
+    assert s.lookup_checkpoint("a") == 4 and s.is_host(4) and not s.is_host(c)
+    assert s.store_checkpoint("a") == (4, False)     # stored (in host memory): nothing to copy
+    s.pin(4)                                         # a hit on it waits for its copy
+    d, _ = s.store_checkpoint("d")                   # b moves to host slot 5
+    assert d == b and s.take_demotions() == [(b, 5)]
+    s.store_checkpoint("e")                          # c: the host tier is full, a pinned: b is lost
+    assert s.take_demotions() == [(c, 5)] and s.lookup_checkpoint("b") == 0
+    assert s.num_demoted == 3 and s.num_evicted == 1 and s.num_host_checkpoints == 2
+    assert set(s.checkpoints()) == {"a", "c", "d", "e"}
+    s.unpin(4)
+    s.want(5)                                        # a waiting request means to start from c
+    s.store_checkpoint("f")                          # d moves to host memory: a (no longer pinned) makes room
+    assert s.take_demotions() == [(d, 4)]
+    assert s.lookup_checkpoint("a") == 0 and s.lookup_checkpoint("c") == 5 and s.num_evicted == 2
+    s.check_invariants()
+
+
+def test_host_tier_needs_device_checkpoints() -> None:
+    with pytest.raises(ValueError, match="host"):
+        StateSlotPool(4, 0, num_host_slots=2)
+    s = StateSlotPool(4, 2)                          # no host tier: the evicted checkpoint is lost
+    s.store_checkpoint("a")
+    s.store_checkpoint("b")
+    s.store_checkpoint("c")
+    assert s.take_demotions() == [] and s.num_evicted == 1 and s.lookup_checkpoint("a") == 0
+
+
 K = CheckpointKind
 
 

@@ -111,7 +111,7 @@ class Oracle:
             for _ in range(d.int(1, 2)):
                 layers[f"layer{len(layers)}"] = spec
         self.plan = small_plan(layers, num_blocks=d.int(2, 64), num_working_slots=d.int(1, 4),
-                               num_checkpoint_slots=d.int(0, 4), max_model_len=MAX_LEN)
+                               num_checkpoint_slots=d.int(0, 4), max_model_len=MAX_LEN, num_host_slots=d.int(0, 3))
         self.c = KVCacheCoordinator(self.plan, enable_prefix_caching=d.int(0, 3) > 0,
                                     max_num_reqs=d.int(1, 5), hash_algorithm=d.choice(["builtin", "blake2b"]))
         self.bases = [tokens(d, 4, 28) for _ in range(d.int(1, 3))]
@@ -150,6 +150,14 @@ class Oracle:
         if c.state:
             src, dst = c.take_state_copies()
             assert np.unique(dst).size == dst.size
+            host = c.slots.num_slots
+            # the runner copies to host memory first and from it last: no host slot may be both in one batch
+            assert not set(src[src >= host].tolist()) & set(dst[dst >= host].tolist()), "host slot read and written"
+            assert not ((src >= host) & (dst >= host)).any(), "a host -> host copy"
+            if (dst >= host).any():
+                self.events["host memory: checkpoint moved there"] += 1
+            if (src >= host).any():
+                self.events["host memory: a hit copied from there"] += 1
             apply_copies(self.states, src, dst)
             slot = c.mamba_slot(rid)
             assert slot != 0
@@ -378,7 +386,8 @@ def test_random_sequences_reach_every_case() -> None:
     hit_kinds = {k for name in totals if name.startswith("hit ") and name != "hit with skipped entries"
                  for k in name[4:].split("+")}
     assert hit_kinds == {"full", "sliding_window", "chunked_local", "mamba"}, totals
-    for name in ("hit with skipped entries", "allocate failed", "allocate_batch failed"):
+    for name in ("hit with skipped entries", "allocate failed", "allocate_batch failed",
+                 "host memory: checkpoint moved there", "host memory: a hit copied from there"):
         assert totals[name] > 0, totals
 
 

@@ -110,7 +110,7 @@ def test_to_dict_keys() -> None:
     assert set(d) == {
         "max_model_len", "step_tokens", "budget_bytes", "allocated_bytes", "block_size", "layers_per_block",
         "page_bytes", "num_blocks", "num_state_slots", "num_checkpoint_slots", "checkpoint_bytes",
-        "reserved_step_blocks", "groups",
+        "num_host_checkpoint_slots", "host_checkpoint_bytes", "num_staging_slots", "reserved_step_blocks", "groups",
         "bytes_per_request_max", "bytes_per_request_if_all_full_attention", "padding_bytes",
         "kv_shared_layers", "kv_shared_bytes_per_request", "max_concurrent_requests",
         "max_concurrent_requests_if_all_full_attention", "concurrency_vs_all_full_attention"}

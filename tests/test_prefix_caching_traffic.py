@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.engine import LLMEngine
@@ -27,6 +28,7 @@ from hybridkv.models.hybrid import HybridModel, build_model
 VOCAB = 61
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream of the host copies needs a GPU")
 
 
 def config(mix: str) -> HybridConfig:
@@ -208,6 +210,77 @@ def test_too_few_checkpoint_slots_degrade_hits_not_outputs(models, caplog) -> No
     assert 0 < hits_few < hits_full
     assert logs_full == 0 and logs_few == 1
     assert stats_few.slots == 3 and stats_few.evicted + stats_few.refused > 0
+
+
+@pytest.mark.parametrize(("mix", "device"), [("mamba", "cpu"), pytest.param("gated_deltanet", "cpu",
+                                                                         marks=pytest.mark.slow),
+                                             pytest.param("mamba", "cuda", marks=NEEDS_GPU)])
+def test_host_memory_keeps_the_checkpoints_the_device_slots_evict(models, mix: str, device: str) -> None:
+    """Repeat traffic with 3 device checkpoint slots and a host tier: the evicted checkpoints move to host memory
+    and the repeats hit them there (copied back into the working slots), as with the planned device slots."""
+    model = models[mix] if device == "cpu" else build_model(config(mix), seed=1).to(device)
+    rng_state = np.random.default_rng(11)
+    prompts = [rng_state.integers(1, VOCAB, int(rng_state.integers(10, 50))).tolist() for _ in range(8)]
+    want = tokens(make_llm(model, False, device=device).generate(prompts, GREEDY, use_tqdm=False)) * 2
+    llm = make_llm(model, True, device=device)
+    plan = dataclasses.replace(llm.plan, num_checkpoint_slots=3, num_host_checkpoint_slots=16, num_staging_slots=2,
+                               num_state_slots=llm.plan.num_state_slots - llm.plan.num_checkpoint_slots + 3)
+    llm.engine = LLMEngine(model, plan, max_num_seqs=16, max_num_batched_tokens=32, backend="torch")
+    llm.front = EngineFront(llm.engine)
+    outs = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    before = llm.stats().prefix_hit_tokens
+    outs += tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    stats = llm.engine.coordinator.checkpoint_stats()
+    assert outs == want
+    assert llm.stats().prefix_hit_tokens - before >= 0.9 * sum(aligned(len(p) - 1) for p in prompts)
+    assert stats.slots == 3 and stats.host_slots == 16 and stats.demoted > 0 and stats.host_stored > 0
+    assert stats.evicted == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_GPU)])
+def test_runner_copies_read_every_source_before_the_batch(models, device: str) -> None:
+    """``ModelRunner.copy_states`` with device and host slots in one batch equals copying from a snapshot: a
+    device slot moved to host memory and overwritten, a working slot read by a store and refilled from host;
+    two staging rows, so three moves each way run in rounds."""
+    model = models["mamba"] if device == "cpu" else build_model(config("mamba"), seed=1).to(device)
+    plan = dataclasses.replace(make_llm(models["mamba"], True).plan, num_host_checkpoint_slots=6,
+                               num_staging_slots=2)
+    runner = LLMEngine(model, plan, max_num_seqs=16, max_num_batched_tokens=32, backend="torch").runner
+    host, n = runner.host_checkpoints, plan.num_state_slots
+    device_states = [t for g in plan.mamba_groups for name in g.layer_names for t in runner.caches[name]]
+    gen = torch.Generator().manual_seed(0)
+    for t in device_states:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    for j in range(6):
+        for t in host.states_of(n + j):
+            t.copy_(torch.randn(t.shape, generator=gen))
+
+    def slot(i: int) -> list[torch.Tensor]:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return [t[i].cpu().clone() for t in device_states] if i < n else [t.clone() for t in host.states_of(i)]
+
+    ckpt, work = n - 1, 1                       # a checkpoint slot and a working slot
+    copies = [(ckpt, n), (work, ckpt), (n + 1, work), (n + 2, 2), (n - 2, n + 3), (3, n + 4), (n + 5, 4)]
+    want = {d: slot(s) for s, d in copies}
+    runner.copy_states(copies)
+    for d, tensors in want.items():
+        for got, expected in zip(slot(d), tensors, strict=True):
+            assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="host -> host"):
+        runner.copy_states([(n, n + 1)])
+
+
+def test_host_cache_memory_sizes_the_host_tier(models) -> None:
+    state_bytes = make_llm(models["mamba"], True).plan.state_bytes_per_slot
+    plan = make_llm(models["mamba"], True, host_cache_memory=10 * state_bytes + 1).plan
+    assert plan.num_host_checkpoint_slots == 10 and plan.host_checkpoint_bytes == 10 * state_bytes
+    assert "10 checkpoint slots in host memory" in plan.summary()
+    assert plan.allocated_bytes <= plan.budget_bytes                  # not part of the device budget
+    assert make_llm(models["mamba"], False, host_cache_memory=1 << 20).plan.num_host_checkpoint_slots == 0
+    assert make_llm(models["sliding"], True, host_cache_memory=1 << 20).plan.num_host_checkpoint_slots == 0
+    with pytest.raises(ValueError, match="host_cache_memory"):
+        make_llm(models["mamba"], True, host_cache_memory="-1GiB")
 
 
 def test_plan_shows_the_checkpoint_memory(models) -> None:

@@ -38,7 +38,10 @@ class EngineConfig:
 
     ``device`` "auto" is CUDA when available; ``dtype`` "auto" is the checkpoint's dtype on CUDA and fp32 on
     the CPU. ``kv_cache_memory``: bytes or a size ("4GiB") for the KV cache and Mamba states (None: 80% of
-    free GPU memory, or 10% of available RAM up to 4 GiB). ``block_size`` None: 16, or what every chunked
+    free GPU memory, or 10% of available RAM up to 4 GiB). ``host_cache_memory``: bytes or a size of host
+    memory (pinned, on CUDA) for more prefix-cache checkpoints of recurrent states (Mamba, DeltaNet, ...): the
+    device's checkpoint slots move what they evict there, and a hit copies it back (0: none; only with prefix
+    caching and recurrent layers). ``block_size`` None: 16, or what every chunked
     layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
     ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step.
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
@@ -54,6 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | str | None = None
+    host_cache_memory: int | str = 0
     enable_prefix_caching: bool = True
     backend: str | KernelBackend = "auto"             # a registered name, or a backend object built by hand
     seed: int = 0
@@ -129,6 +133,15 @@ class EngineConfig:
                         errors.append(f"kv_cache_memory must be positive, got {memory!r}")
                 except ValueError as err:
                     errors.append(f"kv_cache_memory: {err}")
+        memory = self.host_cache_memory
+        if isinstance(memory, bool) or not isinstance(memory, int | str):
+            errors.append(f"host_cache_memory must be bytes (an int) or a size like '32GiB', got {memory!r}")
+        else:
+            try:
+                if parse_bytes(memory) < 0:
+                    errors.append(f"host_cache_memory must be >= 0, got {memory!r}")
+            except ValueError as err:
+                errors.append(f"host_cache_memory: {err}")
         return errors
 
     # -- derived settings ---------------------------------------------------------------------------
@@ -180,4 +193,5 @@ class EngineConfig:
         checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=self.max_num_seqs) \
             if self.enable_prefix_caching else 0
         return plan_kv_cache(specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=self.max_num_seqs,
-                             step_tokens=self.step_tokens(max_model_len), num_checkpoint_slots=checkpoints)
+                             step_tokens=self.step_tokens(max_model_len), num_checkpoint_slots=checkpoints,
+                             host_checkpoint_memory=parse_bytes(self.host_cache_memory))

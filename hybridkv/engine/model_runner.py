@@ -21,6 +21,7 @@ import torch
 from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group_inputs, build_mamba_inputs
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
+from hybridkv.engine.host_checkpoints import HostCheckpoints
 from hybridkv.engine.mixed_graphs import MixedStepGraphs, mixed_buckets, unsupported_for_mixed_graphs
 from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
@@ -169,6 +170,15 @@ class ModelRunner:
             self.caches = allocate_kv_cache(plan, device=self.device)
         except torch.OutOfMemoryError as e:
             raise MemoryError(out_of_memory_message("the KV cache", plan.allocated_bytes, self.device)) from e
+        self.host_checkpoints: HostCheckpoints | None = None
+        if plan.num_host_checkpoint_slots:
+            try:
+                self.host_checkpoints = HostCheckpoints(plan, self.caches, self.device)
+            except RuntimeError as e:    # (page-locking fails with a RuntimeError where the host cannot)
+                raise MemoryError(f"could not allocate {format_bytes(plan.host_checkpoint_bytes)} of host memory "
+                                  f"for prefix-cache checkpoints ({e}); lower host_cache_memory") from e
+            logger.info("prefix cache: %d recurrent-state checkpoint slots in host memory (%s)",
+                        plan.num_host_checkpoint_slots, format_bytes(plan.host_checkpoint_bytes))
         layers = model.cache_layers()
         if set(layers) != set(self.caches):
             raise ValueError(f"plan and model disagree on cache layers: plan-only "
@@ -400,16 +410,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy Mamba states slot src -> dst in every Mamba layer (prefix-cache checkpoints)."""
+        """Copy recurrent states slot src -> dst in every such layer (prefix-cache checkpoints); slots from
+        ``plan.num_state_slots`` on are host-memory checkpoints (``HostCheckpoints``). Every source is read as
+        it was before the batch: device -> host first (they read device slots the others write), device ->
+        device as one gather + scatter, host -> device last (they write working slots the others may read; the
+        state manager never has a host slot written and read in one batch)."""
         if not copies:
             return
-        # (an asynchronous copy: torch.tensor(..., device=cuda) waits for the device, and a step with
-        # checkpoints would then lose its overlap with the step before it)
-        src, dst = host_to_device(np.ascontiguousarray(np.asarray(copies, dtype=np.int64).T), self.device)
-        for group in self.plan.mamba_groups:
-            for name in group.layer_names:
-                for state in self.caches[name]:
-                    state[dst] = state[src]
+        pairs = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+        n = self.plan.num_state_slots
+        from_host, to_host = pairs[:, 0] >= n, pairs[:, 1] >= n
+        if (from_host & to_host).any():
+            raise RuntimeError("copy_states: host -> host copies are never queued")
+        if to_host.any():
+            self.host_checkpoints.demote(pairs[to_host].tolist())
+        local = pairs[~(from_host | to_host)]
+        if local.size:
+            # (an asynchronous copy: torch.tensor(..., device=cuda) waits for the device, and a step with
+            # checkpoints would then lose its overlap with the step before it)
+            src, dst = host_to_device(np.ascontiguousarray(local.T), self.device)
+            for group in self.plan.mamba_groups:
+                for name in group.layer_names:
+                    for state in self.caches[name]:
+                        state[dst] = state[src]
+        if from_host.any():
+            self.host_checkpoints.restore(pairs[from_host].tolist())
 
 
 def _pad_columns(table: np.ndarray) -> np.ndarray:

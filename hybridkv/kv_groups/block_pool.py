@@ -16,6 +16,9 @@ State-slot pool. Slot 0 is null. Slots ``1 .. num_working`` are working slots (o
 the last ``num_checkpoint_slots`` slots hold prefix-cache checkpoints: a request's state at a
 block-aligned length, keyed by the chained block hash at that length, evicted by kind then recency (see
 ``CheckpointKind``), never while a request that hit it waits for its copy or a waiting request wants it.
+Ids ``num_slots .. num_slots + num_host_slots - 1`` are checkpoint slots in host memory: a checkpoint the
+device slots evict moves there (a copy the caller queues, ``take_demotions``) instead of being lost, and a hit
+on it copies it straight into the request's working slot.
 """
 
 from __future__ import annotations
@@ -324,37 +327,51 @@ class CheckpointKind(enum.IntEnum):
 
 
 class StateSlotPool:
-    """Working slots for running requests plus checkpoint slots for the prefix cache.
+    """Working slots for running requests plus checkpoint slots for the prefix cache, on the device and
+    (``num_host_slots``) in host memory.
 
     A checkpoint is a request's state at a block-aligned length, keyed by the chained block hash there.
     Protection, strongest first: *pinned* (a request hit it and waits for its copy), *wanted* (a waiting
-    request's best hit when it arrived), then by ``CheckpointKind`` and recency. A store that finds no slot
-    it may take is refused (the cache degrades, correctness does not)."""
+    request's best hit when it arrived), then by ``CheckpointKind`` and recency. Stores go to device slots; the
+    checkpoint a store evicts moves to a host slot when the host tier has one it may take (by the same rules),
+    and is lost otherwise. A store that finds no device slot it may take is refused (the cache degrades,
+    correctness does not)."""
 
-    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
+    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0, num_host_slots: int = 0) -> None:
         if num_checkpoint_slots < 0 or num_slots < 2 + num_checkpoint_slots:
             raise ValueError(f"StateSlotPool needs num_slots >= 2 + num_checkpoint_slots (slot 0 is null), "
                              f"got num_slots={num_slots}, num_checkpoint_slots={num_checkpoint_slots}")
+        if num_host_slots < 0 or (num_host_slots and not num_checkpoint_slots):
+            raise ValueError(f"StateSlotPool: num_host_slots must be >= 0, and host slots only take checkpoints "
+                             f"evicted from device ones (num_checkpoint_slots > 0), got num_host_slots="
+                             f"{num_host_slots}, num_checkpoint_slots={num_checkpoint_slots}")
         self.num_slots = num_slots
         self.num_checkpoint_slots = num_checkpoint_slots
+        self.num_host_slots = num_host_slots
         self.num_working_slots = num_slots - 1 - num_checkpoint_slots
+        total = num_slots + num_host_slots
         self._free = list(range(self.num_working_slots, 0, -1))          # top = end, slot 1 first
         self._in_use = np.zeros(num_slots, np.bool_)
-        self._ckpt: dict[BlockHash, int] = {}                            # key -> checkpoint slot
+        self._ckpt: dict[BlockHash, int] = {}                            # key -> checkpoint slot (either tier)
         self._key: dict[int, BlockHash] = {}                             # checkpoint slot -> key
         # Per checkpoint slot, read and written one slot at a time: lists (numpy scalar access costs more).
-        self._kind = [0] * num_slots
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in CheckpointKind]  # oldest first
+        self._kind = [0] * total
+        # Per tier (device, host), per kind: stored checkpoints, oldest first.
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in CheckpointKind]
+        self._host_lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in CheckpointKind]
         self._free_ckpt = list(range(num_slots - 1, self.num_working_slots, -1))
-        self._pins = [0] * num_slots
-        self._wants = [0] * num_slots
-        self._uses = [0] * num_slots                   # hits and stores of the same key since it was stored
-        self._growing = [False] * num_slots            # the answer checkpoint of a request still decoding
+        self._free_host = list(range(total - 1, num_slots - 1, -1))
+        self._demotions: list[tuple[int, int]] = []    # (device slot, host slot) copies for the caller to queue
+        self._pins = [0] * total
+        self._wants = [0] * total
+        self._uses = [0] * total                       # hits and stores of the same key since it was stored
+        self._growing = [False] * total                # the answer checkpoint of a request still decoding
         self._num_growing = 0
-        self._last = [0] * num_slots                   # clock of the last store or hit
+        self._last = [0] * total                       # clock of the last store or hit
         self.clock = 0                                 # ticks at every store and hit
         self.num_stored = 0             # checkpoints written (new keys)
-        self.num_evicted = 0            # ... that replaced another request's checkpoint
+        self.num_evicted = 0            # ... that replaced another request's checkpoint (lost from both tiers)
+        self.num_demoted = 0            # checkpoints moved from a device slot to a host slot
         self.num_refused = 0            # stores without a slot they were allowed to take
 
     @property
@@ -365,6 +382,23 @@ class StateSlotPool:
     @property
     def num_checkpoints(self) -> int:
         return len(self._ckpt)
+
+    @property
+    def num_host_checkpoints(self) -> int:
+        return self.num_host_slots - len(self._free_host)
+
+    def is_host(self, slot: int) -> bool:
+        """Whether ``slot`` is a host-memory checkpoint slot."""
+        return slot >= self.num_slots
+
+    def _lru_of(self, slot: int) -> list[OrderedDict[int, None]]:
+        return self._host_lru if slot >= self.num_slots else self._lru
+
+    def take_demotions(self) -> list[tuple[int, int]]:
+        """(device slot, host slot) state copies that stores since the last call made: each must be applied
+        before the device slot is written again (in the same batch of copies: before its new store's copy)."""
+        out, self._demotions = self._demotions, []
+        return out
 
     def checkpoints(self) -> dict[BlockHash, int]:
         return dict(self._ckpt)
@@ -405,7 +439,7 @@ class StateSlotPool:
 
     def touch(self, slot: int) -> None:
         """A hit: the checkpoint becomes its kind's most recently used."""
-        self._lru[self._kind[slot]].move_to_end(slot)
+        self._lru_of(slot)[self._kind[slot]].move_to_end(slot)
         self.clock += 1
         self._last[slot] = self.clock
 
@@ -438,13 +472,13 @@ class StateSlotPool:
     def _drop(self, slot: int) -> None:
         self.settle(slot)
         del self._ckpt[self._key.pop(slot)]
-        del self._lru[self._kind[slot]][slot]
+        del self._lru_of(slot)[self._kind[slot]][slot]
 
     def _put(self, key: BlockHash, slot: int, kind: CheckpointKind, growing: bool = False) -> None:
         self._ckpt[key] = slot
         self._key[slot] = key
         self._kind[slot] = kind
-        self._lru[kind][slot] = None
+        self._lru_of(slot)[kind][slot] = None
         self._uses[slot] = 0
         self.clock += 1
         self._last[slot] = self.clock
@@ -456,11 +490,12 @@ class StateSlotPool:
     def _reusable(self, replace: int) -> bool:
         return replace != NULL_SLOT and replace in self._key and self._evictable(replace) and not self._uses[replace]
 
-    def _victim(self, kind: CheckpointKind, since: int) -> int:
+    def _victim(self, kind: CheckpointKind, since: int, tier: list[OrderedDict[int, None]] | None = None) -> int:
         """The stored checkpoint a new one of ``kind``, taken for a request that arrived at clock ``since``,
-        would take the slot of (0: none may be taken)."""
+        would take the slot of (0: none may be taken), among the device slots or ``tier``'s."""
+        tier = self._lru if tier is None else tier
         cold, bound = NULL_SLOT, since + 1          # cold: last used at or before ``since``
-        for lru in self._lru:            # each list is in order of last use: its cold entries come first
+        for lru in tier:                 # each list is in order of last use: its cold entries come first
             for s in lru:
                 if self._last[s] >= bound:
                     break
@@ -471,7 +506,7 @@ class StateSlotPool:
             return cold
         answer = kind == CheckpointKind.ANSWER
         for k in range(kind + 1):
-            lru = self._lru[k]
+            lru = tier[k]
             if answer and k == kind:
                 if len(lru) == self._num_growing:              # every answer checkpoint is still growing
                     continue
@@ -507,9 +542,10 @@ class StateSlotPool:
                 # e.g. a decoding request's answer checkpoint that another request's prompt ends at: a higher kind
                 # protects it from answer stores now, so it no longer holds the growing answer's exemption
                 self.settle(slot)
-                del self._lru[self._kind[slot]][slot]
+                tier = self._lru_of(slot)
+                del tier[self._kind[slot]][slot]
                 self._kind[slot] = kind
-                self._lru[kind][slot] = None
+                tier[kind][slot] = None
             else:
                 self.touch(slot)
             return slot, False
@@ -524,24 +560,57 @@ class StateSlotPool:
             if slot == NULL_SLOT:
                 self.num_refused += 1
                 return NULL_SLOT, False
-            self._drop(slot)
-            self.num_evicted += 1
+            self._demote(slot, since)
         self._put(key, slot, kind, growing)
         return slot, True
+
+    def _demote(self, slot: int, since: int) -> None:
+        """Free device checkpoint ``slot``: its checkpoint moves to a host slot (a free one, else the one the
+        host tier's rules give up for it) or, with none, is lost."""
+        host = NULL_SLOT
+        if self._free_host:
+            host = self._free_host.pop()
+        elif self.num_host_slots:
+            host = self._victim(CheckpointKind(self._kind[slot]), since, self._host_lru)
+            if host != NULL_SLOT:
+                self._drop(host)
+                self.num_evicted += 1
+        if host == NULL_SLOT:
+            self._drop(slot)
+            self.num_evicted += 1
+            return
+        self.settle(slot)
+        key, kind = self._key.pop(slot), self._kind[slot]
+        del self._lru[kind][slot]
+        self._ckpt[key] = host
+        self._key[host] = key
+        self._kind[host] = kind
+        self._host_lru[kind][host] = None
+        self._uses[host], self._last[host] = self._uses[slot], self._last[slot]
+        self._demotions.append((slot, host))
+        self.num_demoted += 1
 
     def check_invariants(self) -> None:
         free = self._free
         assert len(set(free)) == len(free) and NULL_SLOT not in free, "slot free twice or null free"
         assert not self._in_use[free].any(), "a free slot is in use"
         assert len(free) + int(self._in_use.sum()) == self.num_working_slots, "a working slot leaked"
-        assert len(self._ckpt) + len(self._free_ckpt) == self.num_checkpoint_slots, "checkpoint slot leaked"
+        host = [s for s in self._key if s >= self.num_slots]
+        assert len(self._ckpt) - len(host) + len(self._free_ckpt) == self.num_checkpoint_slots, \
+            "checkpoint slot leaked"
+        assert len(host) + len(self._free_host) == self.num_host_slots, "host checkpoint slot leaked"
         assert all(self._key[s] == k for k, s in self._ckpt.items()), "checkpoint map is stale"
         assert len(self._key) == len(self._ckpt), "slot -> key map is stale"
         listed = [s for lru in self._lru for s in lru]
-        assert sorted(listed) == sorted(self._key), "recency lists disagree with the stored checkpoints"
-        assert all(self._kind[s] == k for k, lru in enumerate(self._lru) for s in lru), "kind drifted"
+        listed_host = [s for lru in self._host_lru for s in lru]
+        assert all(s < self.num_slots for s in listed) and all(s >= self.num_slots for s in listed_host), \
+            "a checkpoint is listed in the other tier"
+        assert sorted(listed + listed_host) == sorted(self._key), "recency lists disagree with the stored checkpoints"
+        assert all(self._kind[s] == k for tier in (self._lru, self._host_lru) for k, lru in enumerate(tier)
+                   for s in lru), "kind drifted"
         assert min(self._pins) >= 0 and min(self._wants) >= 0, "negative pin or want count"
-        assert not set(self._free_ckpt) & set(self._key), "a free checkpoint slot holds a key"
+        assert not (set(self._free_ckpt) | set(self._free_host)) & set(self._key), \
+            "a free checkpoint slot holds a key"
         growing = [s for s, g in enumerate(self._growing) if g]
         assert len(growing) == self._num_growing, "growing count drifted"
         assert all(s in self._lru[CheckpointKind.ANSWER] for s in growing), "a growing slot is not an answer"

@@ -6,7 +6,8 @@ num_kv_heads, head_size) in its spec's dtype (2 planes, K and V; MLA's latent ca
 shapes hold different numbers of layers, so each fills the page with its own shape (``plan._layers_per_group``). A
 block id belongs to one group at a time, so the groups never touch the same bytes, and one block id addresses the
 same page in all of its group's layers. A KV-sharing layer (a group's reader) gets its donor's view: no bytes of its
-own. Mamba layers get their own (num_state_slots, *shape) tensors per state.
+own. Mamba layers get their own (num_state_slots, *shape) tensors per state (host-memory checkpoints:
+``engine/host_checkpoints.py``).
 
 Everything starts at zero: the null block and the null slot read as zeros, so padded batch rows stay
 finite.
@@ -55,3 +56,4 @@ def allocate_kv_cache(plan: KVCachePlan, *,
             out[name] = tuple(torch.zeros((plan.num_state_slots, *shape), dtype=dtype, device=device)
                               for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True))
     return out
+

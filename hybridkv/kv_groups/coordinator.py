@@ -73,11 +73,14 @@ class PrefixCacheStats:
 class CheckpointStats:
     """Mamba prefix-cache checkpoints since construction: how full the slots are and what the traffic did."""
 
-    slots: int                  # checkpoint slots in the plan
-    stored: int                 # checkpoints held now
+    slots: int                  # checkpoint slots in the plan (device)
+    stored: int                 # checkpoints held now (both tiers)
     written: int                # states copied into a checkpoint
-    evicted: int                # ... that took the slot of an older one
+    evicted: int                # checkpoints lost to make room for newer ones
     refused: int                # checkpoints skipped: every slot was protected or of a higher kind
+    host_slots: int = 0         # checkpoint slots in host memory
+    host_stored: int = 0        # checkpoints held there now
+    demoted: int = 0            # checkpoints moved there from a device slot
 
 
 class KVCacheCoordinator:
@@ -133,7 +136,8 @@ class KVCacheCoordinator:
             assert isinstance(spec, MambaSpec)
             if any(g.spec.block_size != spec.block_size for g in state_groups):
                 raise ValueError("all Mamba groups must share one block_size (checkpoint granularity)")
-            self.slots = StateSlotPool(plan.num_state_slots, plan.num_checkpoint_slots)
+            self.slots = StateSlotPool(plan.num_state_slots, plan.num_checkpoint_slots,
+                                       plan.num_host_checkpoint_slots)
             self.state = StateManager(spec, group_ids=[g.group_id for g in state_groups], slots=self.slots,
                                       max_num_reqs=max_num_reqs, hash_block_size=bs,
                                       decode_interval=decode_checkpoint_interval, checkpoints=enable_prefix_caching)
@@ -201,7 +205,8 @@ class KVCacheCoordinator:
             return None
         p = self.slots
         return CheckpointStats(slots=p.num_checkpoint_slots, stored=p.num_checkpoints, written=p.num_stored,
-                               evicted=p.num_evicted, refused=p.num_refused)
+                               evicted=p.num_evicted, refused=p.num_refused, host_slots=p.num_host_slots,
+                               host_stored=p.num_host_checkpoints, demoted=p.num_demoted)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._rows

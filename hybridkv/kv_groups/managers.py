@@ -428,6 +428,7 @@ class StateManager(GroupManager):
         self.since = np.zeros(R, np.int64)              # the slot pool's clock when the row's request arrived
         self._tail_key: list[BlockHash | None] = [None] * R
         self._copies: dict[int, int] = {}               # dst slot -> src slot, composed
+        self._copied_hosts: list[int] = []              # host checkpoints read by the queued copies (pinned)
         self._warned = False
         self._slotless: set[int] = set()                # rows of requests without a working slot yet
         self._arrival: dict[str, int] = {}              # the slot pool's clock when a waiting request arrived
@@ -557,6 +558,8 @@ class StateManager(GroupManager):
                                                            growing=kind is CheckpointKind.ANSWER)
             else:
                 slot, is_new = NULL_SLOT, False
+            for dev, host in self.slots.take_demotions():     # the slot's old checkpoint moves to host memory
+                self.queue_copy(dev, host)
             if is_new:
                 self.queue_copy(int(self.slot[row]), slot)
             if slot != NULL_SLOT:
@@ -569,10 +572,11 @@ class StateManager(GroupManager):
             if not self._warned and (slot == NULL_SLOT or self.slots.num_evicted > evicted):
                 self._warned = True
                 logger.warning(
-                    "prefix cache: all %d Mamba checkpoint slots are in use; from now on a checkpoint replaces "
-                    "an older one of its kind or lower (least recently used first) or is skipped, so prefix "
-                    "hits on Mamba layers may degrade (outputs do not); a larger kv_cache_memory holds more",
-                    self.slots.num_checkpoint_slots)
+                    "prefix cache: all %d Mamba checkpoint slots (+ %d in host memory) are in use; from now on a "
+                    "checkpoint replaces an older one of its kind or lower (least recently used first) or is "
+                    "skipped, so prefix hits on Mamba layers may degrade (outputs do not); a larger "
+                    "kv_cache_memory or host_cache_memory holds more",
+                    self.slots.num_checkpoint_slots, self.slots.num_host_slots)
 
     # -- prefix hits --------------------------------------------------------------------------------
     def key_at(self, block_hashes: Sequence[BlockHash], length: int) -> BlockHash:
@@ -626,7 +630,12 @@ class StateManager(GroupManager):
             ckpt = int(self.pending[row])
             if ckpt != NULL_SLOT:
                 self.queue_copy(ckpt, slot)
-                self.slots.unpin(ckpt)
+                if self.slots.is_host(ckpt):
+                    # kept until the copies are taken: a demotion into this host slot in the same batch would
+                    # write it before the runner reads it (host copies cannot gather first, device ones do)
+                    self._copied_hosts.append(ckpt)
+                else:
+                    self.slots.unpin(ckpt)
                 self.pending[row] = NULL_SLOT
 
     def queue_copy(self, src: int, dst: int) -> None:
@@ -638,7 +647,11 @@ class StateManager(GroupManager):
             self._copies[dst] = src
 
     def take_state_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied."""
+        """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied. Slots from
+        ``slots.num_slots`` on are host-memory checkpoints."""
+        for host in self._copied_hosts:
+            self.slots.unpin(host)
+        self._copied_hosts = []
         if not self._copies:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         dst = np.fromiter(self._copies.keys(), np.int64, len(self._copies))
@@ -660,7 +673,7 @@ class StateManager(GroupManager):
         assert np.unique(held).size == held.size, "a working slot is held twice"
         assert held.size == self.slots.num_working_slots - self.slots.num_free_slots, "slot leak"
         wanted = np.bincount(np.fromiter(self._wanted.values(), np.int64, len(self._wanted)),
-                             minlength=self.slots.num_slots)
+                             minlength=len(self.slots._wants))
         assert wanted.tolist() == self.slots._wants, "wanted checkpoints disagree with the waiting requests"
         assert all(self.slots.key_of(s) is not None for s in self._wanted.values()), "a wanted slot is free"
 

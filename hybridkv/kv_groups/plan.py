@@ -33,6 +33,7 @@ from hybridkv.utils import format_bytes
 DEFAULT_STEP_TOKENS = 2048
 CHECKPOINTS_PER_SEQUENCE = 2            # a prompt's end and its answer's end
 CHECKPOINT_BUDGET_FRACTION = 3          # checkpoints take at most 1/3 of the KV budget
+HOST_STAGING_SLOTS = 8                  # device rows for checkpoint copies to / from host memory (half each way)
 
 
 def checkpoint_slots(layer_specs: Mapping[str, KVCacheSpec], *, kv_memory: int, max_num_seqs: int) -> int:
@@ -180,6 +181,8 @@ class KVCachePlan:
     num_blocks: int                       # in the shared attention pool, null block 0 included
     num_state_slots: int                  # in the Mamba slot pool, null slot 0 included
     num_checkpoint_slots: int             # of those, reserved for prefix-cache state checkpoints
+    num_host_checkpoint_slots: int = 0    # checkpoint slots in host memory (outside the budget)
+    num_staging_slots: int = 0            # device state rows the host slots' copies go through (in the budget)
     reserved_step_blocks: int             # transient prefill-chunk blocks, reserved once per step
     padding_bytes: int                    # bytes allocated but never needed at max concurrency
     kv_shared_bytes_per_request: int      # what KV-sharing layers would hold per max-length request with caches
@@ -212,8 +215,14 @@ class KVCachePlan:
         return self.num_checkpoint_slots * self.state_bytes_per_slot
 
     @property
+    def host_checkpoint_bytes(self) -> int:
+        """Host memory of the checkpoint slots there (not part of the device budget)."""
+        return self.num_host_checkpoint_slots * self.state_bytes_per_slot
+
+    @property
     def allocated_bytes(self) -> int:
-        return self.num_blocks * self.page_bytes + self.num_state_slots * self.state_bytes_per_slot
+        return self.num_blocks * self.page_bytes + \
+            (self.num_state_slots + self.num_staging_slots) * self.state_bytes_per_slot
 
     @property
     def concurrency_vs_all_full(self) -> float:
@@ -232,6 +241,9 @@ class KVCachePlan:
             "num_state_slots": self.num_state_slots,
             "num_checkpoint_slots": self.num_checkpoint_slots,
             "checkpoint_bytes": self.checkpoint_bytes,
+            "num_host_checkpoint_slots": self.num_host_checkpoint_slots,
+            "host_checkpoint_bytes": self.host_checkpoint_bytes,
+            "num_staging_slots": self.num_staging_slots,
             "reserved_step_blocks": self.reserved_step_blocks,
             "groups": [gp.to_dict(self) for gp in self.group_plans],
             "bytes_per_request_max": self.bytes_per_request_max,
@@ -252,6 +264,10 @@ class KVCachePlan:
             if self.num_checkpoint_slots:
                 slots += (f" ({self.num_checkpoint_slots} for prefix-cache checkpoints, "
                           f"{format_bytes(self.checkpoint_bytes)})")
+            if self.num_host_checkpoint_slots:
+                slots += (f" + {self.num_host_checkpoint_slots} checkpoint slots in host memory "
+                          f"({format_bytes(self.host_checkpoint_bytes)}; {self.num_staging_slots} device rows "
+                          f"to copy through)")
         shared = ""
         if self.kv_shared_bytes_per_request:
             readers = sum(len(g.readers) for g in self.groups)
@@ -271,6 +287,7 @@ def plan_kv_cache(
     max_num_seqs: int | None = None,
     step_tokens: int | None = None,
     num_checkpoint_slots: int = 0,
+    host_checkpoint_memory: int = 0,
 ) -> KVCachePlan:
     """Split ``kv_memory`` bytes into pools and report how many ``max_model_len`` requests fit.
 
@@ -278,7 +295,10 @@ def plan_kv_cache(
     blocks of prefill chunks in flight are reserved once for the step, not once per request.
     ``num_checkpoint_slots`` is the most Mamba checkpoint slots to hold (``checkpoint_slots``): they come
     from what the working slots and one max-length request leave, so they never cost a working slot nor
-    make a budget too small (the plan's ``num_checkpoint_slots`` says how many it holds)."""
+    make a budget too small (the plan's ``num_checkpoint_slots`` says how many it holds).
+    ``host_checkpoint_memory``: host bytes for more checkpoint slots, where those the device slots evict move
+    (``StateSlotPool``), copied through ``HOST_STAGING_SLOTS`` device rows taken from the checkpoint slots; only
+    with more device checkpoint slots than that."""
     for name, value in (("max_model_len", max_model_len), ("kv_memory", kv_memory)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
@@ -286,6 +306,8 @@ def plan_kv_cache(
         raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
     if num_checkpoint_slots < 0:
         raise ValueError(f"num_checkpoint_slots must be >= 0, got {num_checkpoint_slots}")
+    if host_checkpoint_memory < 0:
+        raise ValueError(f"host_checkpoint_memory must be >= 0, got {host_checkpoint_memory}")
     step = min(step_tokens or DEFAULT_STEP_TOKENS, max_model_len)
 
     groups = group_layers(layer_specs)
@@ -335,12 +357,16 @@ def plan_kv_cache(
     if slot_bytes and num_checkpoint_slots:
         spare = kv_memory - fixed_bytes - working * slot_bytes - blocks_per_request * page_bytes
         checkpoints = max(0, min(num_checkpoint_slots, spare // slot_bytes))
+    host = staging = 0
+    if checkpoints > HOST_STAGING_SLOTS and host_checkpoint_memory >= slot_bytes:
+        host, staging = host_checkpoint_memory // slot_bytes, HOST_STAGING_SLOTS
+        checkpoints -= staging
     num_state_slots = (1 + checkpoints + working) if slot_bytes else 0
-    num_blocks = (kv_memory - num_state_slots * slot_bytes) // page_bytes if page_bytes else 0
+    num_blocks = (kv_memory - (num_state_slots + staging) * slot_bytes) // page_bytes if page_bytes else 0
     if blocks_per_request:      # extra slots took memory from the pool: recount max-length requests
         concurrent = min(concurrent, (num_blocks - 1 - reserved) // blocks_per_request)
     # The all-full yardstick keeps no step reserve: full attention has no transient blocks.
-    fixed_full = page_bytes + (1 + checkpoints) * slot_bytes
+    fixed_full = page_bytes + (1 + checkpoints + staging) * slot_bytes
     fits_full = max(0, (kv_memory - fixed_full) // per_request_full)
     # Padding: page bytes a group's layers do not fill (only where no exact split exists, ``_layers_per_group``).
     padding = concurrent * sum(
@@ -352,6 +378,7 @@ def plan_kv_cache(
         groups=groups, group_plans=tuple(group_plans), max_model_len=max_model_len, step_tokens=step,
         budget_bytes=kv_memory, block_size=block_size, layers_per_block=per_group, page_bytes=page_bytes,
         num_blocks=num_blocks, num_state_slots=num_state_slots, num_checkpoint_slots=checkpoints,
+        num_host_checkpoint_slots=host, num_staging_slots=staging,
         reserved_step_blocks=reserved, padding_bytes=padding, kv_shared_bytes_per_request=saved,
         max_concurrent_requests=concurrent,
         max_concurrent_requests_if_all_full=min(fits_full, max_num_seqs) if max_num_seqs else fits_full,

@@ -79,6 +79,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per request, prompt and output (default: the model's max positions)")
     model.add_argument("--kv-memory", default=None,
                        help="KV-cache budget, e.g. 4GiB (default: 80%% of free GPU memory, or a share of RAM)")
+    model.add_argument("--host-cache-memory", default="0",
+                       help="host memory for more prefix-cache checkpoints of recurrent (Mamba, DeltaNet) states, "
+                            "e.g. 32GiB (default 0: none)")
     model.add_argument("--max-num-seqs", type=positive_int, default=256, help="concurrent requests (default 256)")
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step")
     model.add_argument("--no-prefix-caching", action="store_true")
@@ -91,7 +94,8 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig(dtype=args.dtype, device=args.device, backend=args.backend, tokenizer=args.tokenizer,
                         tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                        kv_cache_memory=args.kv_memory, host_cache_memory=args.host_cache_memory,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=False if args.enforce_eager else None, seed=args.seed)

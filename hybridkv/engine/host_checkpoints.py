@@ -1,0 +1,98 @@
+"""Prefix-cache checkpoints of recurrent states in host memory: the tier where the device's checkpoint slots move
+what they evict, and where a hit is copied back from (``StateSlotPool``'s host slots, ids from
+``plan.num_state_slots`` on; ``ModelRunner.copy_states`` applies a batch of copies through ``HostCheckpoints``).
+
+A host slot is one page-locked row holding every recurrent layer's states (each from a 16-byte boundary), so
+moving a checkpoint is one DMA. A move to host memory does not hold up the steps: the device slot's states are
+gathered into a staging row on the compute stream (one small kernel per state tensor for the whole batch, then
+the slot may be overwritten), and a side stream copies the row out while the next steps run. A restore is on the
+compute stream (the next forward reads it) and waits for the side stream only when it reads a host row that a
+move still in flight writes. The staging rows are device memory of the plan (``num_staging_slots``): half for
+moves out, half for restores; a batch with more runs in rounds.
+
+    device slot X --gather--> staging row --side stream DMA--> host row h     (demote: X may be rewritten now)
+    host row h --DMA--> staging row --scatter--> working slot w               (restore: before the forward)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.kv_groups.plan import KVCachePlan
+from hybridkv.metadata import PACK_ALIGN
+
+
+class HostCheckpoints:
+    """The host rows, the staging rows and the copies between them and the device state tensors."""
+
+    def __init__(self, plan: KVCachePlan, caches: dict[str, tuple[torch.Tensor, ...]], device: torch.device) -> None:
+        self.first = plan.num_state_slots                 # pool id of host row 0
+        rows = plan.num_staging_slots
+        self.half = max(1, rows // 2)                     # staging rows per direction
+        states = [t for g in plan.mamba_groups for name in g.layer_names for t in caches[name]]
+        sizes = [t[0].numel() * t.element_size() for t in states]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + -(-n // PACK_ALIGN) * PACK_ALIGN)
+        self.row_bytes = offsets[-1]
+        cuda = device.type == "cuda"
+        self.host = torch.empty((plan.num_host_checkpoint_slots, self.row_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self.staging = torch.empty((2 * self.half, self.row_bytes), dtype=torch.uint8, device=device)
+        # (device state (num_slots, *shape), its part of the staging rows viewed as (rows, *shape))
+        self._parts = list(zip(states, offsets[:-1], sizes, strict=True))
+        self.layout = [(t, self.staging[:, o:o + n].view(t.dtype).view(2 * self.half, *t.shape[1:]))
+                       for t, o, n in self._parts]
+        self.device = device
+        self.side = torch.cuda.Stream(device) if cuda else None
+        self._out_done: torch.cuda.Event | None = None   # the last moves out landed (on the side stream)
+        self._in_flight: set[int] = set()                 # host rows those moves write
+
+    def states_of(self, slot: int) -> list[torch.Tensor]:
+        """Host slot ``slot`` (a pool id) as one tensor per device state tensor, in plan order (views)."""
+        row = self.host[slot - self.first]
+        return [row[o:o + n].view(t.dtype).view(t.shape[1:]) for t, o, n in self._parts]
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device slot -> host slot for each pair (host slots as pool ids)."""
+        for i in range(0, len(pairs), self.half):
+            chunk = pairs[i:i + self.half]
+            k = len(chunk)
+            main = torch.cuda.current_stream(self.device) if self.side is not None else None
+            if main is not None and self._out_done is not None:
+                main.wait_event(self._out_done)           # the staging rows' previous copies out have landed
+            self._in_flight.clear()
+            src = self._index([s for s, _ in chunk])
+            for state, view in self.layout:
+                view[:k] = state[src]
+            rows = [h - self.first for _, h in chunk]
+            if main is None:
+                for j, h in enumerate(rows):
+                    self.host[h].copy_(self.staging[j])
+                continue
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                for j, h in enumerate(rows):
+                    self.host[h].copy_(self.staging[j], non_blocking=True)
+                self._out_done = self.side.record_event()
+            self._in_flight.update(rows)
+
+    def restore(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host slot -> device slot for each pair (host slots as pool ids), on the compute stream."""
+        for i in range(0, len(pairs), self.half):
+            chunk = pairs[i:i + self.half]
+            k = len(chunk)
+            rows = [h - self.first for h, _ in chunk]
+            if self._out_done is not None and not self._in_flight.isdisjoint(rows):
+                torch.cuda.current_stream(self.device).wait_event(self._out_done)
+                self._in_flight.clear()
+            base = self.half                              # the restores' half of the staging rows
+            for j, h in enumerate(rows):
+                self.staging[base + j].copy_(self.host[h], non_blocking=True)
+            dst = self._index([d for _, d in chunk])
+            for state, view in self.layout:
+                state[dst] = view[base:base + k]
