@@ -33,6 +33,9 @@ class SleepRunner:
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         pass
 
+    def host_moves_available(self) -> int:
+        return 1 << 30
+
     def execute(self, batch: StepBatch) -> StepOutput:
         end = time.perf_counter() + self.host_s
         while time.perf_counter() < end:

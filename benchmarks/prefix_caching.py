@@ -72,6 +72,9 @@ class NoModel:
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         pass
 
+    def host_moves_available(self) -> int:
+        return 1 << 30
+
     def execute(self, batch: StepBatch) -> StepOutput:
         last = batch.input_ids[batch.logits_indices]
         return StepOutput(logits=None, greedy=torch.from_numpy((last * 7 + 3) % (self.vocab - 1) + 1))

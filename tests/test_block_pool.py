@@ -163,6 +163,18 @@ def test_host_tier_keeps_what_the_device_slots_evict() -> None:
     s.check_invariants()
 
 
+def test_host_moves_past_the_budget_are_lost_not_waited_for() -> None:
+    s = StateSlotPool(4, 2, num_host_slots=4)
+    s.store_checkpoint("a")
+    s.store_checkpoint("b")
+    s.host_move_budget = 1                      # one copy out free (the runner's landed staging rows)
+    s.store_checkpoint("c")                     # a moves to host memory
+    s.store_checkpoint("d")                     # b is lost: the copies out are all in flight
+    assert len(s.take_demotions()) == 1 and s.lookup_checkpoint("a") != 0 and s.lookup_checkpoint("b") == 0
+    assert s.num_demoted == 1 and s.num_host_busy == 1 and s.num_evicted == 1 and s.host_move_budget == 0
+    s.check_invariants()
+
+
 def test_host_tier_needs_device_checkpoints() -> None:
     with pytest.raises(ValueError, match="host"):
         StateSlotPool(4, 0, num_host_slots=2)

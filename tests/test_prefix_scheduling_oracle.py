@@ -60,6 +60,9 @@ class TokenMachine:
             self.states[dst] = value
         self.copies += len(copies)
 
+    def host_moves_available(self) -> int:
+        return 1 << 30
+
     def _visible(self, spec: KVCacheSpec, pos: int) -> range:
         if isinstance(spec, SlidingWindowSpec):
             return range(max(0, pos - spec.sliding_window + 1), pos + 1)

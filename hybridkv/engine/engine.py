@@ -337,6 +337,8 @@ class LLMEngine:
             if prev is not None:
                 done, stopped = self._finish(prev, only_finished=only_finished)
                 outputs += done
+            if self.plan.num_host_checkpoint_slots:
+                self.coordinator.set_host_move_budget(self.runner.host_moves_available())
             self._commit(batch, skip_finished=stopped)
             if self.async_scheduling:
                 # (every request it sampled for may have stopped meanwhile: then nothing waits for it)

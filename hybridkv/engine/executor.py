@@ -62,6 +62,10 @@ class TensorParallelExecutor:
         self.runner.copy_states(copies)
         self._copies.extend(copies)
 
+    def host_moves_available(self) -> int:
+        """Rank 0's (the ranks move their shards of the same checkpoints at the same rate)."""
+        return self.runner.host_moves_available()
+
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run one step on every rank; returns rank 0's fp32 logits (num_outputs, vocab_size) (and their
         argmax for a greedy batch)."""

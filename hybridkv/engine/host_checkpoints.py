@@ -8,7 +8,10 @@ gathered into a staging row on the compute stream (one small kernel per state te
 the slot may be overwritten), and a side stream copies the row out while the next steps run. A restore is on the
 compute stream (the next forward reads it) and waits for the side stream only when it reads a host row that a
 move still in flight writes. The staging rows are device memory of the plan (``num_staging_slots``): half for
-moves out, half for restores; a batch with more runs in rounds.
+moves out, taken in turn (a row is free again once its copy out has landed), half for restores; a batch with
+more runs in rounds. The engine lets the stores of a step move only as many checkpoints as rows are free
+(``moves_available``: past that, one a store evicts is lost), so the steps never wait for the host link: on a
+Mamba2 1B model's mixed traffic the checkpoints come at about the PCIe bandwidth.
 
     device slot X --gather--> staging row --side stream DMA--> host row h     (demote: X may be rewritten now)
     host row h --DMA--> staging row --scatter--> working slot w               (restore: before the forward)
@@ -46,53 +49,62 @@ class HostCheckpoints:
                        for t, o, n in self._parts]
         self.device = device
         self.side = torch.cuda.Stream(device) if cuda else None
-        self._out_done: torch.cuda.Event | None = None   # the last moves out landed (on the side stream)
-        self._in_flight: set[int] = set()                 # host rows those moves write
+        # Moves out use staging rows 0 .. half - 1 in turn; each row's event marks its copy out landed.
+        self._row_done: list[torch.cuda.Event | None] = [None] * self.half
+        self._next_row = 0
+        self._writing: dict[int, torch.cuda.Event] = {}   # host row -> the copy out writing it (may have landed)
 
     def states_of(self, slot: int) -> list[torch.Tensor]:
         """Host slot ``slot`` (a pool id) as one tensor per device state tensor, in plan order (views)."""
         row = self.host[slot - self.first]
         return [row[o:o + n].view(t.dtype).view(t.shape[1:]) for t, o, n in self._parts]
 
+    def moves_available(self) -> int:
+        """Moves out ``demote`` can start now without the compute stream waiting for an earlier one (any number
+        off a GPU, where copies are synchronous)."""
+        if self.side is None:
+            return 1 << 30
+        return sum(e is None or e.query() for e in self._row_done)
+
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy device slot -> host slot for each pair (host slots as pool ids)."""
+        """Copy device slot -> host slot for each pair (host slots as pool ids). Past ``moves_available`` (more
+        moves than rows in one batch, or rows still in flight) the compute stream waits for the oldest row."""
+        main = torch.cuda.current_stream(self.device) if self.side is not None else None
         for i in range(0, len(pairs), self.half):
             chunk = pairs[i:i + self.half]
-            k = len(chunk)
-            main = torch.cuda.current_stream(self.device) if self.side is not None else None
-            if main is not None and self._out_done is not None:
-                main.wait_event(self._out_done)           # the staging rows' previous copies out have landed
-            self._in_flight.clear()
-            src = self._index([s for s, _ in chunk])
+            rows = [(self._next_row + j) % self.half for j in range(len(chunk))]
+            self._next_row = (self._next_row + len(chunk)) % self.half
+            for r in rows:
+                done = self._row_done[r]
+                if main is not None and done is not None and not done.query():
+                    main.wait_event(done)
+            src, at = self._index([s for s, _ in chunk]), self._index(rows)
             for state, view in self.layout:
-                view[:k] = state[src]
-            rows = [h - self.first for _, h in chunk]
+                view[at] = state[src]
             if main is None:
-                for j, h in enumerate(rows):
-                    self.host[h].copy_(self.staging[j])
+                for r, (_, h) in zip(rows, chunk, strict=True):
+                    self.host[h - self.first].copy_(self.staging[r])
                 continue
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
-                for j, h in enumerate(rows):
-                    self.host[h].copy_(self.staging[j], non_blocking=True)
-                self._out_done = self.side.record_event()
-            self._in_flight.update(rows)
+                for r, (_, h) in zip(rows, chunk, strict=True):
+                    self.host[h - self.first].copy_(self.staging[r], non_blocking=True)
+                    self._row_done[r] = self._writing[h - self.first] = self.side.record_event()
 
     def restore(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy host slot -> device slot for each pair (host slots as pool ids), on the compute stream."""
         for i in range(0, len(pairs), self.half):
             chunk = pairs[i:i + self.half]
             k = len(chunk)
-            rows = [h - self.first for h, _ in chunk]
-            if self._out_done is not None and not self._in_flight.isdisjoint(rows):
-                torch.cuda.current_stream(self.device).wait_event(self._out_done)
-                self._in_flight.clear()
             base = self.half                              # the restores' half of the staging rows
-            for j, h in enumerate(rows):
-                self.staging[base + j].copy_(self.host[h], non_blocking=True)
+            for j, (h, _) in enumerate(chunk):
+                landed = self._writing.pop(h - self.first, None)
+                if landed is not None:                    # (a wait on a completed event costs nothing)
+                    torch.cuda.current_stream(self.device).wait_event(landed)
+                self.staging[base + j].copy_(self.host[h - self.first], non_blocking=True)
             dst = self._index([d for _, d in chunk])
             for state, view in self.layout:
                 state[dst] = view[base:base + k]

@@ -151,6 +151,10 @@ class StepRunner(Protocol):
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None: ...
 
+    def host_moves_available(self) -> int:
+        """Checkpoints ``copy_states`` can move to host memory now without waiting for earlier moves."""
+        ...
+
 
 class ModelRunner:
     """``cuda_graphs``: capture decode steps (``engine/cuda_graphs.py``) for batch sizes up to
@@ -435,6 +439,9 @@ class ModelRunner:
                         state[dst] = state[src]
         if from_host.any():
             self.host_checkpoints.restore(pairs[from_host].tolist())
+
+    def host_moves_available(self) -> int:
+        return self.host_checkpoints.moves_available() if self.host_checkpoints is not None else 0
 
 
 def _pad_columns(table: np.ndarray) -> np.ndarray:

@@ -372,6 +372,8 @@ class StateSlotPool:
         self.num_stored = 0             # checkpoints written (new keys)
         self.num_evicted = 0            # ... that replaced another request's checkpoint (lost from both tiers)
         self.num_demoted = 0            # checkpoints moved from a device slot to a host slot
+        self.num_host_busy = 0          # ... lost instead: the copies to host memory were all in flight
+        self.host_move_budget: int | None = None    # moves to host memory stores may start now (None: any)
         self.num_refused = 0            # stores without a slot they were allowed to take
 
     @property
@@ -568,7 +570,10 @@ class StateSlotPool:
         """Free device checkpoint ``slot``: its checkpoint moves to a host slot (a free one, else the one the
         host tier's rules give up for it) or, with none, is lost."""
         host = NULL_SLOT
-        if self._free_host:
+        budget = self.host_move_budget
+        if self.num_host_slots and budget is not None and budget <= 0:
+            self.num_host_busy += 1         # (a stall of the steps would cost more than the checkpoint)
+        elif self._free_host:
             host = self._free_host.pop()
         elif self.num_host_slots:
             host = self._victim(CheckpointKind(self._kind[slot]), since, self._host_lru)
@@ -589,6 +594,8 @@ class StateSlotPool:
         self._uses[host], self._last[host] = self._uses[slot], self._last[slot]
         self._demotions.append((slot, host))
         self.num_demoted += 1
+        if budget is not None:
+            self.host_move_budget = budget - 1
 
     def check_invariants(self) -> None:
         free = self._free

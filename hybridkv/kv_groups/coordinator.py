@@ -81,6 +81,7 @@ class CheckpointStats:
     host_slots: int = 0         # checkpoint slots in host memory
     host_stored: int = 0        # checkpoints held there now
     demoted: int = 0            # checkpoints moved there from a device slot
+    host_busy: int = 0          # checkpoints lost instead: every copy to host memory was in flight
 
 
 class KVCacheCoordinator:
@@ -206,7 +207,8 @@ class KVCacheCoordinator:
         p = self.slots
         return CheckpointStats(slots=p.num_checkpoint_slots, stored=p.num_checkpoints, written=p.num_stored,
                                evicted=p.num_evicted, refused=p.num_refused, host_slots=p.num_host_slots,
-                               host_stored=p.num_host_checkpoints, demoted=p.num_demoted)
+                               host_stored=p.num_host_checkpoints, demoted=p.num_demoted,
+                               host_busy=p.num_host_busy)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._rows
@@ -513,6 +515,13 @@ class KVCacheCoordinator:
         for m in self.owners:
             m.allocate_rows(rows)
         return True
+
+    def set_host_move_budget(self, moves: int) -> None:
+        """How many recurrent-state checkpoints the stores of the next commit may move to host memory (the
+        runner's copies out that have landed: ``StepRunner.host_moves_available``); past that, one a store
+        evicts is lost rather than wait for a copy."""
+        if self.slots is not None:
+            self.slots.host_move_budget = moves
 
     def take_state_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) int64 slot arrays to apply before the next forward; the queue is emptied.

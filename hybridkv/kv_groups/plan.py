@@ -33,7 +33,7 @@ from hybridkv.utils import format_bytes
 DEFAULT_STEP_TOKENS = 2048
 CHECKPOINTS_PER_SEQUENCE = 2            # a prompt's end and its answer's end
 CHECKPOINT_BUDGET_FRACTION = 3          # checkpoints take at most 1/3 of the KV budget
-HOST_STAGING_SLOTS = 8                  # device rows for checkpoint copies to / from host memory (half each way)
+HOST_STAGING_SLOTS = 16                 # device rows for checkpoint copies to / from host memory (half each way)
 
 
 def checkpoint_slots(layer_specs: Mapping[str, KVCacheSpec], *, kv_memory: int, max_num_seqs: int) -> int:
