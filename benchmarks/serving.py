@@ -299,7 +299,8 @@ def run_pass(llm, w: Workload, seed: int, vocab: int, tiny: bool, compiles: Comp
     moved = {} if ckpt is None else {          # Mamba checkpoints: written, moved to host memory, lost
         "checkpoints_written": ckpt.written - ckpt_before.written,
         "checkpoints_to_host": ckpt.demoted - ckpt_before.demoted,
-        "checkpoints_lost": ckpt.evicted - ckpt_before.evicted}
+        "checkpoints_lost": ckpt.evicted - ckpt_before.evicted,
+        "checkpoints_lost_host_busy": ckpt.host_busy - ckpt_before.host_busy}
     return {**moved, "wall_s": wall, "steps": after.steps - before.steps, "prompt_tokens": prompt_tokens,
             "output_tokens": out_tokens, "in_tok_s": prompt_tokens / wall, "out_tok_s": out_tokens / wall,
             "hit_tokens": hit, "reusable_tokens": reusable, "hit_of_reusable": hit / reusable if reusable else None,
