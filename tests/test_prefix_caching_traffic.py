@@ -234,7 +234,8 @@ def test_host_memory_keeps_the_checkpoints_the_device_slots_evict(models, mix: s
     assert outs == want
     assert llm.stats().prefix_hit_tokens - before >= 0.9 * sum(aligned(len(p) - 1) for p in prompts)
     assert stats.slots == 3 and stats.host_slots == 16 and stats.demoted > 0 and stats.host_stored > 0
-    assert stats.evicted == 0
+    # none lost for room; on a GPU a few may be lost while the one staging row's copy out is in flight
+    assert stats.evicted == stats.host_busy and (device == "cuda" or stats.host_busy == 0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_GPU)])
