@@ -59,10 +59,11 @@ __all__ = ["linear_moe_route", "linear_moe_route_triton", "moe_experts_gemv", "m
 # GEMV launch configurations by the experts' intermediate size (``_gemv_width``): few output channels per program
 # keep enough programs in flight to saturate memory (16 ran at half the bandwidth on an H100); stages change
 # nothing (the loops do not pipeline). The best of an H200 sweep at one token over rows per program, K step and
-# warps (``benchmarks/gpu_moe.py --sweep-gemv``; layer = gate_up + down): "wide" experts (gpt-oss-like,
-# 2048 x 2048, top-4) take 2 rows in 512-wide K steps on 2 warps, 31.5 -> ~30.2 µs a layer; "narrow" ones
-# (Qwen3-Next-like, 512 x 2048, top-8) 2 rows in 1024-wide steps for gate_up and 8 rows in 256-wide steps for
-# down, 20.0 -> ~17.2 µs.
+# warps, each kernel swept with the other at the previous 4 rows x 256 on 4 warps (``benchmarks/gpu_moe.py
+# --sweep-gemv``; µs a layer, gate_up + down): "wide" experts (gpt-oss-like, 2048 x 2048, top-4) take 2 rows in
+# 512-wide K steps on 2 warps (31.5 -> 31.0 gate_up, -> 30.6 down); "narrow" ones (Qwen3-Next-like, 512 x 2048,
+# top-8) 2 rows in 1024-wide steps for gate_up (20.0 -> 18.3) and 8 rows in 256-wide steps for down (-> 18.9).
+# Batch-1 decode, same run each: gpt-oss-like 0.992 -> 0.970 ms, Qwen3-Next-like 1.285 -> 1.238 ms.
 _GATE_UP = {"wide": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=1),
             "narrow": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1)}
 _DOWN = {"wide": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=1),
