@@ -144,7 +144,7 @@ def test_host_tier_keeps_what_the_device_slots_evict() -> None:
     a, _ = s.store_checkpoint("a")
     b, _ = s.store_checkpoint("b")
     assert s.take_demotions() == []
-    c, new_c = s.store_checkpoint("c")          # a (least recently used) moves to host slot 5 (4 goes last)
+    c, new_c = s.store_checkpoint("c")          # a (least recently used) moves to host slot 4
     assert c == a and new_c and s.take_demotions() == [(a, 4)]
     assert s.lookup_checkpoint("a") == 4 and s.is_host(4) and not s.is_host(c)
     assert s.store_checkpoint("a") == (4, False)     # stored (in host memory): nothing to copy
@@ -160,6 +160,33 @@ def test_host_tier_keeps_what_the_device_slots_evict() -> None:
     s.store_checkpoint("f")                          # d moves to host memory: a (no longer pinned) makes room
     assert s.take_demotions() == [(d, 4)]
     assert s.lookup_checkpoint("a") == 0 and s.lookup_checkpoint("c") == 5 and s.num_evicted == 2
+    s.check_invariants()
+
+
+def test_host_tier_evicts_by_last_use_after_a_hit_there() -> None:
+    s = StateSlotPool(4, 2, num_host_slots=2)   # working 1, checkpoints 2-3, host 4-5
+    for key in "abc":                           # a moves to host memory
+        s.store_checkpoint(key)
+    a = s.lookup_checkpoint("a")
+    s.pin(a)                                    # a request starts from a: now its most recent use
+    s.unpin(a)
+    s.store_checkpoint("d")                     # b (not used since it was stored) moves to host, behind a
+    s.store_checkpoint("e")                     # c moves to host: b, the least recently used there, makes room
+    assert s.lookup_checkpoint("a") == a and s.lookup_checkpoint("b") == 0 and s.is_host(s.lookup_checkpoint("c"))
+    s.check_invariants()
+
+
+def test_a_growing_answer_moves_to_host_over_settled_ones() -> None:
+    s = StateSlotPool(6, 4, num_host_slots=2)   # working 1, checkpoints 2-5, host 6-7
+    s.store_checkpoint("a0", K.ANSWER)
+    s.store_checkpoint("a1", K.ANSWER)
+    s.store_checkpoint("g0", K.ANSWER, growing=True)
+    s.store_checkpoint("g1", K.ANSWER, growing=True)
+    s.store_checkpoint("p0", K.PROMPT)
+    s.store_checkpoint("p1", K.PROMPT)          # the settled answers a0, a1 move to host memory
+    s.take_demotions()
+    s.store_checkpoint("p2", K.PROMPT)          # g0 leaves the device (a lower kind): into host, over a0
+    assert s.is_host(s.lookup_checkpoint("g0")) and s.lookup_checkpoint("a0") == 0 and s.num_evicted == 1
     s.check_invariants()
 
 

@@ -155,6 +155,29 @@ def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int, gated: bool) 
         torch.testing.assert_close(past, got, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("inter", [64, pytest.param(1024, marks=pytest.mark.slow)])
+def test_gemv_launch_shapes_by_expert_width(inter: int) -> None:
+    """Both GEMV launch configurations (``_gemv_width``: narrow experts, and wide ones from 1024 channels: 2 output
+    rows per program, 512-wide K steps) against the reference, biases and several slots per token included."""
+    from hybridkv.backends import triton_moe
+
+    dev = _device("gemv")
+    gen = torch.Generator().manual_seed(5)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dev)
+
+    E, dim = 3, 48
+    ex = moe_module.Experts(gate=w(E, inter, dim), up=w(E, inter, dim), down=w(E, dim, inter), activation="swiglu_oai",
+                     scale_input=False, gate_bias=w(E, inter), up_bias=w(E, inter), down_bias=w(E, dim))
+    x, ids, weights = w(2, dim), torch.tensor([[0, 2], [1, 0]]).to(dev), torch.rand(2, 2, generator=gen).to(dev)
+    got = triton_moe.moe_experts_gemv(x, ids, weights, gate=ex.gate, up=ex.up, down=ex.down, activation=ex.activation,
+                                      scale_input=False, gate_bias=ex.gate_bias, up_bias=ex.up_bias,
+                                      down_bias=ex.down_bias)
+    assert triton_moe._gemv_width(inter) == ("wide" if inter >= 1024 else "narrow")
+    torch.testing.assert_close(got, moe_experts_ref(x, ids, weights, ex), atol=1e-5, rtol=1e-5)
+
+
 def test_router_and_shared_gate_pack_into_one_projection() -> None:
     """``fuse_projections`` makes the router and the shared expert's gate views of one weight (same
     ``state_dict``) and the layer's output does not change; a moved layer projects them one by one."""

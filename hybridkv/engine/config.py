@@ -9,6 +9,7 @@ budget, block size, step token budget, the plan) live here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -23,6 +24,8 @@ from hybridkv.backends.registry import available_backends
 from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.models.config import HybridConfig
 from hybridkv.utils import parse_bytes
+
+logger = logging.getLogger("hybridkv.engine")
 
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's default ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for."""
@@ -41,8 +44,8 @@ class EngineConfig:
     free GPU memory, or 10% of available RAM up to 4 GiB). ``host_cache_memory``: bytes or a size of host
     memory (pinned, on CUDA) for more prefix-cache checkpoints of recurrent states (Mamba, DeltaNet, ...): the
     device's checkpoint slots move what they evict there, and a hit copies it back (0: none; only with prefix
-    caching and recurrent layers). ``block_size`` None: 16, or what every chunked
-    layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
+    caching and recurrent layers; per rank with tensor parallelism, as the KV budget). ``block_size`` None: 16,
+    or what every chunked layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
     ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step.
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
     ``tensor_parallel_size`` > 1 shards the model (docs/parallelism.md); ``distributed_timeout`` (seconds)
@@ -192,6 +195,15 @@ class EngineConfig:
                                 tensor_parallel_size=self.tensor_parallel_size)
         checkpoints = checkpoint_slots(specs, kv_memory=budget, max_num_seqs=self.max_num_seqs) \
             if self.enable_prefix_caching else 0
-        return plan_kv_cache(specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=self.max_num_seqs,
+        host = parse_bytes(self.host_cache_memory)
+        plan = plan_kv_cache(specs, max_model_len=max_model_len, kv_memory=budget, max_num_seqs=self.max_num_seqs,
                              step_tokens=self.step_tokens(max_model_len), num_checkpoint_slots=checkpoints,
-                             host_checkpoint_memory=parse_bytes(self.host_cache_memory))
+                             host_checkpoint_memory=host)
+        if host and not plan.num_host_checkpoint_slots:
+            logger.warning("host_cache_memory=%s is not used: it holds checkpoints of recurrent states that the "
+                           "device's checkpoint slots evict, and this plan has %s", self.host_cache_memory,
+                           "no recurrent layers" if not plan.mamba_groups else "no prefix caching"
+                           if not self.enable_prefix_caching else
+                           f"{plan.num_checkpoint_slots} device checkpoint slots (more than 16 needed) or a "
+                           f"state larger than the host memory")
+        return plan

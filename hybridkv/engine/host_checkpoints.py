@@ -19,6 +19,7 @@ Mamba2 1B model's mixed traffic the checkpoints come at about the PCIe bandwidth
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +42,15 @@ class HostCheckpoints:
             offsets.append(offsets[-1] + -(-n // PACK_ALIGN) * PACK_ALIGN)
         self.row_bytes = offsets[-1]
         cuda = device.type == "cuda"
-        self.host = torch.empty((plan.num_host_checkpoint_slots, self.row_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self.host = torch.empty((plan.num_host_checkpoint_slots, self.row_bytes), dtype=torch.uint8)
+        if cuda and self.host.numel():
+            # Page-locked in place: ``pin_memory=True`` goes through PyTorch's pinned-memory cache, which rounds
+            # a request up to a power of two (40 GiB asked would lock 64).
+            cudart, ptr = torch.cuda.cudart(), self.host.data_ptr()
+            err = cudart.cudaHostRegister(ptr, self.host.numel(), 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {self.host.numel()} bytes failed: {err}")
+            weakref.finalize(self, cudart.cudaHostUnregister, ptr)
         self.staging = torch.empty((2 * self.half, self.row_bytes), dtype=torch.uint8, device=device)
         # (device state (num_slots, *shape), its part of the staging rows viewed as (rows, *shape))
         self._parts = list(zip(states, offsets[:-1], sizes, strict=True))

@@ -178,7 +178,11 @@ class ModelRunner:
         if plan.num_host_checkpoint_slots:
             try:
                 self.host_checkpoints = HostCheckpoints(plan, self.caches, self.device)
-            except RuntimeError as e:    # (page-locking fails with a RuntimeError where the host cannot)
+            except torch.OutOfMemoryError as e:     # the device staging rows
+                raise MemoryError(out_of_memory_message("the host checkpoints' staging rows",
+                                                        plan.num_staging_slots * plan.state_bytes_per_slot,
+                                                        self.device)) from e
+            except RuntimeError as e:    # (allocating or page-locking the host rows)
                 raise MemoryError(f"could not allocate {format_bytes(plan.host_checkpoint_bytes)} of host memory "
                                   f"for prefix-cache checkpoints ({e}); lower host_cache_memory") from e
             logger.info("prefix cache: %d recurrent-state checkpoint slots in host memory (%s)",

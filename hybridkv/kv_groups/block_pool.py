@@ -510,7 +510,7 @@ class StateSlotPool:
         for k in range(kind + 1):
             lru = tier[k]
             if answer and k == kind:
-                if len(lru) == self._num_growing:              # every answer checkpoint is still growing
+                if tier is self._lru and len(lru) == self._num_growing:   # every answer is still growing
                     continue
                 slot = next((s for s in lru if self._evictable(s) and not self._growing[s]), NULL_SLOT)
             else:
@@ -548,6 +548,8 @@ class StateSlotPool:
                 del tier[self._kind[slot]][slot]
                 self._kind[slot] = kind
                 tier[kind][slot] = None
+                self.clock += 1                 # (the end of its kind's list: its most recent use is now)
+                self._last[slot] = self.clock
             else:
                 self.touch(slot)
             return slot, False
@@ -569,6 +571,7 @@ class StateSlotPool:
     def _demote(self, slot: int, since: int) -> None:
         """Free device checkpoint ``slot``: its checkpoint moves to a host slot (a free one, else the one the
         host tier's rules give up for it) or, with none, is lost."""
+        self.settle(slot)
         host = NULL_SLOT
         budget = self.host_move_budget
         if self.num_host_slots and budget is not None and budget <= 0:
@@ -584,14 +587,19 @@ class StateSlotPool:
             self._drop(slot)
             self.num_evicted += 1
             return
-        self.settle(slot)
         key, kind = self._key.pop(slot), self._kind[slot]
         del self._lru[kind][slot]
         self._ckpt[key] = host
         self._key[host] = key
         self._kind[host] = kind
-        self._host_lru[kind][host] = None
         self._uses[host], self._last[host] = self._uses[slot], self._last[slot]
+        # in order of last use, as the eviction rules read it: behind the host checkpoints hit since this one
+        lru, later = self._host_lru[kind], []
+        while lru and self._last[next(reversed(lru))] > self._last[host]:
+            later.append(lru.popitem()[0])
+        lru[host] = None
+        for s in reversed(later):
+            lru[s] = None
         self._demotions.append((slot, host))
         self.num_demoted += 1
         if budget is not None:
@@ -615,6 +623,8 @@ class StateSlotPool:
         assert sorted(listed + listed_host) == sorted(self._key), "recency lists disagree with the stored checkpoints"
         assert all(self._kind[s] == k for tier in (self._lru, self._host_lru) for k, lru in enumerate(tier)
                    for s in lru), "kind drifted"
+        assert all(all(self._last[a] <= self._last[b] for a, b in zip(lru, list(lru)[1:], strict=False))
+                   for tier in (self._lru, self._host_lru) for lru in tier), "a recency list is out of order"
         assert min(self._pins) >= 0 and min(self._wants) >= 0, "negative pin or want count"
         assert not (set(self._free_ckpt) | set(self._free_host)) & set(self._key), \
             "a free checkpoint slot holds a key"
