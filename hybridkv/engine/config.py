@@ -21,7 +21,7 @@ import torch
 
 from hybridkv.backends.base import KernelBackend
 from hybridkv.backends.registry import available_backends
-from hybridkv.kv_groups.plan import KVCachePlan, checkpoint_slots, plan_kv_cache
+from hybridkv.kv_groups.plan import HOST_STAGING_SLOTS, KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.models.config import HybridConfig
 from hybridkv.utils import parse_bytes
 
@@ -126,25 +126,23 @@ class EngineConfig:
         known = ("auto", *available_backends())
         if not isinstance(self.backend, KernelBackend) and self.backend not in known:
             errors.append(f"backend must be one of {', '.join(known)}, got {self.backend!r}")
-        if self.kv_cache_memory is not None:
-            memory = self.kv_cache_memory
-            if isinstance(memory, bool) or not isinstance(memory, int | str):
-                errors.append(f"kv_cache_memory must be bytes (an int), a size like '4GiB', or None, got {memory!r}")
-            else:
-                try:
-                    if parse_bytes(memory) <= 0:
-                        errors.append(f"kv_cache_memory must be positive, got {memory!r}")
-                except ValueError as err:
-                    errors.append(f"kv_cache_memory: {err}")
-        memory = self.host_cache_memory
-        if isinstance(memory, bool) or not isinstance(memory, int | str):
-            errors.append(f"host_cache_memory must be bytes (an int) or a size like '32GiB', got {memory!r}")
-        else:
+        def byte_size(name: str, example: str, *, positive: bool) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                errors.append(f"{name} must be bytes (an int) or a size like '{example}'"
+                              f"{', or None' if name == 'kv_cache_memory' else ''}, got {value!r}")
+                return
             try:
-                if parse_bytes(memory) < 0:
-                    errors.append(f"host_cache_memory must be >= 0, got {memory!r}")
+                size = parse_bytes(value)
             except ValueError as err:
-                errors.append(f"host_cache_memory: {err}")
+                errors.append(f"{name}: {err}")
+                return
+            if size < 0 or (positive and size == 0):
+                errors.append(f"{name} must be {'positive' if positive else '>= 0'}, got {value!r}")
+
+        if self.kv_cache_memory is not None:
+            byte_size("kv_cache_memory", "4GiB", positive=True)
+        byte_size("host_cache_memory", "32GiB", positive=False)
         return errors
 
     # -- derived settings ---------------------------------------------------------------------------
@@ -200,10 +198,13 @@ class EngineConfig:
                              step_tokens=self.step_tokens(max_model_len), num_checkpoint_slots=checkpoints,
                              host_checkpoint_memory=host)
         if host and not plan.num_host_checkpoint_slots:
+            if not plan.mamba_groups:
+                why = "no recurrent layers"
+            elif not self.enable_prefix_caching:
+                why = "no prefix caching"
+            else:
+                why = (f"{plan.num_checkpoint_slots} device checkpoint slots (more than {HOST_STAGING_SLOTS} needed) "
+                       f"or a state larger than the host memory")
             logger.warning("host_cache_memory=%s is not used: it holds checkpoints of recurrent states that the "
-                           "device's checkpoint slots evict, and this plan has %s", self.host_cache_memory,
-                           "no recurrent layers" if not plan.mamba_groups else "no prefix caching"
-                           if not self.enable_prefix_caching else
-                           f"{plan.num_checkpoint_slots} device checkpoint slots (more than 16 needed) or a "
-                           f"state larger than the host memory")
+                           "device's checkpoint slots evict, and this plan has %s", self.host_cache_memory, why)
         return plan

@@ -22,10 +22,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hybridkv.kv_groups.plan import KVCachePlan
-from hybridkv.metadata import PACK_ALIGN
+from hybridkv.metadata import PACK_ALIGN, host_to_device
 
 
 class HostCheckpoints:
@@ -75,9 +76,6 @@ class HostCheckpoints:
             return 1 << 30
         return sum(e is None or e.query() for e in self._row_done)
 
-    def _index(self, slots: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-
     def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device slot -> host slot for each pair (host slots as pool ids). Past ``moves_available`` (more
         moves than rows in one batch, or rows still in flight) the compute stream waits for the oldest row."""
@@ -90,7 +88,7 @@ class HostCheckpoints:
                 done = self._row_done[r]
                 if main is not None and done is not None and not done.query():
                     main.wait_event(done)
-            src, at = self._index([s for s, _ in chunk]), self._index(rows)
+            src, at = host_to_device(np.array([[s for s, _ in chunk], rows], np.int64), self.device)
             for state, view in self.layout:
                 view[at] = state[src]
             if main is None:
@@ -114,6 +112,6 @@ class HostCheckpoints:
                 if landed is not None:                    # (a wait on a completed event costs nothing)
                     torch.cuda.current_stream(self.device).wait_event(landed)
                 self.staging[base + j].copy_(self.host[h - self.first], non_blocking=True)
-            dst = self._index([d for _, d in chunk])
+            dst = host_to_device(np.array([d for _, d in chunk], np.int64), self.device)
             for state, view in self.layout:
                 state[dst] = view[base:base + k]
