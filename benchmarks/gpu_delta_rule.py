@@ -19,8 +19,8 @@ fp32 states, q/k L2 norm in the op, the decay computed in the op from A_log / dt
 2. Prefill: 1 x 4096, 8 x 2048 and 64 x 64 tokens; time per call (``do_bench``), Mtok/s; the reference once.
 3. Decode: batch 1, 8, 32, 128; CUDA-graph replays over rotated state-slot sets (> 4x L2 touched: HBM measured) and
    eager; bytes = states read + written (+ the small inputs); % of the copy bandwidth.
-4. ``--sweep``: every tile configuration of the chunked and decode kernels, each checked against the reference
-   first, timed at 1 x 4096 tokens / batch 32: the numbers behind ``delta_launch_config``.
+4. ``--sweep [gdn,kda,update]``: every tile configuration of the chunked and decode kernels, each checked against
+   the reference first, timed at 1 x 4096 tokens / batch 32: the numbers behind ``delta_launch_config``.
 """
 
 from __future__ import annotations
@@ -268,20 +268,26 @@ def decode_bench(copy_bw: float, quick: bool, vendor: dict | None) -> list[dict]
     return rows
 
 
-def sweep() -> list[dict]:
-    """Every tile configuration, correct first, then timed (chunked prefill at 1 x 4096, decode at batch 32)."""
+def sweep(parts: set[str]) -> list[dict]:
+    """Every tile configuration, correct first, then timed (chunked prefill at 1 x 4096, decode at batch 32).
+    ``parts``: any of "gdn", "kda" (the chunked kernels of each), "update" (the decode kernels)."""
     rows = []
     for sname, kind, hk, hv, dk, dv in SHAPES:
+        if kind not in parts and "update" not in parts:
+            continue
         g = torch.Generator(device=DEVICE).manual_seed(0)
         pk = Packed([4096], seed=0, spare=0, init_frac=1.0)
         p = inputs(pk.num_tokens, kind, hk, hv, dk, dv, g)
         pool = torch.randn(1, hv, dk, dv, generator=g, device=DEVICE) * 0.1
         ref_pool = pool.clone()
         ref = REF[kind](**f32(p), ssm_states=ref_pool, use_qk_l2norm=True, **pk.meta)
-        bts = (16, 32) if kind == "kda" else (16, 32, 64)
-        bks = (16, 32, 64) if kind == "kda" else (32,)
-        for bt, bk, bv, warps in itertools.product(bts, bks, (16, 32, 64), (4, 8)):
-            cfg = {"BT": bt, "BK": bk, "BV": bv, "num_warps": warps}
+        if kind == "kda":
+            configs = [{"BT": bt, "BK": bk, "BV": bv, "num_warps": warps}
+                       for bt, bk, bv, warps in itertools.product((16, 32), (16, 32, 64), (16, 32, 64), (4, 8))]
+        else:                   # the two-launch gated delta rule: factors kernel warps, state pass tiles
+            configs = [{"BT": bt, "BV": bv, "num_warps": warps, "num_stages": stages, "wy_warps": wy}
+                       for bt, bv, warps, stages, wy in itertools.product((32, 64), (32, 64), (4, 8), (2,), (4, 8))]
+        for cfg in configs if kind in parts else []:
             row = {"kernel": f"{kind} chunk", "shape": sname, "config": cfg}
             try:
                 with launch_config(cfg):
@@ -296,6 +302,8 @@ def sweep() -> list[dict]:
                 row["us"] = NAN
             rows.append(row)
             print("sweep", row, flush=True)
+        if "update" not in parts:
+            continue
         B = 32
         q = inputs(B, kind, hk, hv, dk, dv, g)
         upool = torch.randn(B, hv, dk, dv, generator=g, device=DEVICE) * 0.1
@@ -324,7 +332,8 @@ def sweep() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time every tile configuration")
+    ap.add_argument("--sweep", nargs="?", const="gdn,kda,update", default="",
+                    help="also time every tile configuration of these kernels (gdn, kda: chunked; update: decode)")
     add_output_args(ap, "gpu_delta_rule")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
@@ -343,7 +352,7 @@ def main() -> None:
                   r["unused_slots_untouched"], r["pass"]] for r in corr])
     pre = prefill_bench(args.quick, vendor)
     dec = decode_bench(copy_bw, args.quick, vendor)
-    swept = sweep() if args.sweep else []
+    swept = sweep(set(args.sweep.split(","))) if args.sweep else []
     write_json(args, "gpu_delta_rule", {"meta": meta, "correctness": corr, "prefill": pre, "decode": dec,
                                         "sweep": swept})
     print_table(f"prefill on {meta['device']} (µs per call, bf16)",

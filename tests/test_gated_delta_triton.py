@@ -136,6 +136,61 @@ def test_prefill_matches_reference(method, seed, kind, hk, hv, dk, dv, l2, gate,
     _check_states(dpool, ref_pool, slots, 2e-4)
 
 
+@pytest.mark.parametrize(("lens", "bt"), [
+    ([3, 1, 2, 4, 1, 5, 2, 1, 3, 2, 6, 1, 2, 3, 1, 4, 2, 0, 3, 1], 16),   # more request starts than rows
+    ([70, 3, 0, 45, 17], 32),                                              # requests over several chunks
+    pytest.param([130, 2, 61], 64, marks=pytest.mark.slow),                # 4 diagonal blocks per chunk
+])
+def test_gated_delta_chunks_cross_request_bounds(lens, bt):
+    """The chunked gated delta rule blocks the packed tokens, not each request: a chunk holds the ends and starts
+    of several requests, and each request's rows of it are a segment of their own."""
+    rng = np.random.default_rng(len(lens))
+    num_slots = len(lens) + 1
+    slots = torch.tensor(rng.permutation(num_slots)[: len(lens)].tolist())
+    init = torch.tensor([bool(v) for v in rng.random(len(lens)) < 0.5])
+    qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    p = _inputs(9, sum(lens), "gdn", 1, 2, 8, 8, gate=True)
+    pool = _pool((num_slots, 2, 8, 8), slots, init, torch.Generator().manual_seed(9))
+    ref_pool = pool.clone()
+    kw = dict(query_start_loc=qsl, state_indices=slots, has_initial_state=init, use_qk_l2norm=True)
+    ref = REF["gdn"](**p, ssm_states=ref_pool, **kw)
+    dpool = pool.to(DEVICE)
+    with tiles(tg, "delta_launch_config", {"BT": bt}):
+        y = _ours("gdn", "chunk")(**_strided(p), ssm_states=dpool,
+                                  **{key: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for key, t in kw.items()})
+    _close(y, ref, 2e-4)
+    _check_states(dpool, ref_pool, slots, 2e-4)
+
+
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_gated_delta_beta_from_logits(beta_scale):
+    """``beta_scale``: beta holds logits and every op takes ``sigmoid(beta) * beta_scale`` itself (the layer's
+    sigmoid launch folded in), equal to passing that beta."""
+    lens, qsl, slots, init, num_slots = _batch(11, max_len=20)
+    p = _inputs(11, sum(lens), "gdn", 1, 2, 8, 8, gate=True)
+    logits = torch.randn(p["beta"].shape, generator=torch.Generator().manual_seed(2)) * 2
+    pool = _pool((num_slots, 2, 8, 8), slots, init, torch.Generator().manual_seed(3))
+    kw = dict(query_start_loc=qsl, state_indices=slots, has_initial_state=init, use_qk_l2norm=True)
+    ref_pool = pool.clone()
+    ref = REF["gdn"](**(p | {"beta": torch.sigmoid(logits) * beta_scale}), ssm_states=ref_pool, **kw)
+    dkw = {key: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+    for method in ("chunk", "recurrent"):
+        dpool = pool.clone().to(DEVICE)
+        y = _ours("gdn", method)(**_strided(p | {"beta": logits}), ssm_states=dpool, beta_scale=beta_scale, **dkw)
+        _close(y, ref, 2e-4)
+        _check_states(dpool, ref_pool, slots, 2e-4)
+    q = _inputs(12, len(lens), "gdn", 1, 2, 8, 8, gate=True)
+    upd_logits = torch.randn(q["beta"].shape, generator=torch.Generator().manual_seed(4))
+    upd_ref_pool = ref_pool.clone()
+    want = REF_UPDATE["gdn"](upd_ref_pool, **(q | {"beta": torch.sigmoid(upd_logits) * beta_scale}),
+                             state_indices=slots, use_qk_l2norm=True)
+    dpool = ref_pool.clone().to(DEVICE)
+    got = tg.gated_delta_rule_update_triton(dpool, **_strided(q | {"beta": upd_logits}), state_indices=slots.to(DEVICE),
+                                            use_qk_l2norm=True, beta_scale=beta_scale)
+    _close(got, want, 2e-4)
+    _close(dpool[slots], upd_ref_pool[slots], 2e-4)
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_prefill_scale_and_check_values(kind):
     """An explicit q scale, and ``check_values`` running the reference's value checks."""
@@ -365,13 +420,23 @@ for per_channel in (False, True):
                       PDL=False, PRECISION="tf32")
         build(fn, consts, ptrs, num_warps=warps)
         print("compiled", kind, per_channel)
+WY_ROWS = dict(w_ptr="*bf16", qk_ptr="*bf16", qg_ptr="*bf16", kg_ptr="*bf16")
+cfg = mod.delta_launch_config(head_k_dim=128, head_v_dim=128, per_channel=False, kind="chunk")
+build(mod._wy_kernel, dict(BT=cfg["BT"], SB=mod._WY_BLOCK, K_P=128, V_P=128, HAS_GATE=True, HAS_DT_BIAS=True,
+                           L2NORM=True, EPS=1e-6, PRECISION="tf32", PDL=False),
+      dict(ptrs, u_ptr="*fp32", gc_ptr="*fp32", **WY_ROWS), num_warps=cfg["wy_warps"])
+print("compiled wy")
+build(mod._wy_state_kernel, dict(BT=cfg["BT"], K_P=128, V_P=128, BV=cfg["BV"], PRECISION="tf32", PDL=False),
+      dict(ptrs, u_ptr="*fp32", gc_ptr="*fp32", state_ptr="*fp32", **WY_ROWS), num_warps=cfg["num_warps"])
+print("compiled wy state")
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled by the tests above")
 def test_kernels_compile_for_hopper():
-    """The interpreter never lowers the kernels: build all six (chunked, recurrent, decode; gated delta rule and KDA)
+    """The interpreter never lowers the kernels: build all eight (chunked, recurrent, decode; gated delta rule and KDA;
+    the gated delta rule's two-launch chunked prefill)
     for sm_90 at head dims 128, bf16 and default tiles, as a GPU would, so a kernel that cannot be compiled fails here
     too."""
-    assert build_for_hopper(_COMPILE_FOR_HOPPER).count("compiled") == 6
+    assert build_for_hopper(_COMPILE_FOR_HOPPER).count("compiled") == 8

@@ -155,6 +155,28 @@ def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int, gated: bool) 
         torch.testing.assert_close(past, got, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("k", "weighted", "gated"), [(1, False, False), (3, True, True), (2, True, False)])
+def test_combine_kernel_matches_its_reference(k: int, weighted: bool, gated: bool) -> None:
+    """``moe_combine`` (the grouped path's last launch on CUDA): each token's slots read out of permuted rows,
+    weighted, summed and joined by the (gated) addend, as ``moe_combine_ref``; in bf16 on a GPU, fp32 here."""
+    from hybridkv.backends.triton_moe import moe_combine
+    from hybridkv.layers.ops.fused_ref import moe_combine_ref
+
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    tokens, dim = 5, 1100                                      # two output blocks, the second partial
+    g = torch.Generator().manual_seed(k)
+    y = torch.randn(tokens * k, dim, generator=g).to(dev, dtype)
+    kw = dict(k=k, out_dtype=dtype, positions=torch.randperm(tokens * k, generator=g).to(dev),
+              weights=torch.rand(tokens, k, generator=g).to(dev) if weighted else None,
+              addend=torch.randn(tokens, dim, generator=g).to(dev, dtype) if gated else None,
+              addend_gate=torch.randn(tokens, 1, generator=g).to(dev, dtype) if gated else None)
+    got, want = moe_combine(y, **kw), moe_combine_ref(y, **kw)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    kw.pop("positions")                                        # rows already in (token, slot) order
+    torch.testing.assert_close(moe_combine(y, **kw), moe_combine_ref(y, **kw), **_tol(dtype))
+
+
 @pytest.mark.parametrize("inter", [64, pytest.param(1024, marks=pytest.mark.slow)])
 def test_gemv_launch_shapes_by_expert_width(inter: int) -> None:
     """Both GEMV launch configurations (``_gemv_width``: narrow experts, and wide ones from 1024 channels: 2 output
@@ -262,7 +284,7 @@ def test_fast_paths_have_static_shapes(fn, dtype: torch.dtype) -> None:
     ids, weights = layer.route(x)
     with torch.no_grad():
         traced = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
-        torch.testing.assert_close(traced(x, ids, weights, layer.experts()),
+        torch.testing.assert_close(traced(x, ids, weights, layer.experts()).float(),
                                    moe_experts_ref(x, ids, weights, layer.experts()), **_tol(dtype))
         with pytest.raises(Exception):  # noqa: B017  (dynamo's error type for data-dependent shapes varies)
             torch.compile(moe_experts_ref, fullgraph=True, backend="eager", dynamic=False)(
@@ -374,6 +396,9 @@ warps = consts.pop("num_warps")
 build(mod._linear_route_kernel, consts, {"cnt_ptr": "*i32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32"},
       num_warps=warps, default_ptr="*bf16", floats=("scaling",))
 print("compiled router")
+build(mod._combine_kernel, dict(HAS_POS=True, WEIGHTED=True, HAS_ADD=True, HAS_GATE=True, BLOCK_N=1024, PDL=False),
+      {"pos_ptr": "*i64", "w_ptr": "*fp32"}, num_warps=4, default_ptr="*bf16")
+print("compiled combine")
 """
 
 
@@ -382,7 +407,7 @@ print("compiled router")
 def test_kernels_compile_for_hopper() -> None:
     """The interpreter runs fp32 only here and never lowers a kernel (a branch that changes a value's dtype compiles
     only for real): build the bf16 expert kernels for sm_90, biases, the shared expert's gated addend and the
-    GEMV's slot sum included, and the router's projection with the routing."""
+    GEMV's slot sum included, the router's projection with the routing, and the grouped path's combine."""
     from _triton import build_for_hopper
 
-    assert build_for_hopper(_MOE_FOR_HOPPER).count("compiled") == 8
+    assert build_for_hopper(_MOE_FOR_HOPPER).count("compiled") == 9

@@ -108,7 +108,7 @@ def test_centered_norm_is_layer_norm_without_bias() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu2"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu2", "sigmoid"])
 @pytest.mark.parametrize(("gated", "mult"), [(True, 1.0), (True, 0.25), (False, 1.0)])
 def test_act_mul(dtype, activation, gated, mult) -> None:
     g = torch.Generator().manual_seed(2)
@@ -120,11 +120,27 @@ def test_act_mul(dtype, activation, gated, mult) -> None:
     _close(out, act_mul_ref, (x,), kw, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_act_mul_with_a_separate_up(dtype) -> None:
+    """Qwen3-Next's attention output gate: ``out * sigmoid(gate)`` with the gate a strided view (its head's half of
+    q_proj's rows) and out the attention's rows, one launch."""
+    g = torch.Generator().manual_seed(3)
+    heads, d = 3, 16
+    q_and_gate = torch.randn(5, heads, 2 * d, generator=g).mul(3).to(DEVICE, dtype)
+    gate = q_and_gate.chunk(2, dim=-1)[1].reshape(-1, d)                   # (5 * heads, d), row stride 2 * d
+    up = torch.randn(5 * heads, d, generator=g).to(DEVICE, dtype)
+    kw = dict(activation="sigmoid", up=up)
+    _close(tf.act_mul_triton(gate, **kw), act_mul_ref, (gate,), kw, dtype)
+    torch.testing.assert_close(act_mul_ref(gate, **kw), up * torch.sigmoid(gate), atol=0, rtol=0)
+
+
 def test_act_mul_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown activation"):
         tf.act_mul_triton(torch.zeros(2, 4, device=DEVICE), activation="tanh")
     with pytest.raises(ValueError, match="even width"):
         tf.act_mul_triton(torch.zeros(2, 5, device=DEVICE), activation="silu")
+    with pytest.raises(ValueError, match="up must be"):
+        tf.act_mul_triton(torch.zeros(2, 4, device=DEVICE), activation="sigmoid", up=torch.zeros(2, 5, device=DEVICE))
 
 
 PREPS = {  # name -> (QKPrep kwargs, rope)
@@ -213,12 +229,13 @@ def test_qk_rope_write_kv_rejects_bad_input() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n_groups", "before", "has_weight"),
-                         [(1, False, True), (4, False, True), (2, True, True), (1, False, False)])
-def test_gated_rms_norm(dtype, n_groups, before, has_weight) -> None:
+@pytest.mark.parametrize(("n_groups", "before", "has_weight", "rows"),
+                         [(1, False, True, 5), (4, False, True, 5), (2, True, True, 5), (1, False, False, 5),
+                          (2, True, True, 2100), (1, False, True, 4097)])     # many rows: several a program
+def test_gated_rms_norm(dtype, n_groups, before, has_weight, rows) -> None:
     g = torch.Generator().manual_seed(4)
     dim = 32
-    yz = torch.randn(5, 2 * dim, generator=g).to(DEVICE, dtype)
+    yz = torch.randn(rows, 2 * dim, generator=g).to(DEVICE, dtype)
     y, z = yz[:, :dim], yz[:, dim:]                            # strided views of one projection
     w = (torch.randn(dim, generator=g) * 0.3 + 1).to(DEVICE, dtype) if has_weight else None
     kw = dict(n_groups=n_groups, eps=1e-5, norm_before_gate=before)

@@ -5,11 +5,13 @@ such launches, so their number, not their bytes, sets the step time.
 - ``add_rms_norm`` / ``rms_norm``: one program per row: optional post-norm of the branch output, residual
   multiplier, residual add, the next pre-norm (RMS, Gemma's or a bias-free LayerNorm); fp32 math with the
   reference's rounding points.
-- ``act_mul``: ``act(gate) * up`` over the packed gate|up projection (silu, gelu, gelu_tanh, relu2).
+- ``act_mul``: ``act(gate) * up`` over the packed gate|up projection or a gate and a separate up (silu, gelu,
+  gelu_tanh, relu2, sigmoid).
 - ``qk_rope_write_kv``: one program per token, all its heads as one (heads, head_dim) tile: q/k norm, RoPE
   (rotate-half or interleaved, partial), post-RoPE norm or NoPE temperature, then q out and K/V into the
   paged cache (negative slot: padding, not written).
-- ``gated_rms_norm``: one program per (token, group): Mamba2's ``norm(y * silu(z))``.
+- ``gated_rms_norm``: one program per (token, group), or per (rows, group) for many short groups: Mamba2's
+  ``norm(y * silu(z))``.
 
 All grids depend on shapes only and nothing syncs, so they capture in CUDA graphs.
 """
@@ -26,11 +28,14 @@ from hybridkv.layers.ops.fused_ref import QKPrep
 __all__ = ["act_mul_triton", "add_rms_norm_triton", "gated_rms_norm_triton", "qk_rope_write_kv_triton",
            "rms_norm_triton"]
 
-_ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
+_ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3, "sigmoid": 5}     # 4: the MoE kernels' swiglu_oai
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+_MANY_ROWS = 4096      # (row, group) programs from which ``gated_rms_norm`` packs several rows into one
 
 
 def _warps(block: int) -> int:
@@ -160,6 +165,8 @@ def _activation(x, ACT: tl.constexpr):
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACT == 2:
         return 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif ACT == 5:
+        return 1.0 / (1.0 + tl.exp(-x))
     else:
         r = tl.maximum(x, 0.0)
         return r * r
@@ -167,7 +174,7 @@ def _activation(x, ACT: tl.constexpr):
 
 @triton.jit
 def _act_mul_kernel(
-    x_ptr, out_ptr, inter, gate_mult, stride_x, stride_o,
+    x_ptr, up_ptr, out_ptr, inter, gate_mult, stride_x, stride_up, stride_o,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -181,29 +188,35 @@ def _act_mul_kernel(
         if HAS_MULT:
             g = (g * gate_mult).to(ty).to(tl.float32)
         a = _activation(g, ACT).to(ty).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0).to(tl.float32)
         y = a * u
     else:
         y = _activation(g, ACT)
     tl.store(out_ptr + row * stride_o + offs, y.to(ty), mask=mask)
 
 
-def act_mul_triton(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
-                   ) -> torch.Tensor:
-    """Same contract as ``act_mul_ref``."""
+def act_mul_triton(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0,
+                   up: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``act_mul_ref`` (x and ``up`` may be strided views: rows of a wider tensor)."""
     _rows(x, "act_mul x")
     if activation not in _ACT_IDS:
         raise ValueError(f"act_mul: unknown activation {activation!r}; known: {sorted(_ACT_IDS)}")
     rows, width = x.shape
-    if gated and width % 2:
+    if up is not None and (not gated or _rows(up, "act_mul up").shape != x.shape or up.dtype != x.dtype):
+        raise ValueError(f"act_mul: up must be a gated input's ({rows}, {width}) {x.dtype}, got "
+                         f"{tuple(up.shape)} {up.dtype} (gated={gated})")
+    if gated and up is None and width % 2:
         raise ValueError(f"act_mul: a gated input has an even width (gate|up), got {width}")
-    inter = width // 2 if gated else width
+    inter = width // 2 if gated and up is None else width
+    if up is None:               # packed gate|up: up is the second half of x's row
+        up = x[:, inter:]
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     if rows and inter:
         block = min(1024, _pow2(inter))
         _act_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x, out, inter, gate_multiplier, x.stride(0), out.stride(0), ACT=_ACT_IDS[activation], GATED=gated,
-            HAS_MULT=gate_multiplier != 1.0, BLOCK=block, num_warps=_warps(block), **pdl_kwargs(x.device))
+            x, up, out, inter, gate_multiplier, x.stride(0), up.stride(0), out.stride(0), ACT=_ACT_IDS[activation],
+            GATED=gated, HAS_MULT=gate_multiplier != 1.0, BLOCK=block, num_warps=_warps(block),
+            **pdl_kwargs(x.device))
     return out
 
 
@@ -379,14 +392,15 @@ def qk_prep_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, stride_y, stride_z, stride_o,
-    HAS_NORM: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+    y_ptr, z_ptr, w_ptr, out_ptr, rows, group_size, eps, stride_y, stride_z, stride_o,
+    HAS_NORM: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
-    mask = tl.arange(0, BLOCK) < group_size
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]          # (ROWS, 1)
+    cols = tl.arange(0, BLOCK)
+    offs = (tl.program_id(1) * group_size + cols)[None, :]                              # (1, BLOCK)
+    mask = (row < rows) & (cols < group_size)[None, :]
     ty = out_ptr.dtype.element_ty
     in_ty = y_ptr.dtype.element_ty
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
@@ -394,12 +408,14 @@ def _gated_rms_norm_kernel(
     gate = z / (1.0 + tl.exp(-z))
     if not HAS_NORM:
         out = (y * gate).to(ty)
-    elif NORM_BEFORE_GATE:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        out = (w * _normalize(y, mask, group_size, eps) * gate).to(ty)
     else:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        out = (_normalize(y * gate, mask, group_size, eps).to(in_ty).to(tl.float32) * w).to(ty)
+        w = tl.load(w_ptr + offs, mask=(cols < group_size)[None, :], other=0.0).to(tl.float32)
+        x = y if NORM_BEFORE_GATE else y * gate
+        x = x * (1.0 / tl.sqrt(tl.sum(tl.where(mask, x * x, 0.0), 1) / group_size + eps))[:, None]
+        if NORM_BEFORE_GATE:  # noqa: SIM108  (constexpr branch)
+            out = (w * x * gate).to(ty)
+        else:
+            out = (x.to(in_ty).to(tl.float32) * w).to(ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
@@ -419,8 +435,11 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     out = torch.empty(rows, dim, dtype=out_dtype, device=y.device)
     if rows:
         block = _pow2(dim // groups)
-        _gated_rms_norm_kernel[(rows, groups)](
-            y, z, weight if weight is not None else y, out, dim // groups, eps, y.stride(0), z.stride(0),
-            out.stride(0), HAS_NORM=weight is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
-            num_warps=_warps(block), **pdl_kwargs(y.device))
+        # short groups (a DeltaNet head: 128) of a prefill: many rows a program, not 100k one-warp programs
+        # (Qwen3-Next-like, 8192 tokens x 32 heads: 316 µs a layer with one row each on an H200)
+        per = 1 if rows * groups < _MANY_ROWS else max(1, 2048 // block)
+        _gated_rms_norm_kernel[(triton.cdiv(rows, per), groups)](
+            y, z, weight if weight is not None else y, out, rows, dim // groups, eps, y.stride(0), z.stride(0),
+            out.stride(0), HAS_NORM=weight is not None, NORM_BEFORE_GATE=norm_before_gate, ROWS=per, BLOCK=block,
+            num_warps=_warps(per * block), **pdl_kwargs(y.device))
     return out

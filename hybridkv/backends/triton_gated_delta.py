@@ -72,6 +72,17 @@ def _gate(g, a_log, dtb, HAS_GATE: tl.constexpr):
 
 
 @triton.jit
+def _beta(b, ty: tl.constexpr, BETA_LOGITS: tl.constexpr, BETA_SCALE: tl.constexpr):
+    """The write strength: b as given, or from logits ``sigmoid(b) * BETA_SCALE``, each step rounded to the input
+    dtype ``ty`` as the layer's torch ops round."""
+    if BETA_LOGITS:
+        b = (1.0 / (1.0 + tl.exp(-b))).to(ty).to(tl.float32)
+        if BETA_SCALE != 1.0:
+            b = (b * BETA_SCALE).to(ty).to(tl.float32)
+    return b
+
+
+@triton.jit
 def _token_step(S, q, k, v, g, beta, PER_CHANNEL: tl.constexpr):
     """One token: S (K_P, BV) fp32; q, k (K_P,) prepared; v (BV,); g scalar or (K_P,); beta scalar."""
     if PER_CHANNEL:  # noqa: SIM108  (constexpr branch)
@@ -105,7 +116,8 @@ def _head_params(alog_ptr, dtb_ptr, h, offs_k, k_ok, stride_dth, stride_dtk,
 def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, h, hk, offs_k, k_ok, offs_v, v_ok, a_log, dtb, scale,
                 stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk, stride_vt, stride_vh, stride_vv,
                 stride_gt, stride_gh, stride_gk, stride_bt, stride_bh,
-                PER_CHANNEL: tl.constexpr, HAS_GATE: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
+                PER_CHANNEL: tl.constexpr, HAS_GATE: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr,
+                BETA_LOGITS: tl.constexpr, BETA_SCALE: tl.constexpr):
     """Token t's prepared q (scaled), k, v, decay and beta for value head h (q/k head hk)."""
     t = tl.cast(t, tl.int64)
     q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k * stride_qk, mask=k_ok, other=0.0).to(tl.float32)
@@ -116,7 +128,8 @@ def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, h, hk, offs_k, k_ok, offs_
         g = tl.where(k_ok, _gate(g, a_log, dtb, HAS_GATE), 0.0)
     else:
         g = _gate(tl.load(g_ptr + t * stride_gt + h * stride_gh).to(tl.float32), a_log, dtb, HAS_GATE)
-    beta = tl.load(b_ptr + t * stride_bt + h * stride_bh).to(tl.float32)
+    beta = _beta(tl.load(b_ptr + t * stride_bt + h * stride_bh).to(tl.float32), b_ptr.dtype.element_ty,
+                 BETA_LOGITS, BETA_SCALE)
     if L2NORM:
         q = q / tl.sqrt(tl.sum(q * q, 0) + EPS)
         k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
@@ -134,7 +147,8 @@ def _delta_recurrent_kernel(
     stride_gt, stride_gh, stride_gk, stride_bt, stride_bh, stride_ot, stride_oh, stride_ov,
     stride_dth, stride_dtk, stride_ss, stride_sh, stride_sk, stride_sv,
     K_P: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr, BETA_LOGITS: tl.constexpr = False,
+    BETA_SCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -162,7 +176,8 @@ def _delta_recurrent_kernel(
         q, k, v, g, beta = _load_token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, h, hk, offs_k, k_ok, offs_v, v_ok,
                                        a_log, dtb, scale, stride_qt, stride_qh, stride_qk, stride_kt, stride_kh,
                                        stride_kk, stride_vt, stride_vh, stride_vv, stride_gt, stride_gh, stride_gk,
-                                       stride_bt, stride_bh, PER_CHANNEL, HAS_GATE, L2NORM, EPS)
+                                       stride_bt, stride_bh, PER_CHANNEL, HAS_GATE, L2NORM, EPS, BETA_LOGITS,
+                                       BETA_SCALE)
         S, o = _token_step(S, q, k, v, g, beta, PER_CHANNEL)
         tl.store(o_ptr + tl.cast(t, tl.int64) * stride_ot + h * stride_oh + offs_v * stride_ov,
                  o.to(o_ptr.dtype.element_ty), mask=v_ok)
@@ -176,7 +191,8 @@ def _delta_update(
     stride_gt, stride_gh, stride_gk, stride_bt, stride_bh, stride_ot, stride_oh, stride_ov,
     stride_dth, stride_dtk, stride_ss, stride_sh, stride_sk, stride_sv,
     K_P: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr, BETA_LOGITS: tl.constexpr = False,
+    BETA_SCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -199,7 +215,8 @@ def _delta_update(
     q, k, v, g, beta = _load_token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, b, h, hk, offs_k, k_ok, offs_v, v_ok,
                                    a_log, dtb, scale, stride_qt, stride_qh, stride_qk, stride_kt, stride_kh,
                                    stride_kk, stride_vt, stride_vh, stride_vv, stride_gt, stride_gh, stride_gk,
-                                   stride_bt, stride_bh, PER_CHANNEL, HAS_GATE, L2NORM, EPS)
+                                   stride_bt, stride_bh, PER_CHANNEL, HAS_GATE, L2NORM, EPS, BETA_LOGITS,
+                                   BETA_SCALE)
     S, o = _token_step(S, q, k, v, g, beta, PER_CHANNEL)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_mask)
     tl.store(o_ptr + tl.cast(b, tl.int64) * stride_ot + h * stride_oh + offs_v * stride_ov,
@@ -253,7 +270,8 @@ def _delta_chunk_kernel(
     stride_dth, stride_dtk, stride_ss, stride_sh, stride_sk, stride_sv,
     BT: tl.constexpr, K_P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr, BETA_LOGITS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 1.0,
+    PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -290,6 +308,7 @@ def _delta_chunk_kernel(
         tok = (t0 + c0 + offs_l).to(tl.int64)
         qk_mask = l_ok[:, None] & k_ok[None, :]
         beta = tl.load(b_ptr + tok * stride_bt + h * stride_bh, mask=l_ok, other=0.0).to(tl.float32)
+        beta = tl.where(l_ok, _beta(beta, b_ptr.dtype.element_ty, BETA_LOGITS, BETA_SCALE), 0.0)
         if PER_CHANNEL:
             g = tl.load(g_ptr + tok[:, None] * stride_gt + h * stride_gh + offs_k[None, :] * stride_gk,
                         mask=qk_mask, other=0.0).to(tl.float32)
@@ -368,7 +387,163 @@ def _delta_chunk_kernel(
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
 
 
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])    # per-step values: one compile serves every step
+def _wy_kernel(
+    w_ptr, u_ptr, qk_ptr, qg_ptr, kg_ptr, gc_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_ptr,
+    num_tokens, num_reqs, head_k_dim, head_v_dim, rep, scale,
+    stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk, stride_vt, stride_vh, stride_vv,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_dth,
+    BT: tl.constexpr, SB: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr, PRECISION: tl.constexpr,
+    BETA_LOGITS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False,
+):
+    """One (chunk of BT packed tokens, value head). Each request's rows of the chunk are a segment that starts
+    from the request's state on entering it. Writes, per row: W = T (beta k e^gc) and U = T (beta v) with
+    T = (I + A)^-1; QK, the segment-causal decayed q.k; q e^gc and k e^(gc_end - gc) (the state pass's dot
+    operands); gc, the log decay since the segment's start."""
+    pdl_wait(PDL)
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // rep
+    NB: tl.constexpr = BT // SB
+    offs_l = tl.arange(0, BT)
+    tok = (c * BT + offs_l).to(tl.int64)
+    l_ok = tok < num_tokens
+    rows = tok * tl.num_programs(1) + h                    # (token, value head): the outputs' row
+    # each row's request: the number of request starts at or before it (qsl[num_reqs] too: padding rows after
+    # the last request are a segment of their own)
+    seg = tl.zeros([BT], tl.int32)
+    for r0 in range(1, num_reqs + 1, BT):
+        r = r0 + offs_l
+        starts = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=num_tokens).to(tl.int64)
+        seg += tl.sum((starts[None, :] <= tok[:, None]).to(tl.int32), 1)
+    same = (seg[:, None] == seg[None, :]) & l_ok[:, None] & l_ok[None, :]
+    causal = same & (offs_l[:, None] >= offs_l[None, :])
+    offs_k = tl.arange(0, K_P)
+    k_ok = offs_k < head_k_dim
+    offs_v = tl.arange(0, V_P)
+    v_ok = offs_v < head_v_dim
+    qk_mask = l_ok[:, None] & k_ok[None, :]
+    dot_dtype = k_ptr.dtype.element_ty
+
+    a_log, dtb = _head_params(alog_ptr, dtb_ptr, h, offs_k, k_ok, stride_dth, 0, HAS_GATE, HAS_DT_BIAS, False)
+    g = tl.load(g_ptr + tok * stride_gt + h * stride_gh, mask=l_ok, other=0.0).to(tl.float32)
+    g = tl.where(l_ok, _gate(g, a_log, dtb, HAS_GATE), 0.0)
+    gc = tl.sum(tl.where(causal, g[None, :], 0.0), 1)                       # (BT,)
+    gend = tl.sum(tl.where(same, g[None, :], 0.0), 1)                       # (BT,) gc at the segment's last row
+    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))       # (BT, BT)
+    beta = tl.load(b_ptr + tok * stride_bt + h * stride_bh, mask=l_ok, other=0.0).to(tl.float32)
+    beta = tl.where(l_ok, _beta(beta, b_ptr.dtype.element_ty, BETA_LOGITS, BETA_SCALE), 0.0)
+
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + offs_k[None, :] * stride_kk,
+                mask=qk_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k / tl.sqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    kd = k.to(dot_dtype)
+    A = tl.where(causal & (offs_l[:, None] > offs_l[None, :]),
+                 tl.dot(kd, tl.trans(kd), input_precision=PRECISION) * decay, 0.0) * beta[:, None]
+    # T = (I + A)^-1 by blocks of SB rows: the diagonal blocks' inverses D by forward substitution, all blocks at
+    # once (SB - 1 steps); then with N = D A_off (strictly block-lower, so N^NB = 0),
+    # T X = (I + N)^-1 D X = Y - N Y + N^2 Y - ... for Y = D X (Horner: NB - 1 products).
+    A3 = tl.reshape(tl.where((offs_l[:, None] // SB) == (offs_l[None, :] // SB), A, 0.0), (NB, SB, BT))
+    A3 = tl.sum(tl.reshape(A3, (NB, SB, NB, SB)), 2)                        # (NB, SB, SB) diagonal blocks
+    offs_s = tl.arange(0, SB)
+    rloc = offs_s[None, :, None]
+    D3 = tl.where(rloc == offs_s[None, None, :], 1.0, 0.0) + tl.zeros([NB, SB, SB], tl.float32)
+    for i in range(1, SB):            # row i of every block: e_i - sum_{j<i} A_ij D_j (rows j < i are final)
+        a_i = tl.sum(tl.where(rloc == i, A3, 0.0), 1)                                      # (NB, SB)
+        D3 -= tl.where(rloc == i, tl.sum(a_i[:, :, None] * D3, 1)[:, None, :], 0.0)
+    N = tl.reshape(tl.dot(D3, tl.reshape(tl.where((offs_l[:, None] // SB) > (offs_l[None, :] // SB), A, 0.0),
+                                         (NB, SB, BT)), input_precision=PRECISION), (BT, BT))
+
+    kb = tl.reshape(k * (beta * tl.exp(gc))[:, None], (NB, SB, K_P))
+    Y = tl.reshape(tl.dot(D3, kb, input_precision=PRECISION), (BT, K_P))
+    W = Y
+    for _ in range(NB - 1):
+        W = Y - tl.dot(N, W, input_precision=PRECISION)
+    tl.store(w_ptr + rows[:, None] * K_P + offs_k[None, :], W.to(w_ptr.dtype.element_ty), mask=qk_mask)
+    tl.store(kg_ptr + rows[:, None] * K_P + offs_k[None, :],
+             (kd.to(tl.float32) * tl.exp(gend - gc)[:, None]).to(kg_ptr.dtype.element_ty), mask=qk_mask)
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_v[None, :] * stride_vv,
+                mask=l_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    Y = tl.reshape(tl.dot(D3, tl.reshape(v * beta[:, None], (NB, SB, V_P)), input_precision=PRECISION), (BT, V_P))
+    U = Y
+    for _ in range(NB - 1):
+        U = Y - tl.dot(N, U, input_precision=PRECISION)
+    tl.store(u_ptr + rows[:, None] * V_P + offs_v[None, :], U, mask=l_ok[:, None] & v_ok[None, :])
+
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + offs_k[None, :] * stride_qk,
+                mask=qk_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, 1) + EPS)[:, None]
+    q = q * scale
+    QK = tl.where(causal, tl.dot(q.to(dot_dtype), tl.trans(kd), input_precision=PRECISION) * decay, 0.0)
+    tl.store(qk_ptr + rows[:, None] * BT + offs_l[None, :], QK.to(qk_ptr.dtype.element_ty), mask=l_ok[:, None])
+    tl.store(qg_ptr + rows[:, None] * K_P + offs_k[None, :],
+             (q * tl.exp(gc)[:, None]).to(qg_ptr.dtype.element_ty), mask=qk_mask)
+    tl.store(gc_ptr + rows, gc, mask=l_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"],      # a per-step value: one compile serves every step
+            do_not_specialize_on_alignment=["qsl_ptr", "idx_ptr", "init_ptr"])
+def _wy_state_kernel(
+    o_ptr, state_ptr, w_ptr, u_ptr, qk_ptr, qg_ptr, kg_ptr, gc_ptr, qsl_ptr, idx_ptr, init_ptr,
+    num_tokens, head_k_dim, head_v_dim, num_slots, stride_ot, stride_oh, stride_ov,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    BT: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One (request, value head, BV state columns): the state pass over the request's segments of the packed
+    chunks, in order. Per segment with entering state S: v' = U - W S; o = (q e^gc) S + QK v';
+    S <- S e^(gc_end) + (k e^(gc_end - gc))^T v'. Every load is a dot operand or U: nothing waits on the state
+    but the dots."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    req = tl.program_id(1)
+    n_vb = tl.cdiv(head_v_dim, BV)
+    num_heads = tl.num_programs(0) // n_vb
+    h = pid // n_vb
+    t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
+    t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
+
+    slot = tl.load(idx_ptr + req).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    use_state = slot_ok & (tl.load(init_ptr + req) != 0)
+    offs_k = tl.arange(0, K_P)
+    k_ok = offs_k < head_k_dim
+    offs_v = (pid % n_vb) * BV + tl.arange(0, BV)
+    v_ok = offs_v < head_v_dim
+    s_ptrs = (state_ptr + tl.where(slot_ok, slot, 0) * stride_ss + h * stride_sh
+              + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(s_ptrs, mask=tl.where(use_state, s_mask, False), other=0.0).to(tl.float32)   # (K_P, BV)
+    offs_l = tl.arange(0, BT)
+    dot_dtype = w_ptr.dtype.element_ty
+    c_end = tl.where(t1 > t0, tl.cdiv(t1, BT), t0 // BT)
+    for c in range(t0 // BT, c_end):
+        tok = (c * BT + offs_l).to(tl.int64)
+        m = (tok >= t0) & (tok < t1)
+        rows = tok * num_heads + h
+        mk = m[:, None] & k_ok[None, :]
+        gend = tl.load(gc_ptr + (tl.minimum(t1, c * BT + BT) - 1).to(tl.int64) * num_heads + h)
+        W = tl.load(w_ptr + rows[:, None] * K_P + offs_k[None, :], mask=mk, other=0.0)
+        U = tl.load(u_ptr + rows[:, None] * V_P + offs_v[None, :], mask=m[:, None] & v_ok[None, :], other=0.0)
+        QK = tl.load(qk_ptr + rows[:, None] * BT + offs_l[None, :], mask=m[:, None] & m[None, :], other=0.0)
+        qg = tl.load(qg_ptr + rows[:, None] * K_P + offs_k[None, :], mask=mk, other=0.0)
+        kg = tl.load(kg_ptr + rows[:, None] * K_P + offs_k[None, :], mask=mk, other=0.0)
+        Sd = S.to(dot_dtype)
+        vd = (U - tl.dot(W, Sd, input_precision=PRECISION)).to(dot_dtype)                # (BT, BV)
+        o = tl.dot(qg, Sd, input_precision=PRECISION) + tl.dot(QK, vd, input_precision=PRECISION)
+        tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :] * stride_ov,
+                 o.to(o_ptr.dtype.element_ty), mask=m[:, None] & v_ok[None, :])
+        S = S * tl.exp(gend) + tl.dot(tl.trans(kg), vd, input_precision=PRECISION)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
+
+
 # --------------------------------------------------------------------------------------------- host side
+
+_WY_BLOCK = 16      # rows of the diagonal blocks the chunk's (I + A)^-1 is solved by (tl.dot's smallest side)
+
 
 def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, kind: str) -> dict[str, int]:
     """Tile shapes (``kind``: "chunk", "recurrent" or "update"). Not yet timed on a GPU (``benchmarks/gpu_delta_rule.py
@@ -380,8 +555,12 @@ def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, 
     spill)."""
     k_p = max(16, _next_pow2(head_k_dim))
     bv = max(16, min(16 if k_p > 128 else 32, _next_pow2(head_v_dim)))
-    if kind == "chunk":
+    if kind == "chunk" and per_channel:
         return {"BT": 16, "BK": 16, "BV": bv, "num_warps": 8 if k_p >= 128 else 4, "num_stages": 1}
+    if kind == "chunk":     # the two-launch gated delta rule (``--sweep gdn`` on an H200, 1 x 4096 tokens)
+        return {"BT": 32, "BV": max(16, min(64 if k_p <= 128 else 32, _next_pow2(head_v_dim))), "num_warps": 8,
+                "num_stages": 2,
+                "wy_warps": 4}
     return {"BV": bv, "num_warps": 4 if head_k_dim >= 64 else 2}
 
 
@@ -404,14 +583,15 @@ def _common_args(q, k, v, g, beta, A_log, dt_bias, out, ssm_states, scale, rep, 
     )
 
 
-def _flags(per_channel, A_log, dt_bias, use_qk_l2norm):
+def _flags(per_channel, A_log, dt_bias, use_qk_l2norm, beta_scale=None):
     return dict(PER_CHANNEL=per_channel, HAS_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-                L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS)
+                L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS, BETA_LOGITS=beta_scale is not None,
+                BETA_SCALE=float(1.0 if beta_scale is None else beta_scale))
 
 
 def _prefill(
     q, k, v, g, beta, *, query_start_loc, ssm_states, state_indices, has_initial_state, scale, use_qk_l2norm,
-    A_log, dt_bias, chunk_size, out, check_values, per_channel: bool, chunked: bool,
+    A_log, dt_bias, chunk_size, out, check_values, per_channel: bool, chunked: bool, beta_scale: float | None = None,
 ) -> torch.Tensor:
     rep = _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
     if chunk_size < 1:
@@ -438,8 +618,10 @@ def _prefill(
     ptrs, scalars = _common_args(q, k, v, g, beta, A_log, dt_bias, out, ssm_states, scale, rep, per_channel)
     k_p = max(16, _next_pow2(head_k_dim))
     grid = (num_v_heads * triton.cdiv(head_v_dim, cfg["BV"]), num_reqs)
-    flags = _flags(per_channel, A_log, dt_bias, use_qk_l2norm)
-    if chunked:
+    flags = _flags(per_channel, A_log, dt_bias, use_qk_l2norm, beta_scale)
+    if chunked and not per_channel:
+        _wy_prefill(out, ssm_states, q, k, v, g, beta, A_log, dt_bias, qsl, idx, init, scalars, cfg, k_p, flags)
+    elif chunked:
         _delta_chunk_kernel[grid](
             out, ssm_states, *ptrs, qsl, idx, init, num_tokens, *scalars,
             BT=cfg["BT"], K_P=k_p, BK=min(cfg["BK"], k_p), BV=cfg["BV"], **flags,
@@ -454,9 +636,35 @@ def _prefill(
     return out
 
 
+def _wy_prefill(out, ssm_states, q, k, v, g, beta, A_log, dt_bias, qsl, idx, init, scalars, cfg, k_p, flags):
+    """The gated delta rule's chunked prefill in two launches: the chunk-local factors in parallel over every
+    (chunk, value head), then the state pass, sequential over each request's chunks (module docstring)."""
+    num_tokens, num_v_heads, head_v_dim = v.shape
+    head_k_dim, rep, scale = q.shape[2], scalars[2], scalars[4]
+    bt, v_p, dev = cfg["BT"], max(16, _next_pow2(head_v_dim)), v.device
+    rows_k = torch.empty(3, num_tokens, num_v_heads, k_p, dtype=k.dtype, device=dev)   # W | q e^gc | k e^(end-gc)
+    u = torch.empty(num_tokens, num_v_heads, v_p, dtype=torch.float32, device=dev)     # T beta v
+    qk = torch.empty(num_tokens, num_v_heads, bt, dtype=k.dtype, device=dev)           # decayed causal q.k
+    gc = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=dev)         # in-segment log decay
+    w, qg, kg = rows_k.unbind(0)
+    dtb = dt_bias if dt_bias is not None else beta
+    precision = "ieee" if v.dtype == torch.float32 else "tf32"
+    _wy_kernel[(triton.cdiv(num_tokens, bt), num_v_heads)](
+        w, u, qk, qg, kg, gc, q, k, v, g, beta, A_log if A_log is not None else beta, dtb, qsl, num_tokens,
+        qsl.shape[0] - 1, head_k_dim, head_v_dim, rep, scale, *q.stride(), *k.stride(), *v.stride(), *g.stride(),
+        *beta.stride(), dtb.stride(0), BT=bt, SB=_WY_BLOCK, K_P=k_p, V_P=v_p, HAS_GATE=flags["HAS_GATE"],
+        HAS_DT_BIAS=flags["HAS_DT_BIAS"], L2NORM=flags["L2NORM"], EPS=flags["EPS"], PRECISION=precision,
+        BETA_LOGITS=flags["BETA_LOGITS"], BETA_SCALE=flags["BETA_SCALE"], num_warps=cfg["wy_warps"], num_stages=1,
+        **pdl_kwargs(dev))
+    _wy_state_kernel[(num_v_heads * triton.cdiv(head_v_dim, cfg["BV"]), qsl.shape[0] - 1)](
+        out, ssm_states, w, u, qk, qg, kg, gc, qsl, idx, init, num_tokens, head_k_dim, head_v_dim,
+        ssm_states.shape[0], *out.stride(), *ssm_states.stride(), BT=bt, K_P=k_p, V_P=v_p, BV=cfg["BV"],
+        PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(dev))
+
+
 def _decode(
     ssm_states, q, k, v, g, beta, *, state_indices, scale, use_qk_l2norm, A_log, dt_bias, out, check_values,
-    per_channel: bool,
+    per_channel: bool, beta_scale: float | None = None,
 ) -> torch.Tensor:
     rep = _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
     batch, num_v_heads, head_v_dim = v.shape
@@ -478,7 +686,8 @@ def _decode(
     grid = (num_v_heads * triton.cdiv(head_v_dim, cfg["BV"]), batch)
     _delta_update_kernel.pick(v)[grid](
         out, ssm_states, *ptrs, idx, *scalars,
-        K_P=max(16, _next_pow2(head_k_dim)), BV=cfg["BV"], **_flags(per_channel, A_log, dt_bias, use_qk_l2norm),
+        K_P=max(16, _next_pow2(head_k_dim)), BV=cfg["BV"], **_flags(per_channel, A_log, dt_bias, use_qk_l2norm,
+                                                                    beta_scale),
         num_warps=cfg["num_warps"], **pdl_kwargs(v.device),
     )
     return out
@@ -500,6 +709,7 @@ def gated_delta_rule_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    beta_scale: float | None = None,
     out: torch.Tensor | None = None,
     check_values: bool = False,
 ) -> torch.Tensor:
@@ -510,7 +720,7 @@ def gated_delta_rule_triton(
     return _prefill(q, k, v, g, beta, query_start_loc=query_start_loc, ssm_states=ssm_states,
                     state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, out=out,
-                    check_values=check_values, per_channel=False, chunked=True)
+                    check_values=check_values, per_channel=False, chunked=True, beta_scale=beta_scale)
 
 
 def gated_delta_rule_recurrent_triton(
@@ -529,6 +739,7 @@ def gated_delta_rule_recurrent_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    beta_scale: float | None = None,
     out: torch.Tensor | None = None,
     check_values: bool = False,
 ) -> torch.Tensor:
@@ -536,7 +747,7 @@ def gated_delta_rule_recurrent_triton(
     return _prefill(q, k, v, g, beta, query_start_loc=query_start_loc, ssm_states=ssm_states,
                     state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, out=out,
-                    check_values=check_values, per_channel=False, chunked=False)
+                    check_values=check_values, per_channel=False, chunked=False, beta_scale=beta_scale)
 
 
 def gated_delta_rule_update_triton(
@@ -552,6 +763,7 @@ def gated_delta_rule_update_triton(
     use_qk_l2norm: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    beta_scale: float | None = None,
     out: torch.Tensor | None = None,
     check_values: bool = False,
 ) -> torch.Tensor:
@@ -559,7 +771,7 @@ def gated_delta_rule_update_triton(
     state slots updated in place. ``out`` / ``check_values`` as in ``gated_delta_rule_triton``."""
     return _decode(ssm_states, q, k, v, g, beta, state_indices=state_indices, scale=scale,
                    use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, out=out, check_values=check_values,
-                   per_channel=False)
+                   per_channel=False, beta_scale=beta_scale)
 
 
 def kda_triton(

@@ -51,10 +51,10 @@ from hybridkv.backends.jit_forms import two_forms
 from hybridkv.backends.pdl import pdl_kwargs, pdl_wait
 from hybridkv.backends.triton_fused import _ACT_IDS, _activation
 from hybridkv.backends.triton_linear import MAX_COUNTERS, counters, linear
-from hybridkv.layers.ops.fused_ref import ROUTERS, gated_addend, moe_route_ref
+from hybridkv.layers.ops.fused_ref import ROUTERS, moe_route_ref
 
-__all__ = ["linear_moe_route", "linear_moe_route_triton", "moe_experts_gemv", "moe_experts_tiled", "moe_route",
-           "moe_route_triton"]
+__all__ = ["linear_moe_route", "linear_moe_route_triton", "moe_combine", "moe_experts_gemv", "moe_experts_tiled",
+           "moe_route", "moe_route_triton"]
 
 # GEMV launch configurations by the experts' intermediate size (``_gemv_width``): few output channels per program
 # keep enough programs in flight to saturate memory (16 ran at half the bandwidth on an H100); stages change
@@ -237,6 +237,53 @@ def _plus(y, add_ptrs, gate_ptrs, mask, out_ty: tl.constexpr, HAS_ADD: tl.conste
 
 
 @triton.jit
+def _combine_kernel(
+    y_ptr, pos_ptr, w_ptr, add_ptr, gl_ptr, out_ptr, dim, k_slots, stride_y, stride_add, stride_gl, stride_out,
+    HAS_POS: tl.constexpr, WEIGHTED: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """One (token, output block): the token's slots (rows ``pos[t * k + j]``, or ``t * k + j``), times their
+    routing weights when WEIGHTED, summed in slot order in fp32, rounded and joined by the addend (``_plus``)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < dim
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(k_slots):
+        a = t * k_slots + j
+        row = tl.load(pos_ptr + a).to(tl.int64) if HAS_POS else a
+        y = tl.load(y_ptr + row * stride_y + n, mask=n_ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = y * tl.load(w_ptr + a)
+        total += y
+    total = _plus(total, add_ptr + t * stride_add + n, gl_ptr + t * stride_gl, n_ok, out_ptr.dtype.element_ty,
+                  HAS_ADD, HAS_GATE)
+    tl.store(out_ptr + t * stride_out + n, total, mask=n_ok)
+
+
+def moe_combine(y: torch.Tensor, *, k: int, out_dtype: torch.dtype, positions: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                addend_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_combine_ref``'s contract in one launch: y (T*k, dim) per-slot outputs (contiguous rows); positions
+    (T*k,) int; weights (T, k) fp32 -> (T, dim) in ``out_dtype``. Replaces the gather, product, sum, cast and
+    addend kernels after a grouped GEMM (~1.1 ms a layer at 8192 x top-8 of 2048 channels on an H200)."""
+    num_tokens = y.shape[0] // k
+    dim = y.shape[1]
+    out = torch.empty(num_tokens, dim, dtype=out_dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    a = _addend_args(addend, addend_gate, True, out)
+    w = weights.reshape(-1).contiguous() if weights is not None else y
+    block = min(1024, triton.next_power_of_2(dim))
+    _combine_kernel[(num_tokens, triton.cdiv(dim, block))](
+        y, positions if positions is not None else y, w, a["add"], a["gl"], out, dim, k, y.stride(0),
+        a["add"].stride(0), a["gl"].stride(0), out.stride(0), HAS_POS=positions is not None,
+        WEIGHTED=weights is not None, HAS_ADD=a["has_add"], HAS_GATE=a["has_gate"], BLOCK_N=block,
+        num_warps=max(1, min(8, block // 256)), **pdl_kwargs(y.device))
+    return out
+
+
+@triton.jit
 def _expert_count(ids_ptr, rows, e, SLICE: tl.constexpr):
     """How many of the ``rows`` assignments chose expert ``e`` (one pass over the ids, ``SLICE`` at a time)."""
     count = tl.full((), 0, tl.int32)
@@ -380,8 +427,7 @@ def _finish(y: torch.Tensor, x: torch.Tensor, k: int, addend: torch.Tensor | Non
     """(T*k, dim) per-slot outputs -> the layer's (T, dim) in x's dtype (one slot: already done in-kernel)."""
     if k == 1:
         return y
-    out = y.view(x.shape[0], k, -1).sum(1).to(x.dtype)
-    return out if addend is None else out + gated_addend(addend, addend_gate)
+    return moe_combine(y, k=k, out_dtype=x.dtype, addend=addend, addend_gate=addend_gate)
 
 
 def _addend_args(addend: torch.Tensor | None, addend_gate: torch.Tensor | None, in_kernel: bool,

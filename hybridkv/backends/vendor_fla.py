@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hybridkv.backends.base import UnsupportedConfig
-from hybridkv.layers.ops.gated_delta_ref import _check_params, _decay
+from hybridkv.layers.ops.gated_delta_ref import _check_params, _decay, beta_from_logits
 
 logger = logging.getLogger("hybridkv.backends")
 
@@ -84,6 +84,7 @@ def make_delta_prefill(chunk_fn: Callable[..., Any], *, per_channel: bool) -> Ca
         A_log: torch.Tensor | None = None,  # (num_v_heads,)
         dt_bias: torch.Tensor | None = None,  # (num_v_heads,) or, KDA, (num_v_heads, head_k_dim)
         chunk_size: int = 64,
+        beta_scale: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_v_heads, head_v_dim), v's dtype
         """Same contract as the reference (``gated_delta_ref``)."""
         _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
@@ -104,6 +105,7 @@ def make_delta_prefill(chunk_fn: Callable[..., Any], *, per_channel: bool) -> Ca
             ssm_states[slots] = init.to(ssm_states)
             return torch.empty_like(v)
         decay = _decay(g, A_log, dt_bias, torch.float32)
+        beta = beta_from_logits(beta, beta_scale)
         out, final = chunk_fn(q[None], k[None], v[None], decay[None], beta[None], scale=scale, initial_state=init,
                               output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
                               cu_seqlens=query_start_loc.to(device=dev, dtype=torch.long))
@@ -132,6 +134,7 @@ def make_delta_update(recurrent_fwd: Callable[..., Any], *, per_channel: bool) -
         use_qk_l2norm: bool = False,
         A_log: torch.Tensor | None = None,
         dt_bias: torch.Tensor | None = None,
+        beta_scale: float | None = None,
     ) -> torch.Tensor:  # like v
         """Same contract as the reference (``gated_delta_ref``)."""
         _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
@@ -142,6 +145,7 @@ def make_delta_update(recurrent_fwd: Callable[..., Any], *, per_channel: bool) -
         if batch == 0:
             return torch.empty_like(v)
         decay = _decay(g, A_log, dt_bias, torch.float32)
+        beta = beta_from_logits(beta, beta_scale)
         if not per_channel:
             decay = decay[..., None].expand(*decay.shape, head_k_dim)  # exp(g) on every key channel
         out, _ = recurrent_fwd(

@@ -17,6 +17,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu2": _relu2,
+    "sigmoid": torch.sigmoid,     # a gate (Qwen3-Next's attention output gate), not an MLP activation
 }
 
 

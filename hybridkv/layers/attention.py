@@ -257,9 +257,8 @@ class AttentionLayer(nn.Module):
         if cfg.key_multiplier != 1.0 and k is not None:       # Falcon-H1: on the projected keys, before RoPE
             k = k * cfg.key_multiplier
         gate = None
-        if cfg.output_gate:
+        if cfg.output_gate:          # views: the kernels take q's and the gate's head strides
             q, gate = q.view(n, self.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
-            q, gate = q.contiguous(), gate.reshape(n, self.num_heads * cfg.head_dim)
         if cfg.qk_norm == "rms_full":
             q, k = self.q_norm(q.reshape(n, -1)), self.k_norm(k)
         q = q.view(n, self.num_heads, cfg.head_dim)
@@ -272,10 +271,10 @@ class AttentionLayer(nn.Module):
         tensors = (q, positions) if k is None else (q, positions, k, v)
         out = metadata_op(partial(self._attend, owner), *tensors, shape=(n, self.num_heads, cfg.head_dim),
                           dtype=q.dtype)
-        out = out.reshape(n, self.num_heads * cfg.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        out = self.o_proj(out)                                              # (num_tokens, out_size)
+        if gate is not None:                # out * sigmoid(gate), one launch; (n * heads, head_dim) rows
+            out = current_ops().act_mul(gate.reshape(-1, cfg.head_dim), activation="sigmoid",
+                                        up=out.reshape(-1, cfg.head_dim))
+        out = self.o_proj(out.reshape(n, self.num_heads * cfg.head_dim))        # (num_tokens, out_size)
         return out * cfg.output_multiplier if cfg.output_multiplier != 1.0 else out
 
     def _attend(self, owner: AttentionLayer | AttentionUse, q: torch.Tensor, positions: torch.Tensor,

@@ -172,19 +172,18 @@ class GatedDeltaNetLayer(StateSlotMixer):
         # x: (num_tokens, hidden_size)
         cfg = self.cfg
         mixed, z, b, a = self._project(x)
-        beta = torch.sigmoid(b) if cfg.beta_scale == 1.0 else torch.sigmoid(b) * cfg.beta_scale
-        o = metadata_op(self._mix, mixed, a, beta, shape=(x.shape[0], self.num_v_heads, cfg.head_v_dim),
-                        dtype=x.dtype)
+        o = metadata_op(self._mix, mixed, a, b, shape=(x.shape[0], self.num_v_heads, cfg.head_v_dim), dtype=x.dtype)
         return self._output(o, z, current_ops())
 
     def _mix(self, mixed: torch.Tensor, a: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """The step's part of the forward (``metadata_op``): the conv and the gated delta rule over each request's
         state slot, the decodes as one-step updates. mixed: (n, conv_dim), a and beta: (n, v heads) ->
-        (n, v heads, head_v_dim)."""
+        (n, v heads, head_v_dim); beta holds logits (the ops take its sigmoid, times ``beta_scale``)."""
         cfg = self.cfg
         meta, be, conv_states, rec_states = self.step_inputs()
         weight = self.conv1d.weight.squeeze(1)                              # (conv_dim, kernel)
-        rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        rule = dict(scale=None, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                    beta_scale=cfg.beta_scale)
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd and nd == meta.num_reqs:          # decodes only (every CUDA-graph step): no copy into o
             mixed = be.causal_conv1d_update(mixed, conv_states=conv_states, weight=weight, bias=None,

@@ -19,7 +19,8 @@ what ``auto`` runs somewhere:
   cannot be captured in a CUDA graph.
 - ``grouped`` (``moe_experts_grouped``): sort the (token, slot) assignments by expert, gather the inputs,
   per-expert row offsets on the device (``searchsorted`` of the sorted ids), three ``torch._grouped_mm``
-  calls, and the results put back in (token, slot) order and summed over the slots. No host sync, shapes
+  calls, then one kernel that reads each token's slots out of the expert-sorted rows, weights, sums and rounds
+  them and adds the shared expert (``moe_combine``; ``moe_combine_ref`` on the CPU). No host sync, shapes
   fixed by the number of tokens: CUDA-graph capturable. Reads only the weights of experts that got tokens.
   The CUDA default for bf16 on sm90/sm100, where torch has a CUTLASS grouped GEMM; for other dtypes or
   GPUs torch's ``_grouped_mm`` falls back to a per-group loop that copies the offsets to the host (a sync),
@@ -58,7 +59,7 @@ from hybridkv.layers.activations import get_activation, swiglu_oai
 from hybridkv.layers.linear import PackedLinears
 from hybridkv.layers.mlp import DenseMLP
 from hybridkv.layers.norms import RMSNorm
-from hybridkv.layers.ops.fused_ref import gated_addend, rms_normalize
+from hybridkv.layers.ops.fused_ref import gated_addend, moe_combine_ref, rms_normalize
 from hybridkv.layers.parallel import SINGLE, Shard, Split, TensorParallel
 from hybridkv.models.config import MoE
 
@@ -151,27 +152,31 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
     return out
 
 
-def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        experts: Experts) -> torch.Tensor:
-    """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> fp32 (T, dim), or x's
-    dtype with one slot and the input scaled (Llama-4): then each output is one expert's, already rounded, and
-    fp32 would only add two passes over (T, dim) that round back to the same values."""
+def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts, *,
+                        addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> (T, dim) in x's dtype, plus
+    the (gated) ``addend`` (``run_experts``): the slots weighted (unless the input was scaled), summed in fp32 and
+    rounded once, straight from the expert-sorted rows (``moe_combine``: one Triton launch on CUDA)."""
     num_tokens, k = ids.shape
     flat = ids.reshape(-1)                                                       # (T*k,) slot-major per token
     sorted_ids, order = torch.sort(flat, stable=True)                            # (T*k,)
     bounds = torch.arange(experts.num_experts, device=ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)    # (E,) end row of each expert
     rows = x.index_select(0, order // k)                                         # (T*k, dim) grouped by expert
-    w = weights.reshape(-1).index_select(0, order)[:, None]                      # (T*k, 1) fp32
     if experts.scale_input:
-        rows = _scaled(rows, w)
+        rows = _scaled(rows, weights.reshape(-1).index_select(0, order)[:, None])
     y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs),
-                    lambda b: b.index_select(0, sorted_ids))
-    if experts.scale_input and k == 1:
-        return torch.empty_like(y).index_copy_(0, order, y)                     # (T, dim) in token order
-    y = y.float() if experts.scale_input else torch.mul(y, w)    # fp32; weighted here unless the input was scaled
-    back = torch.empty_like(y).index_copy_(0, order, y)                         # (T*k, dim) in (token, slot) order
-    return back if k == 1 else back.view(num_tokens, k, -1).sum(1)
+                    lambda b: b.index_select(0, sorted_ids))                     # (T*k, dim) in expert order
+    positions = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    combine = moe_combine_triton if y.is_cuda else moe_combine_ref
+    return combine(y, k=k, out_dtype=x.dtype, positions=positions,
+                   weights=None if experts.scale_input else weights, addend=addend, addend_gate=addend_gate)
+
+
+def moe_combine_triton(y: torch.Tensor, **kw) -> torch.Tensor:
+    from hybridkv.backends.triton_moe import moe_combine
+
+    return moe_combine(y, **kw)
 
 
 def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -219,7 +224,7 @@ def _kernel_experts(experts: Experts) -> dict:
 
 _IMPLS = {"ref": moe_experts_ref, "grouped": moe_experts_grouped, "padded": moe_experts_padded,
           "gemv": moe_experts_gemv, "tiled": moe_experts_tiled}
-_ADDS_IN_KERNEL = ("gemv", "tiled")         # impls that take ``addend`` (the others add it after)
+_ADDS_IN_KERNEL = ("grouped", "gemv", "tiled")     # impls that take ``addend`` (the others add it after)
 
 
 def grouped_mm_is_fast(device: torch.device) -> bool:

@@ -47,6 +47,19 @@ def gated_addend(addend: torch.Tensor | None, gate_logit: torch.Tensor | None) -
     return addend if addend is None or gate_logit is None else addend * torch.sigmoid(gate_logit)
 
 
+def moe_combine_ref(y: torch.Tensor, *, k: int, out_dtype: torch.dtype, positions: torch.Tensor | None = None,
+                    weights: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                    addend_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' per-slot outputs -> the layer's (T, dim): row ``positions[t * k + j]`` of y (row
+    t * k + j without ``positions``) is token t's slot j; times ``weights`` (T, k) fp32 when given, summed over
+    the slots in fp32, rounded to ``out_dtype``, plus the (gated) addend (``gated_addend``), rounded again."""
+    rows = (y if positions is None else y.index_select(0, positions)).float()          # (T*k, dim)
+    if weights is not None:
+        rows = rows * weights.reshape(-1, 1)
+    out = rows.view(-1, k, y.shape[-1]).sum(1).to(out_dtype)
+    return out if addend is None else out + gated_addend(addend, addend_gate)
+
+
 def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / std over the last dim, in fp32 (Cohere's bias-free LayerNorm before its weight)."""
     xf = x.float()
@@ -89,14 +102,15 @@ def add_rms_norm_ref(delta: torch.Tensor, residual: torch.Tensor, *, weight: tor
 
 
 @reference_op("act_mul")
-def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0
-                ) -> torch.Tensor:
-    """Gated: x = gate|up (num_tokens, 2 * inter) -> ``act(gate * gate_multiplier) * up`` (num_tokens, inter);
-    not gated: ``act(x)``. Each step rounds to x's dtype, as the unfused torch ops do."""
+def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_multiplier: float = 1.0,
+                up: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated: x = gate|up (num_tokens, 2 * inter) -> ``act(gate * gate_multiplier) * up`` (num_tokens, inter), or
+    x the gate alone beside a separate ``up`` of x's shape; not gated: ``act(x)``. Each step rounds to x's dtype,
+    as the unfused torch ops do."""
     act = get_activation(activation)
     if not gated:
         return act(x)
-    gate, up = x.chunk(2, dim=-1)
+    gate, up = x.chunk(2, dim=-1) if up is None else (x, up)
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
     return act(gate) * up

@@ -100,8 +100,18 @@ def _decay(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | 
     return -(a[:, None] if g.dim() == 3 else a) * F.softplus(g)
 
 
-def _prepare(q, k, v, g, beta, A_log, dt_bias, *, rep: int, scale: float | None, use_qk_l2norm: bool):
-    """Per value head, in the compute dtype: q (scaled), k, v, log decay, beta."""
+def beta_from_logits(beta: torch.Tensor, beta_scale: float | None) -> torch.Tensor:
+    """The write strength: ``beta`` as given (``beta_scale`` None), or ``sigmoid(beta) * beta_scale`` from logits,
+    in beta's dtype, as the layers' torch ops round it."""
+    if beta_scale is None:
+        return beta
+    return torch.sigmoid(beta) if beta_scale == 1.0 else torch.sigmoid(beta) * beta_scale
+
+
+def _prepare(q, k, v, g, beta, A_log, dt_bias, *, rep: int, scale: float | None, use_qk_l2norm: bool,
+             beta_scale: float | None = None):
+    """Per value head, in the compute dtype: q (scaled), k, v, log decay, beta (``beta_from_logits``)."""
+    beta = beta_from_logits(beta, beta_scale)
     dtype = _compute_dtype(v)
     qf, kf = q.to(dtype), k.to(dtype)
     if use_qk_l2norm:
@@ -128,7 +138,7 @@ def _pair(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, *, strict: bool) -
 
 def _chunked(
     q, k, v, g, beta, *, query_start_loc, ssm_states, state_indices, has_initial_state, scale, use_qk_l2norm,
-    A_log, dt_bias, chunk_size: int, per_channel: bool,
+    A_log, dt_bias, chunk_size: int, per_channel: bool, beta_scale: float | None = None,
 ) -> torch.Tensor:
     rep = _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
     if chunk_size < 1:
@@ -141,7 +151,7 @@ def _chunked(
     num_reqs = seq_lens.numel()
     slots = state_indices.to(device=ssm_states.device, dtype=torch.long)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, A_log, dt_bias, rep=rep, scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm)
+                                  use_qk_l2norm=use_qk_l2norm, beta_scale=beta_scale)
     dtype = vf.dtype
 
     # 1. Tokens laid out in chunks aligned to each request's first token; padding rows are zero (k = v = beta = 0:
@@ -188,14 +198,14 @@ def _chunked(
 
 def _naive(
     q, k, v, g, beta, *, query_start_loc, ssm_states, state_indices, has_initial_state, scale, use_qk_l2norm,
-    A_log, dt_bias, per_channel: bool,
+    A_log, dt_bias, per_channel: bool, beta_scale: float | None = None,
 ) -> torch.Tensor:
     rep = _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
     num_tokens = v.shape[0]
     qsl, _, _, _ = _packed_layout(num_tokens, query_start_loc, state_indices, has_initial_state,
                                   ssm_states.shape[0], v.device)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, A_log, dt_bias, rep=rep, scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm)
+                                  use_qk_l2norm=use_qk_l2norm, beta_scale=beta_scale)
     out = torch.zeros_like(vf)
     for r, (slot, init) in enumerate(zip(state_indices.tolist(), has_initial_state.tolist(), strict=True)):
         S = ssm_states[slot].to(device=v.device, dtype=vf.dtype)
@@ -216,12 +226,13 @@ def _step(S, q, k, v, g, beta):
 
 def _update(
     ssm_states, q, k, v, g, beta, *, state_indices, scale, use_qk_l2norm, A_log, dt_bias, per_channel: bool,
+    beta_scale: float | None = None,
 ) -> torch.Tensor:
     rep = _check_params(q, k, v, g, beta, ssm_states, A_log, dt_bias, per_channel=per_channel)
     _check_state_indices(state_indices, v.shape[0], ssm_states.shape[0])
     slots = state_indices.to(device=ssm_states.device, dtype=torch.long)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, A_log, dt_bias, rep=rep, scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm)
+                                  use_qk_l2norm=use_qk_l2norm, beta_scale=beta_scale)
     S = ssm_states[slots].to(device=v.device, dtype=vf.dtype)  # (batch, H, dk, dv)
     S = S * (torch.exp(gf)[..., None] if per_channel else torch.exp(gf)[..., None, None])
     delta = bf[..., None] * (vf - torch.einsum("bhkv,bhk->bhv", S, kf))  # (batch, H, dv)
@@ -250,11 +261,13 @@ def gated_delta_rule_ref(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    beta_scale: float | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over packed requests in chunked (UT-transform) form, continuing from and updating slots.
 
     Shapes: q, k (num_tokens, num_k_heads, head_k_dim); v (num_tokens, num_v_heads, head_v_dim);
-    g, beta (num_tokens, num_v_heads) (g: log decay, or the raw gate input with A_log); A_log, dt_bias
+    g, beta (num_tokens, num_v_heads) (g: log decay, or the raw gate input with A_log; beta: the write strength, or
+    its logits with ``beta_scale``, which makes it ``sigmoid(beta) * beta_scale``); A_log, dt_bias
     (num_v_heads,) or None; ssm_states (num_slots, num_v_heads, head_k_dim, head_v_dim) fp32, read where
     has_initial_state and overwritten at state_indices (num_reqs,) with each request's final state;
     query_start_loc (num_reqs + 1,). Returns o (num_tokens, num_v_heads, head_v_dim) in v's dtype.
@@ -266,7 +279,7 @@ def gated_delta_rule_ref(
     return _chunked(q, k, v, g, beta, query_start_loc=query_start_loc, ssm_states=ssm_states,
                     state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
-                    per_channel=False)
+                    per_channel=False, beta_scale=beta_scale)
 
 
 def gated_delta_rule_naive_ref(
@@ -284,11 +297,13 @@ def gated_delta_rule_naive_ref(
     use_qk_l2norm: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    beta_scale: float | None = None,
 ) -> torch.Tensor:
     """``gated_delta_rule_ref`` as the per-token recurrence (a Python loop over requests and tokens): the oracle."""
     return _naive(q, k, v, g, beta, query_start_loc=query_start_loc, ssm_states=ssm_states,
                   state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
-                  use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False)
+                  use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False,
+                  beta_scale=beta_scale)
 
 
 @reference_op("gated_delta_rule_update")
@@ -305,6 +320,7 @@ def gated_delta_rule_update_ref(
     use_qk_l2norm: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    beta_scale: float | None = None,
 ) -> torch.Tensor:
     """One decode token per request: q, k (batch, num_k_heads, head_k_dim); v (batch, num_v_heads, head_v_dim);
     g, beta (batch, num_v_heads); ssm_states updated in place at state_indices (batch,), distinct. Returns o like v.
@@ -312,7 +328,8 @@ def gated_delta_rule_update_ref(
     Equals ``gated_delta_rule_ref`` on one-token requests that all have an initial state (HF's
     ``torch_recurrent_gated_delta_rule`` on one token; fla's ``fused_recurrent_gated_delta_rule``)."""
     return _update(ssm_states, q, k, v, g, beta, state_indices=state_indices, scale=scale,
-                   use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False)
+                   use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False,
+                  beta_scale=beta_scale)
 
 
 @reference_op("kda")
