@@ -413,6 +413,8 @@ ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", 
 for per_channel in (False, True):
     for kind, fn in (("chunk", mod._delta_chunk_kernel), ("recurrent", mod._delta_recurrent_kernel),
                      ("update", mod._delta_update_kernel.graph)):
+        if kind == "chunk" and not per_channel:     # the gated delta rule's chunked prefill: the WY pair below
+            continue
         cfg = mod.delta_launch_config(head_k_dim=128, head_v_dim=128, per_channel=per_channel, kind=kind)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages", None)
@@ -435,8 +437,8 @@ print("compiled wy state")
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled by the tests above")
 def test_kernels_compile_for_hopper():
-    """The interpreter never lowers the kernels: build all eight (chunked, recurrent, decode; gated delta rule and KDA;
-    the gated delta rule's two-launch chunked prefill)
+    """The interpreter never lowers the kernels: build all seven (recurrent and decode for the gated delta rule and
+    KDA, KDA's chunked prefill, the gated delta rule's two-launch one)
     for sm_90 at head dims 128, bf16 and default tiles, as a GPU would, so a kernel that cannot be compiled fails here
     too."""
-    assert build_for_hopper(_COMPILE_FOR_HOPPER).count("compiled") == 8
+    assert build_for_hopper(_COMPILE_FOR_HOPPER).count("compiled") == 7

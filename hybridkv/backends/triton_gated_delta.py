@@ -8,20 +8,31 @@ Signatures are those of the references in ``hybridkv.layers.ops.gated_delta_ref`
 fp32 state read where ``has_initial_state`` and written back to the slots, o in v's dtype. One kernel body serves both
 layer kinds: ``PER_CHANNEL`` (KDA) makes the decay a (head_k_dim,) vector that scales the rows of the state.
 
-Kernel design (every program owns one request, one value head and a block of ``BLOCK_V`` state columns, and keeps
-its (head_k_dim, BLOCK_V) fp32 state tile in registers; the grid depends on shapes only, request bounds come from
-``query_start_loc`` on the device: no host sync, graph-safe):
+Kernel design (a program that carries a state owns one request, one value head and a block of ``BLOCK_V`` state
+columns, and keeps its (head_k_dim, BLOCK_V) fp32 state tile in registers; the grids depend on shapes only, request
+bounds come from ``query_start_loc`` on the device: no host sync, graph-safe):
 
-- ``_delta_chunk_kernel`` (prefill): walks the request in chunks of ``BT`` tokens aligned to its first token (the
+- ``_wy_kernel`` + ``_wy_state_kernel`` (gated delta rule prefill, two launches). The packed tokens are cut into
+  chunks of ``BT`` (not aligned to requests: each request's rows of a chunk are a segment of their own, found from
+  ``query_start_loc``). The first kernel, one program per (chunk, value head), all in parallel: the segment-local
+  cumulative log decay ``gc``, the strictly lower ``A[i, j] = beta_i k_i.k_j e^(gc_i - gc_j)`` (same segment),
+  ``T = (I + A)^-1`` by diagonal blocks of 16 rows (forward substitution in every block at once, then the
+  block-lower rest as a short Neumann product), and from it ``W = T (beta k e^gc)``, ``U = T (beta v)``, the
+  decayed causal ``QK`` and the state pass's operands ``q e^gc``, ``k e^(gc_end - gc)``. The second, one program
+  per (request, value head, BV state columns), walks the request's segments in order: ``v' = U - W S``,
+  ``o = (q e^gc) S + QK v'``, ``S = S e^(gc_end) + (k e^(gc_end - gc))^T v'``; every load is a dot operand, so the
+  loop carries only the state's dots. (One kernel doing the substitution inside that sequential loop, as KDA's
+  below still does, ran 3.5 ms a layer on 8192 tokens of Qwen3-Next-like heads on an H200: 38% of the prefill.)
+- ``_delta_chunk_kernel`` (KDA prefill): walks the request in chunks of ``BT`` tokens aligned to its first token (the
   tail masked: k = v = beta = g = 0 leaves the state exact, as the reference pads). Per chunk with start state S and
-  in-chunk cumulative log decay ``gc``: ``R = beta (v - (k e^gc) S)`` (tl.dot); the strictly lower
-  ``A[i, j] = beta_i k_i.k_j e^(gc_i - gc_j)``; ``u = (I + A)^-1 R`` by forward substitution over the chunk's rows
-  (the UT transform, solved as the reference's ``solve_triangular`` does: BT steps of a row reduction);
-  ``o = (q e^gc) S + (q_i.k_j e^(gc_i - gc_j), j <= i) u``; ``S = S e^(gc_last) + (k e^(gc_last - gc))^T u``.
-  Every exponent is a decay (<= 0): no overflow however fast the decay. One decay per head: the pairwise terms are
-  ``k @ k^T`` and ``q @ k^T`` (tl.dot) times a (BT, BT) decay. KDA: the decay differs per channel, so they are
-  summed over (BT, BT, BK) tiles of channels reloaded from L1 (a loop, not unrolled: unrolled, the loads of every
-  tile are hoisted and spill). The phases are ordered so that few (BT, head_k_dim) tiles are live at once.
+  in-chunk cumulative log decay ``gc`` (per channel): ``R = beta (v - (k e^gc) S)`` (tl.dot); the strictly lower
+  ``A[i, j] = beta_i sum_c k_ic k_jc e^(gc_ic - gc_jc)``; ``u = (I + A)^-1 R`` by forward substitution over the
+  chunk's rows (the UT transform, solved as the reference's ``solve_triangular`` does: BT steps of a row
+  reduction); ``o = (q e^gc) S + (decayed q_i.k_j, j <= i) u``; ``S = S e^(gc_last) + (k e^(gc_last - gc))^T u``.
+  Every exponent is a decay (<= 0): no overflow however fast the decay. The decay differs per channel, so the
+  pairwise terms are summed over (BT, BT, BK) tiles of channels reloaded from L1 (a loop, not unrolled: unrolled,
+  the loads of every tile are hoisted and spill). The phases are ordered so that few (BT, head_k_dim) tiles are
+  live at once.
 - ``_delta_recurrent_kernel`` (prefill, any length): the per-token recurrence of the naive reference, one token
   after the other; for short requests and as a second implementation to measure against.
 - ``_delta_update_kernel`` (decode): one token per request, the program's state tile read from its slot, updated
@@ -270,9 +281,10 @@ def _delta_chunk_kernel(
     stride_dth, stride_dtk, stride_ss, stride_sh, stride_sk, stride_sv,
     BT: tl.constexpr, K_P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr,
-    PRECISION: tl.constexpr, BETA_LOGITS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 1.0,
-    PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """KDA's chunked prefill (``PER_CHANNEL`` always: the gated delta rule has its two-launch form)."""
+    tl.static_assert(PER_CHANNEL, "the chunked kernel is KDA's: the gated delta rule runs _wy_kernel")
     pdl_wait(PDL)
     pid = tl.program_id(0)
     req = tl.program_id(1)
@@ -298,8 +310,6 @@ def _delta_chunk_kernel(
                               HAS_GATE, HAS_DT_BIAS, PER_CHANNEL)
 
     offs_l = tl.arange(0, BT)
-    strict = offs_l[:, None] > offs_l[None, :]
-    causal = offs_l[:, None] >= offs_l[None, :]
     dot_dtype = k_ptr.dtype.element_ty                  # the dots' operand dtype: the inputs'
     # Phases ordered so that few (BT, K_P) tiles are live at once (each is 32 registers a thread at BT 32): keys ->
     # R and A; the substitution; then queries -> o; the state update from the keys kept in the dot dtype.
@@ -308,20 +318,11 @@ def _delta_chunk_kernel(
         tok = (t0 + c0 + offs_l).to(tl.int64)
         qk_mask = l_ok[:, None] & k_ok[None, :]
         beta = tl.load(b_ptr + tok * stride_bt + h * stride_bh, mask=l_ok, other=0.0).to(tl.float32)
-        beta = tl.where(l_ok, _beta(beta, b_ptr.dtype.element_ty, BETA_LOGITS, BETA_SCALE), 0.0)
-        if PER_CHANNEL:
-            g = tl.load(g_ptr + tok[:, None] * stride_gt + h * stride_gh + offs_k[None, :] * stride_gk,
-                        mask=qk_mask, other=0.0).to(tl.float32)
-            g = tl.where(qk_mask, _gate(g, a_log, dtb[None, :], HAS_GATE), 0.0)
-            gc = tl.cumsum(g, 0)                                      # (BT, K_P) log decay from the chunk start
-            glast = tl.sum(g, 0)                                      # (K_P,)
-            total = tl.exp(glast)[:, None]
-        else:
-            g = tl.load(g_ptr + tok * stride_gt + h * stride_gh, mask=l_ok, other=0.0).to(tl.float32)
-            g = tl.where(l_ok, _gate(g, a_log, dtb, HAS_GATE), 0.0)
-            gc = tl.cumsum(g, 0)                                      # (BT,)
-            glast = tl.sum(g, 0)
-            total = tl.exp(glast)
+        g = tl.load(g_ptr + tok[:, None] * stride_gt + h * stride_gh + offs_k[None, :] * stride_gk,
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        g = tl.where(qk_mask, _gate(g, a_log, dtb[None, :], HAS_GATE), 0.0)
+        gc = tl.cumsum(g, 0)                                          # (BT, K_P) log decay from the chunk start
+        glast = tl.sum(g, 0)                                          # (K_P,)
         Sd = S.to(dot_dtype)
 
         # keys: u <- R = beta (v - (k e^gc) S), and the strictly lower A
@@ -333,21 +334,12 @@ def _delta_chunk_kernel(
             k = k * rk[:, None]
         v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_v[None, :] * stride_vv,
                     mask=l_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)                 # (BT, BV)
-        if PER_CHANNEL:  # noqa: SIM108  (constexpr branch)
-            k_in = k * tl.exp(gc)
-        else:
-            k_in = k * tl.exp(gc)[:, None]
-        u = beta[:, None] * (v - tl.dot(k_in.to(dot_dtype), Sd, input_precision=PRECISION))
+        u = beta[:, None] * (v - tl.dot((k * tl.exp(gc)).to(dot_dtype), Sd, input_precision=PRECISION))
         kd = k.to(dot_dtype)
-        if PER_CHANNEL:
-            A = _pair_per_channel(k_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rk * beta, rk,
-                                  stride_kt, stride_kh, stride_kk, stride_kt, stride_kh, stride_kk,
-                                  stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
-                                  BT, BK, K_P, True, HAS_GATE, HAS_DT_BIAS)
-        else:
-            diff = gc[:, None] - gc[None, :]
-            A = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
-            A = tl.where(strict, A * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
+        A = _pair_per_channel(k_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rk * beta, rk,
+                              stride_kt, stride_kh, stride_kk, stride_kt, stride_kh, stride_kk,
+                              stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
+                              BT, BK, K_P, True, HAS_GATE, HAS_DT_BIAS)
 
         # u = (I + A)^-1 R, row by row: u_i = R_i - sum_{j<i} A_ij u_j
         for i in range(0, tl.minimum(BT, seq_len - c0)):
@@ -363,27 +355,18 @@ def _delta_chunk_kernel(
             rq = 1.0 / tl.sqrt(tl.sum(q * q, 1) + EPS)
         rq = rq * scale
         q = q * rq[:, None]
-        if PER_CHANNEL:
-            QK = _pair_per_channel(q_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rq, rk,
-                                   stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk,
-                                   stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
-                                   BT, BK, K_P, False, HAS_GATE, HAS_DT_BIAS)
-            q_in = q * tl.exp(gc)
-        else:
-            QK = tl.dot(q.to(dot_dtype), tl.trans(kd), input_precision=PRECISION)
-            QK = tl.where(causal, QK * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
-            q_in = q * tl.exp(gc)[:, None]
-        o = (tl.dot(q_in.to(dot_dtype), Sd, input_precision=PRECISION)
+        QK = _pair_per_channel(q_ptr, k_ptr, g_ptr, tok, l_ok, hk, hk, h, a_log, dtb_ptr, rq, rk,
+                               stride_qt, stride_qh, stride_qk, stride_kt, stride_kh, stride_kk,
+                               stride_gt, stride_gh, stride_gk, stride_dth, stride_dtk, head_k_dim,
+                               BT, BK, K_P, False, HAS_GATE, HAS_DT_BIAS)
+        o = (tl.dot((q * tl.exp(gc)).to(dot_dtype), Sd, input_precision=PRECISION)
              + tl.dot(QK.to(dot_dtype), ud, input_precision=PRECISION))
         tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :] * stride_ov,
                  o.to(o_ptr.dtype.element_ty), mask=l_ok[:, None] & v_ok[None, :])
 
         # S <- S e^(gc_last) + (k e^(gc_last - gc))^T u
-        if PER_CHANNEL:
-            k_out = kd.to(tl.float32) * tl.exp(glast[None, :] - gc)
-        else:
-            k_out = kd.to(tl.float32) * tl.exp(glast - gc)[:, None]
-        S = S * total + tl.dot(tl.trans(k_out.to(dot_dtype)), ud, input_precision=PRECISION)
+        k_out = kd.to(tl.float32) * tl.exp(glast[None, :] - gc)
+        S = S * tl.exp(glast)[:, None] + tl.dot(tl.trans(k_out.to(dot_dtype)), ud, input_precision=PRECISION)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
 
 
@@ -546,21 +529,22 @@ _WY_BLOCK = 16      # rows of the diagonal blocks the chunk's (I + A)^-1 is solv
 
 
 def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, kind: str) -> dict[str, int]:
-    """Tile shapes (``kind``: "chunk", "recurrent" or "update"). Not yet timed on a GPU (``benchmarks/gpu_delta_rule.py
-    --sweep`` times the alternatives); chosen so that nothing spills: every program keeps a (head_k_dim, BV) fp32
-    state and (BT, head_k_dim) q/k tiles in registers. Register use of the sm_90 builds at head dims 128, bf16 (triton
-    3.9, ``cuobjdump -res-usage``): chunked, BT 16 x BV 32 x 8 warps: 232 registers, no spill (gated delta rule),
-    242 (KDA, channel tiles of 16); BT 32 spills at 4 and 8 warps, BT 16 at 4 warps; head_k_dim 256 spills at BV 32,
-    so BV 16 there. Decode update and recurrent prefill, BV 32 x 4 warps: 193 / 201 registers, no spill (2 warps
-    spill)."""
+    """Tile shapes (``kind``: "chunk", "recurrent" or "update"; ``benchmarks/gpu_delta_rule.py --sweep`` times the
+    alternatives). The gated delta rule's two-launch prefill: BT 32, BV 64, 8 warps and 2 stages for the state
+    pass, 4 warps for the factors (the sweep's best on an H200 at 16/16 and 16/32 heads of 128, 1 x 4096 tokens:
+    0.50 / 0.66 ms; BT 64 was within 1% at 16/16 heads, 19% slower at 16/32). The rest chosen so that nothing
+    spills: every program keeps a (head_k_dim, BV) fp32 state and (BT, head_k_dim) q/k tiles in registers.
+    Register use of the sm_90 builds at head dims 128, bf16 (triton 3.9, ``cuobjdump -res-usage``): KDA chunked,
+    BT 16 x BV 32 x 8 warps: 242 registers (channel tiles of 16), no spill; BT 32 spills at 4 and 8 warps, BT 16
+    at 4 warps; head_k_dim 256 spills at BV 32, so BV 16 there. Decode update and recurrent prefill, BV 32 x 4
+    warps: 193 / 201 registers, no spill (2 warps spill)."""
     k_p = max(16, _next_pow2(head_k_dim))
     bv = max(16, min(16 if k_p > 128 else 32, _next_pow2(head_v_dim)))
     if kind == "chunk" and per_channel:
         return {"BT": 16, "BK": 16, "BV": bv, "num_warps": 8 if k_p >= 128 else 4, "num_stages": 1}
     if kind == "chunk":     # the two-launch gated delta rule (``--sweep gdn`` on an H200, 1 x 4096 tokens)
         return {"BT": 32, "BV": max(16, min(64 if k_p <= 128 else 32, _next_pow2(head_v_dim))), "num_warps": 8,
-                "num_stages": 2,
-                "wy_warps": 4}
+                "num_stages": 2, "wy_warps": 4}
     return {"BV": bv, "num_warps": 4 if head_k_dim >= 64 else 2}
 
 
@@ -584,9 +568,11 @@ def _common_args(q, k, v, g, beta, A_log, dt_bias, out, ssm_states, scale, rep, 
 
 
 def _flags(per_channel, A_log, dt_bias, use_qk_l2norm, beta_scale=None):
+    """The kernels' constexprs; beta from logits (``BETA_LOGITS``, ``BETA_SCALE``) only where asked for (the KDA
+    ops never are)."""
+    beta = {} if beta_scale is None else dict(BETA_LOGITS=True, BETA_SCALE=float(beta_scale))
     return dict(PER_CHANNEL=per_channel, HAS_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-                L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS, BETA_LOGITS=beta_scale is not None,
-                BETA_SCALE=float(1.0 if beta_scale is None else beta_scale))
+                L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS, **beta)
 
 
 def _prefill(
@@ -654,8 +640,8 @@ def _wy_prefill(out, ssm_states, q, k, v, g, beta, A_log, dt_bias, qsl, idx, ini
         qsl.shape[0] - 1, head_k_dim, head_v_dim, rep, scale, *q.stride(), *k.stride(), *v.stride(), *g.stride(),
         *beta.stride(), dtb.stride(0), BT=bt, SB=_WY_BLOCK, K_P=k_p, V_P=v_p, HAS_GATE=flags["HAS_GATE"],
         HAS_DT_BIAS=flags["HAS_DT_BIAS"], L2NORM=flags["L2NORM"], EPS=flags["EPS"], PRECISION=precision,
-        BETA_LOGITS=flags["BETA_LOGITS"], BETA_SCALE=flags["BETA_SCALE"], num_warps=cfg["wy_warps"], num_stages=1,
-        **pdl_kwargs(dev))
+        BETA_LOGITS=flags.get("BETA_LOGITS", False), BETA_SCALE=flags.get("BETA_SCALE", 1.0),
+        num_warps=cfg["wy_warps"], num_stages=1, **pdl_kwargs(dev))
     _wy_state_kernel[(num_v_heads * triton.cdiv(head_v_dim, cfg["BV"]), qsl.shape[0] - 1)](
         out, ssm_states, w, u, qk, qg, kg, gc, qsl, idx, init, num_tokens, head_k_dim, head_v_dim,
         ssm_states.shape[0], *out.stride(), *ssm_states.stride(), BT=bt, K_P=k_p, V_P=v_p, BV=cfg["BV"],
