@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from hybridkv.backends.registry import torch_backend
-from hybridkv.engine.mixed_graphs import MAX_GRAPHED_TOKENS, _Recorder, mixed_buckets, unsupported_for_mixed_graphs
+from hybridkv.engine.mixed_graphs import (
+    HEAD_MIN_ROWS,
+    MAX_GRAPHED_TOKENS,
+    MixedStepGraphs,
+    _Recorder,
+    eager_sizes,
+    mixed_buckets,
+    padded_rows,
+    unsupported_for_mixed_graphs,
+)
 from hybridkv.forward_context import ForwardContext, forward_context, metadata_op
 from hybridkv.models import (
     MLP,
@@ -44,6 +53,27 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 def test_mixed_buckets(budget: int, expected: tuple[int, ...]) -> None:
     assert mixed_buckets(budget) == expected
     assert mixed_buckets(budget)[-1] == min(budget, MAX_GRAPHED_TOKENS)
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    (4096, ()),
+    (4200, (4200,)),
+    (8192, tuple(range(4352, 8193, 256))),
+    (9000, (*range(4352, 8961, 256), 9000)),
+    (20000, (*range(4352, 8193, 256), *range(8448, 16384, 256), *range(16384, 20000, 512), 20000)),
+])
+def test_eager_sizes(budget: int, expected: tuple[int, ...]) -> None:
+    """Past the graphs, steps run at few padded sizes: <= ~3% padding (the granule a power of two at most 1/32 of
+    the size, at least EAGER_GRANULE), the budget itself last."""
+    sizes = eager_sizes(budget)
+    assert sizes == expected
+    assert all(b - a <= max(256, a // 32) for a, b in zip((MAX_GRAPHED_TOKENS, *sizes), sizes, strict=False))
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(1, 1), (HEAD_MIN_ROWS, HEAD_MIN_ROWS), (129, 192), (192, 192),
+                                                (193, 250), (250, 250), (251, 251), (4000, 4000)])
+def test_head_rows_are_padded_to_few_counts(rows: int, expected: int) -> None:
+    assert padded_rows(rows, 250) == expected
 
 
 _ATTN = dict(num_heads=4, num_kv_heads=2, head_dim=8)
@@ -102,12 +132,17 @@ def _all_kinds_config() -> HybridConfig:
 
 
 @gpu
-@pytest.mark.parametrize("budget", [24, 160])
-def test_mixed_graphs_match_eager(budget: int) -> None:
+@pytest.mark.parametrize(("budget", "graphed_tokens"), [(24, MAX_GRAPHED_TOKENS), (160, MAX_GRAPHED_TOKENS), (160, 64)])
+def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests arriving while others decode, chunked prefills (a step budget of ``budget`` tokens): the mixed
     steps replay the captured pieces (counted; with Mamba-1 every step does, decodes too), and the greedy tokens
-    and their logprobs equal an eager run's, every layer kind in one model (fp32)."""
+    and their logprobs equal an eager run's, every layer kind in one model (fp32). With graphs up to 64 tokens,
+    the larger steps run eagerly at padded sizes (granule 16)."""
     from hybridkv import LLM, SamplingParams
+    from hybridkv.engine import mixed_graphs
+
+    monkeypatch.setattr(mixed_graphs, "MAX_GRAPHED_TOKENS", graphed_tokens)
+    monkeypatch.setattr(mixed_graphs, "EAGER_GRANULE", 16)
 
     rng = np.random.default_rng(budget)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 120, 10)]
@@ -143,3 +178,36 @@ def test_mixed_graphs_match_eager(budget: int) -> None:
         assert graphed[rid].token_ids == out.token_ids, rid
         np.testing.assert_allclose([lp.logprob for lp in graphed[rid].logprobs], [lp.logprob for lp in out.logprobs],
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_padded_eager_steps_equal_exact_ones() -> None:
+    """Steps past the graphs run at a padded size (the metadata ops on the real tokens, zero rows after them) and the
+    head at padded row counts: greedy tokens and logprobs equal a plain run's, every layer kind (CPU, fp32; the
+    padded path driven through ``MixedStepGraphs.run_eager`` without graphs)."""
+    from hybridkv import LLM, SamplingParams
+
+    class Eager:                 # the mixed graphs' padded eager path alone: every step past the (absent) buckets
+        eager = (16, 48, 96, 160, 300)
+        run_eager = MixedStepGraphs.run_eager
+
+        def __init__(self, model: HybridModel) -> None:
+            self.model, self.sizes = model, []
+
+        def bucket_for(self, num_tokens: int) -> None:
+            self.sizes.append(num_tokens)
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 6, 140)]   # then 140 decode at once
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = []
+    for padded in (False, True):
+        llm = LLM(_all_kinds_config(), device="cpu", backend="torch", max_num_seqs=150, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=300, seed=0)
+        if padded:
+            stub = llm.engine.runner.mixed_graphs = Eager(llm.engine.runner.model)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+    assert any(n not in Eager.eager for n in stub.sizes) and max(stub.sizes) > HEAD_MIN_ROWS    # padded steps, rows
+    for exact, padded in zip(*runs, strict=True):
+        assert padded.token_ids == exact.token_ids
+        np.testing.assert_allclose([lp.logprob for lp in padded.logprobs], [lp.logprob for lp in exact.logprobs],
+                                   atol=1e-5, rtol=1e-5)

@@ -23,6 +23,7 @@ a few MB, where a buffer per break would hold layers x 4096 tokens x width.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.forward_context import ForwardContext, forward_context
@@ -41,6 +43,20 @@ MAX_GRAPHED_TOKENS = 4096
 """Steps with more tokens run eagerly: their GPU time hides the host's (a ~1B model's 4096-token step is ~15 ms
 of matmuls)."""
 
+EAGER_GRANULE = 256
+"""Eager steps run at a padded token count (``eager_sizes``), a multiple of at least this many tokens. cuBLAS
+chooses (and builds) its kernel for a GEMM shape on the shape's first use: ~0.85 ms of host time per shape on an
+H200 (the Gemma-3-like linears at 4097-33791 rows: 3.6 ms per step of four shapes first, 0.28 ms after), while the
+GPU waits. At exact token counts every eager step of a first pass met new shapes; padded, there are few sizes and
+the start-up meets each of them (``MixedStepGraphs.touch_eager_sizes``)."""
+
+HEAD_GRANULE = 64
+"""The logits head's rows past ``HEAD_MIN_ROWS`` are padded to a multiple of this, up to ``max_num_seqs``: the same
+first-use cost, for each number of rows that wants logits in a step."""
+
+HEAD_MIN_ROWS = 128
+"""Rows up to which the head runs as the Triton GEMV (``triton_linear.MAX_ROWS``): no cuBLAS shape to meet."""
+
 
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Token counts captured: 16, 32, 64, then every 128 to 1024, every 256 to 2048, every 512 to 4096 (at most
@@ -48,6 +64,26 @@ def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     top = min(max_num_batched_tokens, MAX_GRAPHED_TOKENS)
     sizes = [16, 32, 64, *range(128, 1025, 128), *range(1280, 2049, 256), *range(2560, 4097, 512)]
     return tuple(sorted({s for s in sizes if s < top} | {top}))
+
+
+def eager_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Token counts eager steps are padded to: past ``MAX_GRAPHED_TOKENS``, multiples of a granule of
+    ``EAGER_GRANULE`` or the power of two at most 1/32 of the size, whichever is larger (<= ~3% padding: 256
+    tokens to 8192, 512 to 16384, 1024 beyond), and the step budget itself last."""
+    sizes, n = [], MAX_GRAPHED_TOKENS
+    while n < max_num_batched_tokens:
+        granule = max(EAGER_GRANULE, 1 << max(0, (n // 32).bit_length() - 1))
+        n = min(max_num_batched_tokens, (n // granule + 1) * granule)
+        sizes.append(n)
+    return tuple(sizes)
+
+
+def padded_rows(rows: int, max_num_seqs: int) -> int:
+    """The logits head's row count for ``rows`` rows: unchanged up to ``HEAD_MIN_ROWS`` or past ``max_num_seqs``
+    (prompt logprobs: rare), else the next multiple of ``HEAD_GRANULE`` (capped there)."""
+    if rows <= HEAD_MIN_ROWS or rows > max_num_seqs:
+        return rows
+    return min(max_num_seqs, -(-rows // HEAD_GRANULE) * HEAD_GRANULE)
 
 
 def unsupported_for_mixed_graphs(model: HybridModel) -> str | None:
@@ -105,10 +141,31 @@ class _Recorder:
         return out
 
 
-class MixedStepGraphs:
-    """The model's forward captured in pieces per token-count bucket, over static inputs and one memory pool."""
+class _Padded:
+    """The forward context's ``graph_breaks`` for an eager step run at a padded token count: each ``metadata_op``
+    runs on the ``n`` real tokens and its result is padded with zero rows (finite: every op after it is row-wise)."""
 
-    def __init__(self, model: HybridModel, backend: KernelBackend, *, buckets: Sequence[int]) -> None:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...],
+                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        result = fn(*(t[:self.n] for t in tensors)).reshape(self.n, *shape[1:])
+        return F.pad(result, (0, 0) * (len(shape) - 1) + (0, shape[0] - self.n))
+
+
+def _zeros(fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], shape: tuple[int, ...],
+           dtype: torch.dtype) -> torch.Tensor:
+    """``graph_breaks`` that skips every ``metadata_op`` (zeros instead): the rest of a forward, with no step."""
+    return torch.zeros(shape, dtype=dtype, device=tensors[0].device)
+
+
+class MixedStepGraphs:
+    """The model's forward captured in pieces per token-count bucket, over static inputs and one memory pool; and
+    the larger steps run eagerly at padded token counts (``eager_sizes``)."""
+
+    def __init__(self, model: HybridModel, backend: KernelBackend, *, buckets: Sequence[int],
+                 eager: Sequence[int] = ()) -> None:
         if not backend.cuda_graph_safe:
             raise ValueError(f"kernel backend {backend.name!r} reads host metadata inside its ops; "
                              "CUDA graphs need one that reads device metadata only (e.g. 'triton')")
@@ -118,6 +175,7 @@ class MixedStepGraphs:
         self.model, self.backend = model, backend
         self.device = next(model.parameters()).device
         self.buckets = tuple(sorted(set(buckets)))
+        self.eager = tuple(sorted(set(eager)))
         top = self.buckets[-1]
         self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -157,6 +215,35 @@ class MixedStepGraphs:
         breaks = len(self._captured[self.buckets[-1]][1])
         logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each) "
                     "in %.1f s", self.buckets[-1], len(self.buckets), breaks, time.perf_counter() - t0)
+
+    def touch_eager_sizes(self, head: Callable[[torch.Tensor], object], head_rows: Sequence[int]) -> None:
+        """Meet every GEMM shape a padded eager step or the logits head can run (cuBLAS's first use of a shape,
+        ``EAGER_GRANULE``): the forward without its metadata ops at each eager size, ``head`` on zero hidden
+        states of each of ``head_rows`` rows."""
+        t0 = time.perf_counter()
+        with forward_context(ForwardContext(inputs={}, backend=self.backend, graph_breaks=_zeros)):
+            for size in self.eager:
+                zeros = torch.zeros(size, dtype=torch.int64, device=self.device)
+                self.model(zeros, zeros)
+            for rows in head_rows:
+                head(torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.lm_head.weight.dtype,
+                                 device=self.device))
+        torch.cuda.synchronize(self.device)
+        logger.info("start-up met the GEMM shapes of %d eager step sizes (%d-%d tokens) and %d head sizes in %.1f s",
+                    len(self.eager), self.eager[0] if self.eager else 0, self.eager[-1] if self.eager else 0,
+                    len(head_rows), time.perf_counter() - t0)
+
+    def run_eager(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """Hidden states (n, hidden_size) of a step past the graphs, run eagerly under ``context`` at the padded
+        size (``eager_sizes``) with its metadata ops on the n real tokens (``_Padded``)."""
+        n = int(ids.shape[0])
+        size = next((s for s in self.eager if s >= n), n)
+        if size == n:
+            with forward_context(context):
+                return self.model(ids, positions)
+        pad = (0, size - n)
+        with forward_context(dataclasses.replace(context, graph_breaks=_Padded(n))):
+            return self.model(F.pad(ids, pad), F.pad(positions, pad))[:n]
 
     def _context(self, recorder: _Recorder) -> ForwardContext:
         # no step inputs: a layer that reads them outside metadata_op fails here, at capture, not silently later

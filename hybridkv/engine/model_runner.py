@@ -22,7 +22,14 @@ from hybridkv.backends.builders import AttentionInputs, MambaInputs, build_group
 from hybridkv.backends.registry import KernelBackend, UnsupportedConfig, get_backend
 from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buckets
 from hybridkv.engine.host_checkpoints import HostCheckpoints
-from hybridkv.engine.mixed_graphs import MixedStepGraphs, mixed_buckets, unsupported_for_mixed_graphs
+from hybridkv.engine.mixed_graphs import (
+    HEAD_MIN_ROWS,
+    MixedStepGraphs,
+    eager_sizes,
+    mixed_buckets,
+    padded_rows,
+    unsupported_for_mixed_graphs,
+)
 from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -167,6 +174,7 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048) -> None:
         self.model = model
         self.plan = plan
+        self.max_num_seqs = max_num_seqs
         self.device = next(model.parameters()).device
         self.backend = backend if isinstance(backend, KernelBackend) else get_backend(backend, self.device)
         model.fuse_projections()            # q|k|v and gate|up as one GEMM each (parameters become views)
@@ -242,13 +250,17 @@ class ModelRunner:
         if reason is not None:
             logger.info("CUDA graphs for mixed steps off: %s", reason)
             return None
-        graphs = MixedStepGraphs(self.model, self.backend, buckets=mixed_buckets(max_num_batched_tokens))
+        graphs = MixedStepGraphs(self.model, self.backend, buckets=mixed_buckets(max_num_batched_tokens),
+                                 eager=eager_sizes(max_num_batched_tokens))
         try:
             graphs.capture()
         except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
             # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
             logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(e).splitlines()[0])
             return None
+        rows = range(HEAD_MIN_ROWS + 1, self.max_num_seqs + 1)
+        graphs.touch_eager_sizes(self.model.compute_logits_and_greedy,
+                                 sorted({padded_rows(r, self.max_num_seqs) for r in rows}))
         return graphs
 
     def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = ()
@@ -391,30 +403,37 @@ class ModelRunner:
                 sources=batch.input_sources, prev_tokens=batch.prev_tokens,
                 logits=batch.needs_logits or not batch.greedy)
             return StepOutput(logits=logits, greedy=greedy, report=reported)
-        arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(),
-                  np.asarray(batch.logits_indices, dtype=np.int64)]
+        index = np.asarray(batch.logits_indices, dtype=np.int64)
+        rows = len(index)
+        if self.mixed_graphs is not None:   # the head's GEMM at a few row counts (mixed_graphs.HEAD_GRANULE)
+            index = np.pad(index, (0, padded_rows(rows, self.max_num_seqs) - rows), mode="edge")
+        arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(), index]
         if batch.input_sources is not None:
             arrays.append(batch.input_sources)
         context, (ids, positions, index, *sources) = self.build_context(batch, arrays)    # one host-to-device copy
         if sources:
             assert batch.prev_tokens is not None
             ids = take_pending(ids, sources[0], batch.prev_tokens)
-        mixed = self.mixed_graphs
+        hidden = self._hidden(ids, positions, context).index_select(0, index)
         with forward_context(context):      # the head too runs on the step's backend
-            if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is not None:
-                hidden = mixed.run(ids, positions)
-            else:
-                hidden = self.model(ids, positions)
-            hidden = hidden.index_select(0, index)
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
                 if out is None:
                     return None
-                logits, greedy = out        # (eager: the logits are always written)
+                logits, greedy = out[0][:rows], out[1][:rows]     # (eager: the logits are always written)
                 return StepOutput(logits=logits if batch.needs_logits else None, greedy=greedy,
                                   report=report(greedy, chosen_finite(logits, greedy)))
             logits = self.model.compute_logits(hidden)
-        return None if logits is None else StepOutput(logits=logits)
+        return None if logits is None else StepOutput(logits=logits[:rows])
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket, past it
+        eagerly at a padded size (``MixedStepGraphs.run_eager``), or plainly where there are no mixed graphs."""
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is None:
+            return mixed.run_eager(ids, positions, context)
+        with forward_context(context):
+            return self.model(ids, positions) if mixed is None else mixed.run(ids, positions)
 
     @torch.inference_mode()
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
