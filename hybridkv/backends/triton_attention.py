@@ -448,11 +448,11 @@ def split_segments(*, programs: int, sms: int, max_seq_len: int, tile: int) -> i
     """The split-KV factor of a launch of ``programs`` (q-block, kv-head) programs: with fewer than the SMs,
     each one's keys split until there are >= 2 programs per SM, into no more segments than the next power of two of
     half the key tiles of the longest row (``max_seq_len`` bounds every seq_len; a captured graph's is the widest row
-    its buffers hold, so replays stay correct). Half the tiles rounded up, as before, split a sliding-128 decode row
-    (at most 160 keys: 3 tiles) in two and paid a reduction launch per layer for it."""
+    its buffers hold, so replays stay correct). Half rounded down: a sliding-128 decode row (at most 160 keys: 3
+    tiles) is not split, since its reduction launch would cost more than the split saves."""
     if programs >= sms:
         return 1
-    tiles = -(-max(max_seq_len, 1) // tile)
+    tiles = -(-max_seq_len // tile)
     return min(_MAX_SEGMENTS, _next_pow2(-(-2 * sms // programs)), _next_pow2(max(1, tiles // 2)))
 
 

@@ -34,7 +34,11 @@ memory bandwidth on an H200. Experts without an assignment return after reading 
   the other families.
 - ``_route_kernel`` (the backend's ``moe_route``): one program per token turns the router's logits into its
   top-k expert ids and weights (scoring, correction bias, renormalisation, scaling), where torch launches a
-  cast, a top-k, a sigmoid or softmax and a product per MoE layer (``moe_route_ref``).
+  cast, a top-k, a sigmoid or softmax and a product per MoE layer (``moe_route_ref``); ``_linear_route_kernel``
+  (``linear_moe_route``, up to 8 tokens): the router's GEMV with that routing in the token's last program.
+- ``_combine_kernel`` (``moe_combine``): one program per (token, output block) sums the token's slots, read
+  through a permutation (the grouped GEMM's expert-sorted rows) or in place (the tiled kernels' fp32 slots),
+  weighted or not, then rounds and adds the (gated) shared expert (``moe_combine_ref``).
 
 No host sync, shapes fixed by the number of tokens: CUDA-graph capturable.
 """
@@ -398,7 +402,7 @@ def _buffers(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, gate:
              activation: str, biases: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
     """Checked inputs and the kernels' buffers: flat ids, flat fp32 weights (T*k,); h (T*k, inter) in x's
     dtype; y (T*k, dim): x's dtype with one slot per token (the down kernel writes the layer's output), else
-    fp32 (the slots' products, summed after)."""
+    fp32 (the slots' weighted products: the GEMV's last program per token sums them, or ``moe_combine`` after)."""
     gate_bias, up_bias, down_bias = biases
     for name, t in (("x", x), ("up", up), ("down", down), ("gate", gate), ("addend", addend),
                     ("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)):
@@ -518,8 +522,8 @@ def moe_experts_tiled(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             SCALE_INPUT=scale_input, HAS_BIAS=b["has_up"], SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **up_cfg,
             **pdl_kwargs(x.device))
         _down_tiled_kernel.pick(x)[(num_experts, triton.cdiv(dim, down_cfg["BLOCK_N"]))](
-            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], a["add"][t0:t1] if a["has_add"] else y,
-            a["gl"][t0:t1] if a["has_gate"] else y, b["db"], r1 - r0, dim, inter, h.stride(0), down.stride(0),
+            h[r0:r1], flat_ids[r0:r1], flat_w[r0:r1], down, y[r0:r1], a["add"][t0:t1],    # (fallbacks: never read)
+            a["gl"][t0:t1], b["db"], r1 - r0, dim, inter, h.stride(0), down.stride(0),
             down.stride(1), y.stride(0), a["add"].stride(0), a["gl"].stride(0), b["db"].stride(0),
             SCALE_INPUT=scale_input, HAS_ADD=a["has_add"], HAS_GATE=a["has_gate"], HAS_BIAS=b["has_down"],
             SLICE=_TILED_SLICE, BLOCK_M=_TILED_BLOCK_M, **down_cfg, **pdl_kwargs(h.device))

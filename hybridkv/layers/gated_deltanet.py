@@ -209,9 +209,9 @@ class GatedDeltaNetLayer(StateSlotMixer):
         return o
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b and a (n, v heads);
-        value head j serves key head j // rep. Packed, they are column views of one GEMM's rows: contiguous at
-        decode (n = 1)."""
+        """x (n, hidden) -> the conv input q|k|v (n, conv_dim), the gate z (n, value_dim), b (beta's logits) and a
+        (n, v heads); value head j serves key head j // (v heads / k heads). Packed, they are column views of one
+        GEMM's rows: contiguous at decode (n = 1)."""
         packed = self.packed is not None and self.packed.valid()
         qkv, z, b, a = self.packed(x) if packed else [p(x) for p in self._in_projs()]
         return qkv.contiguous(), z, b, a.contiguous()

@@ -496,8 +496,9 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
-        types = {**mixer_kinds(), **{t.__name__: t for t in (Rope, MLP, MoE, DenseMoE, AltUp, SharedBlock, Layer,
-                                                             HybridConfig)}}
+        mixers = mixer_kinds()
+        types = {**mixers, **{t.__name__: t for t in (Rope, MLP, MoE, DenseMoE, AltUp, SharedBlock, Layer,
+                                                      HybridConfig)}}
 
         def decode(obj: Any, where: str) -> Any:
             if isinstance(obj, dict) and "type" in obj:
@@ -506,7 +507,7 @@ class HybridConfig:
                     raise ValueError(f"{where}: unknown config type {kind!r} (known: {sorted(types)})")
                 fields = {k: decode(v, f"{where}.{k}") for k, v in obj.items() if k != "type"}
                 try:
-                    if kind in mixer_kinds():
+                    if kind in mixers:
                         fields = types[kind].saved_fields(fields)
                     return types[kind](**fields)
                 except (TypeError, ValueError) as err:    # nested errors were prefixed where they arose
