@@ -68,7 +68,7 @@ def fingerprint(c: KVCacheCoordinator, *, free_order: bool = True) -> Any:
                       [m.num_skipped.tobytes() for m in c.managers], [m.next_free.tobytes() for m in c.managers]]
     if c.pool:
         p = c.pool
-        out += [p.ref_count.tobytes(), order(p._stack[:p._top].tolist()), order(p._lru),
+        out += [p.ref_count.tobytes(), order(p._stack[:p._top].tolist()), order(p.lru_order()),
                 dict(p._key_index), p._entry_blocks.tobytes(), p._block_entry.tobytes(),
                 p._entry_count.tobytes(), p._free_entries[:p._entries_top].tobytes(), p._owner.tobytes()]
     if c.slots and c.state:

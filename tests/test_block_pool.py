@@ -61,6 +61,50 @@ def test_ref_counts_and_cached_blocks_stay_findable_until_reused() -> None:
     p.check_invariants()
 
 
+@pytest.mark.parametrize("slack", [0, 1024])
+def test_lru_evicts_least_recently_freed_against_an_ordered_dict(slack: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random allocations, registrations, frees and revivals: the LRU (a queue of stamped arrays, stale entries
+    skipped, compacted once stale ones dominate: ``slack`` 0 compacts almost every free) frees, revives and
+    evicts exactly as an OrderedDict of the cached free blocks would, oldest first."""
+    monkeypatch.setattr(BlockPool, "_COMPACT_SLACK", slack)
+    rng = np.random.default_rng(slack)
+    p = BlockPool(41, 2)
+    ref: dict[int, None] = {}                         # insertion-ordered: the cached free blocks, oldest first
+    held: list[tuple[int, int]] = []                  # (group, block) references
+    hashes = iter(range(10**6))
+    for _ in range(1500):
+        op = rng.integers(4)
+        if op == 0 and p.num_free_blocks:             # allocate; past the plain stack, evictions oldest first
+            k, g = int(rng.integers(1, p.num_free_blocks + 1)), int(rng.integers(2))
+            plain = p.num_free_blocks - len(ref)
+            evicted = list(ref)[:max(0, k - plain)]
+            got = p.allocate(k, [g])[0].tolist()
+            assert set(evicted) <= set(got)
+            for b in evicted:
+                del ref[b]
+            held += [(g, b) for b in got]
+        elif op == 1 and held:                        # register some held blocks of one group
+            g = held[int(rng.integers(len(held)))][0]
+            blocks = sorted({b for gg, b in held if gg == g and p.block_hash(b) is None})[:3]
+            if blocks:
+                p.cache_blocks([g], [("k", next(hashes)) for _ in blocks], np.array([blocks], np.int32))
+        elif op == 2 and held:                        # free a few references, in order
+            picks = sorted(set(rng.integers(len(held), size=int(rng.integers(1, 4))).tolist()), reverse=True)
+            gone = [held.pop(i)[1] for i in picks]
+            p.free(np.array(gone, np.int32))
+            for b in dict.fromkeys(gone):
+                if p.ref_count[b] == 0 and p.block_hash(b) is not None:
+                    ref[b] = None
+        elif op == 3 and ref:                         # a prefix hit revives a cached free block
+            b = list(ref)[int(rng.integers(len(ref)))]
+            g = int(p._owner[b])
+            p.touch(g, [b])
+            del ref[b]
+            held.append((g, b))
+        assert p.lru_order() == list(ref)
+        p.check_invariants()
+
+
 def test_hash_maps_are_per_group_and_first_wins() -> None:
     p = BlockPool(8, 2)
     (a, b), (c, d) = p.allocate(2, [0, 1]).tolist()
