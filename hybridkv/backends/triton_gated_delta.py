@@ -149,6 +149,33 @@ def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, h, hk, offs_k, k_ok, offs_
 
 # --------------------------------------------------------------------------------------------- kernels
 
+@triton.jit
+def _request_state(state_ptr, qsl_ptr, idx_ptr, init_ptr, num_tokens, head_k_dim, head_v_dim, num_slots,
+                   stride_ss, stride_sh, stride_sk, stride_sv, K_P: tl.constexpr, BV: tl.constexpr):
+    """A sequential program's request and state tile: grid (value heads x value blocks, requests). Returns the
+    value head, the request's token range (clamped), its state tile (K_P, BV) fp32 (zero unless the request
+    continues from a valid slot), the tile's pointers and store mask (nothing stored for a bad slot), and the
+    key / value offsets with their masks."""
+    pid = tl.program_id(0)
+    req = tl.program_id(1)
+    n_vb = tl.cdiv(head_v_dim, BV)
+    h = pid // n_vb
+    t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
+    t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
+    slot = tl.load(idx_ptr + req).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    use_state = slot_ok & (tl.load(init_ptr + req) != 0)
+    offs_k = tl.arange(0, K_P)
+    k_ok = offs_k < head_k_dim
+    offs_v = (pid % n_vb) * BV + tl.arange(0, BV)
+    v_ok = offs_v < head_v_dim
+    s_ptrs = (state_ptr + tl.where(slot_ok, slot, 0) * stride_ss + h * stride_sh
+              + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(s_ptrs, mask=tl.where(use_state, s_mask, False), other=0.0).to(tl.float32)
+    return h, t0, t1, S, s_ptrs, tl.where(slot_ok, s_mask, False), offs_k, k_ok, offs_v, v_ok
+
+
 @triton.jit(do_not_specialize=["num_tokens"],      # a per-step value: one compile serves every step
             do_not_specialize_on_alignment=["qsl_ptr", "idx_ptr", "init_ptr"])
 def _delta_recurrent_kernel(
@@ -162,25 +189,10 @@ def _delta_recurrent_kernel(
     BETA_SCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
-    pid = tl.program_id(0)
-    req = tl.program_id(1)
-    n_vb = tl.cdiv(head_v_dim, BV)
-    h = pid // n_vb
+    h, t0, t1, S, s_ptrs, s_store, offs_k, k_ok, offs_v, v_ok = _request_state(
+        state_ptr, qsl_ptr, idx_ptr, init_ptr, num_tokens, head_k_dim, head_v_dim, num_slots,
+        stride_ss, stride_sh, stride_sk, stride_sv, K_P, BV)
     hk = h // rep
-    t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
-    t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
-
-    slot = tl.load(idx_ptr + req).to(tl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
-    use_state = slot_ok & (tl.load(init_ptr + req) != 0)
-    offs_k = tl.arange(0, K_P)
-    k_ok = offs_k < head_k_dim
-    offs_v = (pid % n_vb) * BV + tl.arange(0, BV)
-    v_ok = offs_v < head_v_dim
-    s_ptrs = (state_ptr + tl.where(slot_ok, slot, 0) * stride_ss + h * stride_sh
-              + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    S = tl.load(s_ptrs, mask=tl.where(use_state, s_mask, False), other=0.0).to(tl.float32)
     a_log, dtb = _head_params(alog_ptr, dtb_ptr, h, offs_k, k_ok, stride_dth, stride_dtk,
                               HAS_GATE, HAS_DT_BIAS, PER_CHANNEL)
     for t in range(t0, t1):
@@ -192,7 +204,7 @@ def _delta_recurrent_kernel(
         S, o = _token_step(S, q, k, v, g, beta, PER_CHANNEL)
         tl.store(o_ptr + tl.cast(t, tl.int64) * stride_ot + h * stride_oh + offs_v * stride_ov,
                  o.to(o_ptr.dtype.element_ty), mask=v_ok)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_store)
 
 
 def _delta_update(
@@ -286,26 +298,11 @@ def _delta_chunk_kernel(
     """KDA's chunked prefill (``PER_CHANNEL`` always: the gated delta rule has its two-launch form)."""
     tl.static_assert(PER_CHANNEL, "the chunked kernel is KDA's: the gated delta rule runs _wy_kernel")
     pdl_wait(PDL)
-    pid = tl.program_id(0)
-    req = tl.program_id(1)
-    n_vb = tl.cdiv(head_v_dim, BV)
-    h = pid // n_vb
+    h, t0, t1, S, s_ptrs, s_store, offs_k, k_ok, offs_v, v_ok = _request_state(
+        state_ptr, qsl_ptr, idx_ptr, init_ptr, num_tokens, head_k_dim, head_v_dim, num_slots,
+        stride_ss, stride_sh, stride_sk, stride_sv, K_P, BV)
     hk = h // rep
-    t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
-    t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
     seq_len = t1 - t0
-
-    slot = tl.load(idx_ptr + req).to(tl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
-    use_state = slot_ok & (tl.load(init_ptr + req) != 0)
-    offs_k = tl.arange(0, K_P)
-    k_ok = offs_k < head_k_dim
-    offs_v = (pid % n_vb) * BV + tl.arange(0, BV)
-    v_ok = offs_v < head_v_dim
-    s_ptrs = (state_ptr + tl.where(slot_ok, slot, 0) * stride_ss + h * stride_sh
-              + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    S = tl.load(s_ptrs, mask=tl.where(use_state, s_mask, False), other=0.0).to(tl.float32)   # (K_P, BV)
     a_log, dtb = _head_params(alog_ptr, dtb_ptr, h, offs_k, k_ok, stride_dth, stride_dtk,
                               HAS_GATE, HAS_DT_BIAS, PER_CHANNEL)
 
@@ -367,7 +364,7 @@ def _delta_chunk_kernel(
         # S <- S e^(gc_last) + (k e^(gc_last - gc))^T u
         k_out = kd.to(tl.float32) * tl.exp(glast[None, :] - gc)
         S = S * tl.exp(glast)[:, None] + tl.dot(tl.trans(k_out.to(dot_dtype)), ud, input_precision=PRECISION)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_store)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs"])    # per-step values: one compile serves every step
@@ -481,25 +478,10 @@ def _wy_state_kernel(
     S <- S e^(gc_end) + (k e^(gc_end - gc))^T v'. Every load is a dot operand or U: nothing waits on the state
     but the dots."""
     pdl_wait(PDL)
-    pid = tl.program_id(0)
-    req = tl.program_id(1)
-    n_vb = tl.cdiv(head_v_dim, BV)
-    num_heads = tl.num_programs(0) // n_vb
-    h = pid // n_vb
-    t0 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req).to(tl.int32), 0), num_tokens)
-    t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
-
-    slot = tl.load(idx_ptr + req).to(tl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
-    use_state = slot_ok & (tl.load(init_ptr + req) != 0)
-    offs_k = tl.arange(0, K_P)
-    k_ok = offs_k < head_k_dim
-    offs_v = (pid % n_vb) * BV + tl.arange(0, BV)
-    v_ok = offs_v < head_v_dim
-    s_ptrs = (state_ptr + tl.where(slot_ok, slot, 0) * stride_ss + h * stride_sh
-              + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    S = tl.load(s_ptrs, mask=tl.where(use_state, s_mask, False), other=0.0).to(tl.float32)   # (K_P, BV)
+    h, t0, t1, S, s_ptrs, s_store, offs_k, k_ok, offs_v, v_ok = _request_state(
+        state_ptr, qsl_ptr, idx_ptr, init_ptr, num_tokens, head_k_dim, head_v_dim, num_slots,
+        stride_ss, stride_sh, stride_sk, stride_sv, K_P, BV)
+    num_heads = tl.num_programs(0) // tl.cdiv(head_v_dim, BV)
     offs_l = tl.arange(0, BT)
     dot_dtype = w_ptr.dtype.element_ty
     c_end = tl.where(t1 > t0, tl.cdiv(t1, BT), t0 // BT)
@@ -520,7 +502,7 @@ def _wy_state_kernel(
         tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :] * stride_ov,
                  o.to(o_ptr.dtype.element_ty), mask=m[:, None] & v_ok[None, :])
         S = S * tl.exp(gend) + tl.dot(tl.trans(kg), vd, input_precision=PRECISION)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=tl.where(slot_ok, s_mask, False))
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_store)
 
 
 # --------------------------------------------------------------------------------------------- host side
