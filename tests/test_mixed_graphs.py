@@ -70,10 +70,41 @@ def test_eager_sizes(budget: int, expected: tuple[int, ...]) -> None:
     assert all(b - a <= max(256, a // 32) for a, b in zip((MAX_GRAPHED_TOKENS, *sizes), sizes, strict=False))
 
 
-@pytest.mark.parametrize(("rows", "expected"), [(1, 1), (HEAD_MIN_ROWS, HEAD_MIN_ROWS), (129, 192), (192, 192),
-                                                (193, 250), (250, 250), (251, 251), (4000, 4000)])
+@pytest.mark.parametrize(("rows", "expected"), [(1, 1), (HEAD_MIN_ROWS, HEAD_MIN_ROWS), (65, 128), (129, 192),
+                                                (192, 192), (193, 250), (250, 250), (251, 251), (4000, 4000)])
 def test_head_rows_are_padded_to_few_counts(rows: int, expected: int) -> None:
     assert padded_rows(rows, 250) == expected
+
+
+def test_head_rows_past_the_triton_gemv_are_cublas_ones() -> None:
+    """Padding starts where a vocabulary-wide head leaves the Triton GEMV for cuBLAS."""
+    from hybridkv.backends import triton_linear
+
+    assert HEAD_MIN_ROWS == triton_linear.SMALL_MAX_ROWS
+    for vocab, hidden in ((151936, 2048), (32000, 4096), (262144, 1152)):
+        assert triton_linear.takes(HEAD_MIN_ROWS, vocab, hidden, gated=False)
+        assert not triton_linear.takes(HEAD_MIN_ROWS + 1, vocab, hidden, gated=False)
+
+
+def test_start_up_meets_every_eager_size_and_head_rows() -> None:
+    """``touch_eager_sizes`` runs the forward (metadata ops skipped) at each eager size and the head at each row
+    count: the GEMM shapes the padded steps will run, met once before serving."""
+    mixer = _KINDS["mamba2"][0]
+    config = HybridConfig(vocab_size=64, hidden_size=32, max_position_embeddings=64, dtype="float32",
+                          layers=(Layer(mixer=_KINDS["full"][0], ffn=MLP(intermediate_size=48)),
+                                  Layer(mixer=mixer, ffn=MLP(intermediate_size=48))))
+    model = HybridModel(config).requires_grad_(False)
+    sizes: list[int] = []
+    forward = model.forward
+    model.forward = lambda ids, positions: (sizes.append(int(ids.shape[0])), forward(ids, positions))[1]
+
+    class Graphs:
+        eager, backend, device = (8, 24), torch_backend(), torch.device("cpu")
+
+    Graphs.model = model
+    heads: list[int] = []
+    MixedStepGraphs.touch_eager_sizes(Graphs, lambda h: heads.append(h.shape[0]), [80, 128])   # type: ignore[arg-type]
+    assert sizes == [8, 24] and heads == [80, 128]
 
 
 _ATTN = dict(num_heads=4, num_kv_heads=2, head_dim=8)

@@ -5,8 +5,9 @@ Signatures are those of the references in ``hybridkv.layers.ops.gated_delta_ref`
 (``out``, ``check_values``), so the ``triton`` backend is a drop-in replacement checked against them
 (tests/test_gated_delta_triton.py). The whole contract runs in the kernels: the optional gate
 ``-exp(A_log) * softplus(g + dt_bias)``, the optional q/k L2 norm, the q scale, value heads sharing a q/k head, the
-fp32 state read where ``has_initial_state`` and written back to the slots, o in v's dtype. One kernel body serves both
-layer kinds: ``PER_CHANNEL`` (KDA) makes the decay a (head_k_dim,) vector that scales the rows of the state.
+fp32 state read where ``has_initial_state`` and written back to the slots, o in v's dtype. The recurrent and decode
+kernels serve both layer kinds: ``PER_CHANNEL`` (KDA) makes the decay a (head_k_dim,) vector that scales the rows of
+the state; the chunked prefill has a kernel pair for the gated delta rule and one kernel for KDA.
 
 Kernel design (a program that carries a state owns one request, one value head and a block of ``BLOCK_V`` state
 columns, and keeps its (head_k_dim, BLOCK_V) fp32 state tile in registers; the grids depend on shapes only, request
@@ -390,10 +391,10 @@ def _wy_kernel(
     tok = (c * BT + offs_l).to(tl.int64)
     l_ok = tok < num_tokens
     rows = tok * tl.num_programs(1) + h                    # (token, value head): the outputs' row
-    # each row's request: the number of request starts at or before it (qsl[num_reqs] too: padding rows after
-    # the last request are a segment of their own)
+    # each row's request: the number of request bounds at or before it (qsl[0] and qsl[num_reqs] too: rows before
+    # the first request or after the last are segments of their own)
     seg = tl.zeros([BT], tl.int32)
-    for r0 in range(1, num_reqs + 1, BT):
+    for r0 in range(0, num_reqs + 1, BT):
         r = r0 + offs_l
         starts = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=num_tokens).to(tl.int64)
         seg += tl.sum((starts[None, :] <= tok[:, None]).to(tl.int32), 1)
@@ -512,10 +513,11 @@ _WY_BLOCK = 16      # rows of the diagonal blocks the chunk's (I + A)^-1 is solv
 
 def delta_launch_config(*, head_k_dim: int, head_v_dim: int, per_channel: bool, kind: str) -> dict[str, int]:
     """Tile shapes (``kind``: "chunk", "recurrent" or "update"; ``benchmarks/gpu_delta_rule.py --sweep`` times the
-    alternatives). The gated delta rule's two-launch prefill: BT 32, BV 64, 8 warps and 2 stages for the state
-    pass, 4 warps for the factors (the sweep's best on an H200 at 16/16 and 16/32 heads of 128, 1 x 4096 tokens:
-    0.50 / 0.66 ms; BT 64 was within 1% at 16/16 heads, 19% slower at 16/32). The rest chosen so that nothing
-    spills: every program keeps a (head_k_dim, BV) fp32 state and (BT, head_k_dim) q/k tiles in registers.
+    alternatives). The gated delta rule's two-launch prefill: BT 32, BV 64 (32 past head_k_dim 128), 8 warps and
+    2 stages for the state pass, 4 warps for the factors (the sweep's best on an H200 at 16/16 and 16/32 heads of
+    128, 1 x 4096 tokens: 0.50 / 0.66 ms; BT 64 within 1% at 16/16 heads, 19% slower at 16/32). The rest chosen
+    so that nothing spills: every program keeps a (head_k_dim, BV) fp32 state and (BT, head_k_dim) q/k tiles in
+    registers.
     Register use of the sm_90 builds at head dims 128, bf16 (triton 3.9, ``cuobjdump -res-usage``): KDA chunked,
     BT 16 x BV 32 x 8 warps: 242 registers (channel tiles of 16), no spill; BT 32 spills at 4 and 8 warps, BT 16
     at 4 warps; head_k_dim 256 spills at BV 32, so BV 16 there. Decode update and recurrent prefill, BV 32 x 4

@@ -23,7 +23,9 @@ the ops measured faster than ours (``registry._AUTO_OPS``: the chunked KDA prefi
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -113,7 +115,7 @@ def make_delta_prefill(chunk_fn: Callable[..., Any], *, per_channel: bool) -> Ca
         return out[0].to(v.dtype)
 
     delta_prefill_vendor.__name__ = f"{op}_fla"
-    return delta_prefill_vendor
+    return _without_beta_scale(delta_prefill_vendor) if per_channel else delta_prefill_vendor
 
 
 def make_delta_update(recurrent_fwd: Callable[..., Any], *, per_channel: bool) -> Callable[..., torch.Tensor]:
@@ -157,7 +159,21 @@ def make_delta_update(recurrent_fwd: Callable[..., Any], *, per_channel: bool) -
         return out[:, 0].to(v.dtype)
 
     delta_update_vendor.__name__ = f"{op}_fla"
-    return delta_update_vendor
+    return _without_beta_scale(delta_update_vendor) if per_channel else delta_update_vendor
+
+
+def _without_beta_scale(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """KDA's contract: the gated delta rule's without ``beta_scale`` (its layer passes beta itself)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def kda(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "beta_scale" in kwargs:
+            raise TypeError(f"{fn.__name__}() got an unexpected keyword argument 'beta_scale'")
+        return fn(*args, **kwargs)
+
+    kda.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "beta_scale"])
+    return kda
 
 
 def _version(dist: str) -> str:

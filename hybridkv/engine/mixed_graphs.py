@@ -54,8 +54,9 @@ HEAD_GRANULE = 64
 """The logits head's rows past ``HEAD_MIN_ROWS`` are padded to a multiple of this, up to ``max_num_seqs``: the same
 first-use cost, for each number of rows that wants logits in a step."""
 
-HEAD_MIN_ROWS = 128
-"""Rows up to which the head runs as the Triton GEMV (``triton_linear.MAX_ROWS``): no cuBLAS shape to meet."""
+HEAD_MIN_ROWS = 64
+"""Rows up to which a vocabulary-wide head runs as the Triton GEMV (``triton_linear.SMALL_MAX_ROWS``): no cuBLAS
+shape to meet."""
 
 
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -68,8 +69,9 @@ def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 def eager_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Token counts eager steps are padded to: past ``MAX_GRAPHED_TOKENS``, multiples of a granule of
-    ``EAGER_GRANULE`` or the power of two at most 1/32 of the size, whichever is larger (<= ~3% padding: 256
-    tokens to 8192, 512 to 16384, 1024 beyond), and the step budget itself last."""
+    ``EAGER_GRANULE`` or the power of two at most 1/32 of the size, whichever is larger (256 tokens up to 16384,
+    512 up to 32768, and so on: at most 6% padding, at 4097 tokens, and under ~3% past 8192), and the step budget
+    itself last."""
     sizes, n = [], MAX_GRAPHED_TOKENS
     while n < max_num_batched_tokens:
         granule = max(EAGER_GRANULE, 1 << max(0, (n // 32).bit_length() - 1))
@@ -228,7 +230,8 @@ class MixedStepGraphs:
             for rows in head_rows:
                 head(torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.lm_head.weight.dtype,
                                  device=self.device))
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         logger.info("start-up met the GEMM shapes of %d eager step sizes (%d-%d tokens) and %d head sizes in %.1f s",
                     len(self.eager), self.eager[0] if self.eager else 0, self.eager[-1] if self.eager else 0,
                     len(head_rows), time.perf_counter() - t0)

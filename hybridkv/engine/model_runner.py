@@ -178,6 +178,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.backend = backend if isinstance(backend, KernelBackend) else get_backend(backend, self.device)
         model.fuse_projections()            # q|k|v and gate|up as one GEMM each (parameters become views)
+        # Inference only: without this, forwards outside ``execute``'s inference mode (the graph captures, the
+        # start-up's GEMM touches) record autograd graphs and keep their activations alive.
+        model.requires_grad_(False)
         try:
             self.caches = allocate_kv_cache(plan, device=self.device)
         except torch.OutOfMemoryError as e:
@@ -259,8 +262,12 @@ class ModelRunner:
             logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(e).splitlines()[0])
             return None
         rows = range(HEAD_MIN_ROWS + 1, self.max_num_seqs + 1)
-        graphs.touch_eager_sizes(self.model.compute_logits_and_greedy,
-                                 sorted({padded_rows(r, self.max_num_seqs) for r in rows}))
+        try:
+            graphs.touch_eager_sizes(self.model.compute_logits_and_greedy,
+                                     sorted({padded_rows(r, self.max_num_seqs) for r in rows}))
+        except (RuntimeError, UnsupportedConfig) as e:    # (out of memory among them): only a first-use cost lost
+            logger.warning("start-up could not run the eager step sizes' GEMMs (%s): the first steps of each size "
+                           "will pay cuBLAS's first use", str(e).splitlines()[0])
         return graphs
 
     def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = ()

@@ -257,7 +257,7 @@ class AttentionLayer(nn.Module):
         if cfg.key_multiplier != 1.0 and k is not None:       # Falcon-H1: on the projected keys, before RoPE
             k = k * cfg.key_multiplier
         gate = None
-        if cfg.output_gate:          # views: the kernels take q's and the gate's head strides
+        if cfg.output_gate:          # views: the kernels take q's head strides (the gate's rows copy past one token)
             q, gate = q.view(n, self.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
         if cfg.qk_norm == "rms_full":
             q, k = self.q_norm(q.reshape(n, -1)), self.k_norm(k)

@@ -108,6 +108,9 @@ def act_mul_ref(x: torch.Tensor, *, activation: str, gated: bool = True, gate_mu
     x the gate alone beside a separate ``up`` of x's shape; not gated: ``act(x)``. Each step rounds to x's dtype,
     as the unfused torch ops do."""
     act = get_activation(activation)
+    if up is not None and (not gated or up.shape != x.shape):
+        raise ValueError(f"act_mul: up must be a gated input's {tuple(x.shape)}, got {tuple(up.shape)} "
+                         f"(gated={gated})")
     if not gated:
         return act(x)
     gate, up = x.chunk(2, dim=-1) if up is None else (x, up)

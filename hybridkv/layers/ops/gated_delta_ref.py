@@ -329,7 +329,7 @@ def gated_delta_rule_update_ref(
     ``torch_recurrent_gated_delta_rule`` on one token; fla's ``fused_recurrent_gated_delta_rule``)."""
     return _update(ssm_states, q, k, v, g, beta, state_indices=state_indices, scale=scale,
                    use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, per_channel=False,
-                  beta_scale=beta_scale)
+                   beta_scale=beta_scale)
 
 
 @reference_op("kda")
