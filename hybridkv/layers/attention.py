@@ -83,7 +83,7 @@ class Attention(MixerConfig):
     q_norm and o_proj, keeps no cache and writes none (``KVSharingSpec``); kv heads, head dim and window must be
     its donor's."""
 
-    ops = ("qk_rope_write_kv", "rope_attention", "paged_attention", "rms_norm")
+    ops = ("qk_rope_write_kv", "rope_attention", "paged_attention", "rms_norm", "act_mul")
 
     num_heads: int
     num_kv_heads: int
