@@ -46,9 +46,9 @@ of matmuls)."""
 EAGER_GRANULE = 256
 """Eager steps run at a padded token count (``eager_sizes``), a multiple of at least this many tokens. cuBLAS
 chooses (and builds) its kernel for a GEMM shape on the shape's first use: ~0.85 ms of host time per shape on an
-H200 (the Gemma-3-like linears at 4097-33791 rows: 3.6 ms per step of four shapes first, 0.28 ms after), while the
-GPU waits. At exact token counts every eager step of a first pass met new shapes; padded, there are few sizes and
-the start-up meets each of them (``MixedStepGraphs.touch_eager_sizes``)."""
+H200 (``benchmarks/gpu_gemm_first_use.py``: the Gemma-3-like linears at 4097-33791 rows, 3.6 ms per step of four
+shapes first, 0.28 ms after), while the GPU waits. At exact token counts every eager step of a first pass met new
+shapes; padded, there are few sizes and the start-up meets each of them (``MixedStepGraphs.touch_eager_sizes``)."""
 
 HEAD_GRANULE = 64
 """The logits head's rows past ``HEAD_MIN_ROWS`` are padded to a multiple of this, up to ``max_num_seqs``: the same

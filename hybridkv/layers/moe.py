@@ -157,7 +157,7 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     """Sort by expert + grouped GEMM; no host sync. x (T, dim); ids, weights (T, k) -> (T, dim) in x's dtype, plus
     the (gated) ``addend`` (``run_experts``): the slots weighted (unless the input was scaled), summed in fp32 and
     rounded once, straight from the expert-sorted rows (``moe_combine``: one Triton launch on CUDA)."""
-    num_tokens, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)                                                       # (T*k,) slot-major per token
     sorted_ids, order = torch.sort(flat, stable=True)                            # (T*k,)
     bounds = torch.arange(experts.num_experts, device=ids.device, dtype=sorted_ids.dtype)
@@ -168,15 +168,11 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     y = experts.mlp(rows, lambda a, wt: torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs),
                     lambda b: b.index_select(0, sorted_ids))                     # (T*k, dim) in expert order
     positions = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    combine = moe_combine_triton if y.is_cuda else moe_combine_ref
+    combine = moe_combine_ref
+    if y.is_cuda:
+        from hybridkv.backends.triton_moe import moe_combine as combine
     return combine(y, k=k, out_dtype=x.dtype, positions=positions,
                    weights=None if experts.scale_input else weights, addend=addend, addend_gate=addend_gate)
-
-
-def moe_combine_triton(y: torch.Tensor, **kw) -> torch.Tensor:
-    from hybridkv.backends.triton_moe import moe_combine
-
-    return moe_combine(y, **kw)
 
 
 def moe_experts_padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
