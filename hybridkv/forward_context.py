@@ -25,7 +25,7 @@ class GraphBreaks(Protocol):
     tensor the op will write at each replay."""
 
     def __call__(self, fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...],
-                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+                 shape: tuple[int, ...], dtype: torch.dtype, key: str | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ def get_forward_context() -> ForwardContext:
 
 
 def metadata_op(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, shape: tuple[int, ...],
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, key: str | None = None) -> torch.Tensor:
     """``fn(*tensors)``: the part of a layer's forward that reads the step's inputs (its group's ``inputs`` here:
     KV writes, attention, state-slot updates), returning a ``shape`` / ``dtype`` tensor. Each tensor's first
     dimension is the step's tokens, and so is the result's; ``fn`` reads the context when it runs, not before.
@@ -67,11 +67,13 @@ def metadata_op(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, shape: 
 
     A layer keeps every other part of its forward free of step inputs, so the mixed-step graphs
     (``engine/mixed_graphs.py``) can capture it for a padded token count: they break the graph at each of these
-    calls and run ``fn`` eagerly on the step's real tokens at each replay. Elsewhere a plain call."""
+    calls and run ``fn`` eagerly on the step's real tokens at each replay, except where they hold static inputs for
+    ``key`` (the cache name whose inputs ``fn`` reads: full and sliding-window attention, ``mixed_metadata.py``),
+    which they capture. Elsewhere a plain call."""
     ctx = _CURRENT.get()
     if ctx is None or ctx.graph_breaks is None:
         return fn(*tensors)
-    return ctx.graph_breaks(fn, tensors, shape, dtype)
+    return ctx.graph_breaks(fn, tensors, shape, dtype, key)
 
 
 @cache

@@ -124,6 +124,8 @@ _KINDS = {
 
 
 class _Buffers:
+    static_names: frozenset[str] = frozenset()
+
     def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
 
@@ -211,6 +213,47 @@ def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch:
                                    atol=1e-4, rtol=1e-4)
 
 
+@gpu
+@pytest.mark.parametrize("other", ["sliding", "mamba2"])
+def test_attention_runs_inside_the_mixed_graphs(other: str) -> None:
+    """Full attention beside sliding-window attention (Gemma-3's mix: every bucket is one graph, no break) or beside
+    Mamba2 (one break per Mamba2 layer): the attention reads the static inputs (``mixed_metadata.py``), and
+    generation whose steps mix prefills and decodes equals an eager run's (fp32), the mixed steps replaying those
+    graphs."""
+    from hybridkv import LLM, SamplingParams
+
+    layers = tuple(Layer(mixer=_KINDS[other if i % 3 else "full"][0], ffn=MLP(intermediate_size=96))
+                   for i in range(6))
+    breaks = 0 if other == "sliding" else 4
+    config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 150, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=96, cuda_graphs=graphs, seed=0)
+        mixed = llm.engine.runner.mixed_graphs
+        if graphs:
+            assert mixed is not None and mixed.static is not None
+            assert all(len(pieces) == breaks + 1 == len(brks) + 1 for pieces, brks, _ in mixed._captured.values())
+        eng, done = llm.engine, {}
+        for step in range(400):
+            if step % 2 == 0 and step // 2 < len(prompts):
+                eng.add_request(str(step // 2), prompts[step // 2], params)
+            for out in eng.step(only_finished=True):
+                done[out.request_id] = out.outputs[0]
+            if len(done) == len(prompts):
+                break
+        assert len(done) == len(prompts)
+        runs.append(done)
+    eager, graphed = runs
+    for rid, out in eager.items():
+        assert graphed[rid].token_ids == out.token_ids, rid
+        np.testing.assert_allclose([lp.logprob for lp in graphed[rid].logprobs], [lp.logprob for lp in out.logprobs],
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_padded_eager_steps_equal_exact_ones() -> None:
     """Steps past the graphs run at a padded size (the metadata ops on the real tokens, zero rows after them) and the
     head at padded row counts: greedy tokens and logprobs equal a plain run's, every layer kind (CPU, fp32; the
@@ -219,6 +262,7 @@ def test_padded_eager_steps_equal_exact_ones() -> None:
 
     class Eager:                 # the mixed graphs' padded eager path alone: every step past the (absent) buckets
         eager = (16, 48, 96, 160, 300)
+        static = None
         run_eager = MixedStepGraphs.run_eager
 
         def __init__(self, model: HybridModel) -> None:

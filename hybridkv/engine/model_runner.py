@@ -30,6 +30,7 @@ from hybridkv.engine.mixed_graphs import (
     padded_rows,
     unsupported_for_mixed_graphs,
 )
+from hybridkv.engine.mixed_metadata import MixedAttentionBuffers, static_groups
 from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -253,8 +254,13 @@ class ModelRunner:
         if reason is not None:
             logger.info("CUDA graphs for mixed steps off: %s", reason)
             return None
-        graphs = MixedStepGraphs(self.model, self.backend, buckets=mixed_buckets(max_num_batched_tokens),
-                                 eager=eager_sizes(max_num_batched_tokens))
+        buckets = mixed_buckets(max_num_batched_tokens)
+        static = None
+        if static_groups(self.plan):        # full and sliding-window attention inside the graphs
+            static = MixedAttentionBuffers(self.plan, max_tokens=buckets[-1],
+                                           max_reqs=min(buckets[-1], self.max_num_seqs), device=self.device, pin=True)
+        graphs = MixedStepGraphs(self.model, self.backend, buckets=buckets, eager=eager_sizes(max_num_batched_tokens),
+                                 static=static)
         try:
             graphs.capture()
         except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
@@ -270,23 +276,27 @@ class ModelRunner:
                            "will pay cuBLAS's first use", str(e).splitlines()[0])
         return graphs
 
-    def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = ()
-                      ) -> tuple[ForwardContext, list[torch.Tensor]]:
+    def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = (),
+                      static: MixedAttentionBuffers | None = None) -> tuple[ForwardContext, list[torch.Tensor]]:
         """One CAM per group from the batch, then each group's builder; all layers of a group share it. ``extra``:
-        more host arrays the step needs on the device, whose twins come back with the context (same copy)."""
-        built, twins = self._group_inputs(batch, self.device, extra)
+        more host arrays the step needs on the device, whose twins come back with the context (same copy).
+        ``static``: its groups are packed and copied there instead (the context has no inputs for them)."""
+        built, twins = self._group_inputs(batch, self.device, extra, static)
         inputs: dict[str, AttentionInputs | MambaInputs] = {}
         for group, group_built in zip(self.plan.groups, built, strict=True):
-            inputs.update(dict.fromkeys(group.cache_names, group_built))
+            if group_built is not None:
+                inputs.update(dict.fromkeys(group.cache_names, group_built))
         return ForwardContext(inputs=inputs, backend=self.backend), twins
 
     def group_inputs(self, batch: StepBatch, device: torch.device) -> list[AttentionInputs | MambaInputs]:
         """Per plan group: its CAM from the batch, transformed by its builder, device twins on ``device``."""
         return self._group_inputs(batch, device, ())[0]
 
-    def _group_inputs(self, batch: StepBatch, device: torch.device, extra: Sequence[np.ndarray]
-                      ) -> tuple[list[AttentionInputs | MambaInputs], list[torch.Tensor]]:
-        """``group_inputs``, and the device twins of ``extra`` made by the same copy.
+    def _group_inputs(self, batch: StepBatch, device: torch.device, extra: Sequence[np.ndarray],
+                      static: MixedAttentionBuffers | None = None
+                      ) -> tuple[list[AttentionInputs | MambaInputs | None], list[torch.Tensor]]:
+        """``group_inputs``, and the device twins of ``extra`` made by the same copy; with ``static``, its groups'
+        fields are packed there and copied (their entries None).
 
         The batch-wide arrays (offsets, lengths) are made once; each group adds its block table and slot
         mapping, and every device twin of the step comes from one packed copy (a Gemma-3-like model has 13
@@ -322,8 +332,10 @@ class ModelRunner:
         prepared = batch.block_tables if isinstance(batch.block_tables, StepTables) else None
         positions = None if prepared is not None else batch.positions()    # (num_tokens,) int64
         index_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        static_ids = set(static.groups) if static is not None else set()
+        packed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []        # the static groups' (seq, table, slots)
         # pass 1: every group's host arrays (what needs a device twin goes to ``uploads``)
-        rows: list[tuple | None] = []
+        rows: list[tuple | str | None] = []
         for g, group in enumerate(self.plan.groups):
             spec = group.spec
             table = batch.block_tables[g] if prepared is None else prepared.tables[g]
@@ -343,6 +355,10 @@ class ModelRunner:
                 start = None
             else:
                 slots, start = prepared.slots[g], prepared.starts[g]
+            if g in static_ids:
+                packed.append((s32 if start is None else s32 - start * bs, table, slots))
+                rows.append("static")
+                continue
             if start is None:
                 seq, computed, key_start, max_seq, twins = s32, num_computed, zeros, max_seq_len, None
             else:                                            # relative to each row's first live block
@@ -354,15 +370,21 @@ class ModelRunner:
             on_device = _pad_columns(table) if device.type == "cuda" else table
             rows.append((table, slots, seq, computed, key_start, max_seq, twins, upload(on_device), upload(slots)))
         num_group_uploads = len(uploads)
+        if static is not None:
+            static.pack(qsl, packed)
+            static.upload()
         dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
             qsl_dev, zeros_dev = dev[batch_twins[0]], dev[batch_twins[1]]
         s_dev = dev[s_up]
         # pass 2: the CAMs and each group's builder
-        out: list[AttentionInputs | MambaInputs] = []
+        out: list[AttentionInputs | MambaInputs | None] = []
         debug = debug_enabled()
         for g, (group, row) in enumerate(zip(self.plan.groups, rows, strict=True)):
             spec = group.spec
+            if row == "static":
+                out.append(None)
+                continue
             if row is None:
                 table = batch.block_tables[g] if prepared is None else prepared.tables[g]
                 out.append(build_mamba_inputs(query_start_loc=qsl_dev, query_start_loc_cpu=qsl,
@@ -417,11 +439,12 @@ class ModelRunner:
         arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(), index]
         if batch.input_sources is not None:
             arrays.append(batch.input_sources)
-        context, (ids, positions, index, *sources) = self.build_context(batch, arrays)    # one host-to-device copy
-        if sources:
+        static = self._static_inputs(batch)
+        context, (ids, positions, index, *sources) = self.build_context(batch, arrays, static)   # one host-to-device
+        if sources:                                                                             # copy (and static's)
             assert batch.prev_tokens is not None
             ids = take_pending(ids, sources[0], batch.prev_tokens)
-        hidden = self._hidden(ids, positions, context).index_select(0, index)
+        hidden = self._hidden(ids, positions, context, static).index_select(0, index)
         with forward_context(context):      # the head too runs on the step's backend
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
@@ -433,12 +456,27 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         return None if logits is None else StepOutput(logits=logits[:rows])
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket, past it
-        eagerly at a padded size (``MixedStepGraphs.run_eager``), or plainly where there are no mixed graphs."""
+    def _static_inputs(self, batch: StepBatch) -> MixedAttentionBuffers | None:
+        """The mixed graphs' static attention inputs when this step replays them: a bucket holds its tokens and the
+        static groups' tables fit (``MixedAttentionBuffers.fits``); else None (the step runs eagerly)."""
+        mixed = self.mixed_graphs
+        if mixed is None or mixed.static is None or mixed.bucket_for(int(batch.input_ids.shape[0])) is None:
+            return None
+        tables = batch.block_tables.tables if isinstance(batch.block_tables, StepTables) else batch.block_tables
+        widths = [tables[g].shape[1] for g in mixed.static.groups]
+        return mixed.static if mixed.static.fits(batch.num_reqs, widths) else None
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                static: MixedAttentionBuffers | None = None) -> torch.Tensor:
+        """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket (the
+        ``static`` inputs packed when the graphs hold attention), past it eagerly at a padded size
+        (``MixedStepGraphs.run_eager``), or plainly where there are no mixed graphs or a step's tables do not fit
+        the static ones (rare: a sliding window's rows wider than the window and the largest bucket)."""
         mixed = self.mixed_graphs
         if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is None:
             return mixed.run_eager(ids, positions, context)
+        if mixed is not None and mixed.static is not None and static is None:   # tables wider than the static ones
+            mixed = None
         with forward_context(context):
             return self.model(ids, positions) if mixed is None else mixed.run(ids, positions)
 

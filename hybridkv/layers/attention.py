@@ -270,7 +270,7 @@ class AttentionLayer(nn.Module):
                                        eps=self.norm_eps).view(n, self.num_kv_heads, cfg.head_dim)
         tensors = (q, positions) if k is None else (q, positions, k, v)
         out = metadata_op(partial(self._attend, owner), *tensors, shape=(n, self.num_heads, cfg.head_dim),
-                          dtype=q.dtype)
+                          dtype=q.dtype, key=owner.cache_name)
         if gate is not None:                # out * sigmoid(gate), one launch; (n * heads, head_dim) rows
             out = current_ops().act_mul(gate.reshape(-1, cfg.head_dim), activation="sigmoid",
                                         up=out.reshape(-1, cfg.head_dim))

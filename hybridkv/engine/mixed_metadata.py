@@ -1,0 +1,172 @@
+"""Static attention metadata for the mixed-step graphs: full and sliding-window attention inside the capture.
+
+A mixed step's attention depends on how its tokens split into requests, so the piecewise graphs
+(``mixed_graphs.py``) used to break at every attention layer and run it eagerly: two Triton launches through
+Python plus a copy per layer, most of a ~1B model's mixed step on the host. Full and sliding-window attention
+need no break: the Triton kernels read only device metadata, and their grids depend on the token and request
+counts only (a q-block grid of ``tokens // BLOCK_Q + requests`` programs, each finding its request by a search
+over ``query_start_loc``). So each bucket of T tokens captures them over buffers that hold a step of up to
+R = min(T, max_num_seqs) requests, and a step fills the buffers before the replay:
+
+    int64: per group a: slot mapping (T_max,)                      tokens n_tok.. : -1 (no KV write)
+    int32: query_start_loc (R_max + 1,)                             requests n.. : n_tok (no queries)
+           per group a: seq_lens (R_max,)                            requests n.. : 0
+           per group a: block table (R_max, W_a)                     rows n.. and columns past a row's keys: stale,
+                                                                     never read
+
+Every bucket's views start at the same bytes (only one replays at a time). A padded request owns no query, so its
+programs exit at once; a padded token belongs to no request and writes no KV, and the rows it yields are never
+read by a real row (every captured op outside attention is row-wise). W_a is the widest row the group's step can
+read: the model's length in blocks for full attention; for a sliding window the window plus the largest bucket
+(the engine's rows start at their first live block, ``StepTables``). A step whose tables are wider runs eagerly.
+
+One copy moves the slots, offsets and lengths; one more per group moves its table's first n rows (n x W_a x 4
+bytes: the rows' stride is fixed at capture, so a narrower step still moves whole rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.backends.builders import AttentionInputs
+from hybridkv.kv_groups.plan import KVCachePlan
+from hybridkv.kv_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.metadata import CommonAttentionMetadata
+
+STATIC_KINDS = (FullAttentionSpec, SlidingWindowSpec)
+"""The group kinds whose attention runs inside the mixed graphs (exact types: MLA and chunked-local attention,
+whose transforms change the request count, keep their graph breaks)."""
+
+
+def static_groups(plan: KVCachePlan) -> tuple[int, ...]:
+    """Plan group indices whose attention the mixed graphs capture."""
+    return tuple(i for i, g in enumerate(plan.groups) if type(g.spec) in STATIC_KINDS)
+
+
+def static_table_width(spec: KVCacheSpec, *, max_model_len: int, max_tokens: int) -> int:
+    """The block-table columns a captured step of at most ``max_tokens`` tokens gives a group of ``spec``, a
+    multiple of 16 (the width the eager path pads to): the model's length for full attention; for a sliding
+    window, the window and the step's tokens from a row's first live block (+2: both ends may sit mid-block)."""
+    blocks = -(-max_model_len // spec.block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        blocks = min(blocks, -(-(spec.sliding_window + max_tokens) // spec.block_size) + 2)
+    return -(-blocks // 16) * 16
+
+
+def _aligned(n: int, unit: int = 16) -> int:
+    return -(-n // unit) * unit
+
+
+class MixedAttentionBuffers:
+    """The mixed graphs' attention metadata: one host and one device allocation (``pin`` False: no GPU needed),
+    views for every bucket, and the step's packing and copies."""
+
+    def __init__(self, plan: KVCachePlan, *, max_tokens: int, max_reqs: int, device: torch.device | str,
+                 pin: bool) -> None:
+        self.plan = plan
+        self.groups = static_groups(plan)
+        specs = [plan.groups[g].spec for g in self.groups]
+        self.names = frozenset(name for g in self.groups for name in plan.groups[g].cache_names)
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self.widths = tuple(static_table_width(s, max_model_len=plan.max_model_len, max_tokens=max_tokens)
+                            for s in specs)
+        a, t, r = len(self.groups), max_tokens, max_reqs
+        # byte offsets: slots (int64), then qsl and seq_lens (int32), then the tables; every group's field from a
+        # 16-byte boundary (Triton specializes on a pointer's alignment: one compile serves every group)
+        self._slot_stride, self._seq_stride = _aligned(t, 2), _aligned(r, 4)
+        self._qsl_at = 8 * a * self._slot_stride
+        self._seq_at = self._qsl_at + _aligned(4 * (r + 1))
+        self._tables_at = _aligned(self._seq_at + 4 * a * self._seq_stride)
+        starts = self._tables_at + 4 * r * np.cumsum([0, *self.widths])
+        nbytes = int(starts[-1])
+        self.host = torch.zeros(max(nbytes, 16), dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.zeros_like(self.host, device=device)
+        self._table_at = tuple(int(s) for s in starts[:-1])
+        self.h_slots, self.h_qsl, self.h_seq, self.h_tables = self._views(self.host.numpy())
+        self.d_slots, self.d_qsl, self.d_seq, self.d_tables = self._views(self.dev)
+        self._copied = torch.cuda.Event() if self.dev.is_cuda else None
+        self._rows = r                  # rows of the last packing (those past it are padding already)
+        self.pad()
+
+    def _views(self, buf: np.ndarray | torch.Tensor) -> tuple:
+        """(slots (groups, T), qsl (R + 1,), seq_lens (groups, R), [table (R, W_a)]) over ``buf``."""
+        a, r = len(self.groups), self.max_reqs
+        i64, i32 = (torch.int64, torch.int32) if isinstance(buf, torch.Tensor) else (np.int64, np.int32)
+        slots = buf[:self._qsl_at].view(i64).reshape(a, self._slot_stride)
+        qsl = buf[self._qsl_at:self._qsl_at + 4 * (r + 1)].view(i32)
+        seq = buf[self._seq_at:self._seq_at + 4 * a * self._seq_stride].view(i32).reshape(a, self._seq_stride)
+        tables = [buf[at:at + 4 * r * w].view(i32).reshape(r, w) for at, w in zip(self._table_at, self.widths,
+                                                                                  strict=True)]
+        return slots, qsl, seq, tables
+
+    # -- capture --------------------------------------------------------------------------------
+    def inputs(self, bucket: int) -> dict[str, AttentionInputs]:
+        """Every static layer's inputs for a ``bucket``-token step, over views of the device buffer. The host
+        fields hold only what is fixed per bucket (the captured ops read no other host metadata)."""
+        r = min(bucket, self.max_reqs)
+        qsl = self.d_qsl[:r + 1]
+        zeros = np.zeros(r, np.int32)
+        out: dict[str, AttentionInputs] = {}
+        for a, g in enumerate(self.groups):
+            group = self.plan.groups[g]
+            spec = group.spec
+            table = self.d_tables[a][:r]
+            cam = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=np.zeros(r + 1, np.int32), seq_lens=self.d_seq[a, :r],
+                seq_lens_cpu=zeros, num_computed_tokens_cpu=zeros, key_start=torch.zeros_like(qsl[:r]),
+                key_start_cpu=zeros, block_table_tensor=table, block_table_cpu=np.zeros(tuple(table.shape), np.int32),
+                slot_mapping=self.d_slots[a, :bucket], block_size=spec.block_size, num_reqs=r,
+                num_actual_tokens=bucket, max_query_len=bucket,
+                # every row packed fits the table width (``fits``): a bound the kernels may size by
+                max_seq_len=min(self.widths[a] * spec.block_size, self.plan.max_model_len))
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            out.update(dict.fromkeys(group.cache_names, AttentionInputs(cam=cam, slot_mapping=cam.slot_mapping,
+                                                                        sliding_window=window)))
+        return out
+
+    def pad(self) -> None:
+        """Every request and token padding (the capture's warm-ups: no queries, no KV writes), copied."""
+        self._wait()
+        self.h_qsl[:] = 0
+        self.h_seq[:] = 0
+        self.h_slots[:] = -1
+        self._rows = self.max_reqs
+        self.dev.copy_(self.host)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def fits(self, num_reqs: int, widths: Sequence[int]) -> bool:
+        """Whether a step of ``num_reqs`` requests whose static groups' tables have ``widths`` columns fits."""
+        return num_reqs <= self.max_reqs and all(w <= cap for w, cap in zip(widths, self.widths, strict=True))
+
+    def pack(self, qsl: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """The host side for a step: ``qsl`` (n + 1,) int32 query offsets; per static group (plan order) its
+        (n,) int32 seq_lens, (n, w) int32 block table and (num_tokens,) int64 slots; padding past them."""
+        self._wait()
+        n, tokens = int(qsl.shape[0]) - 1, int(qsl[-1])
+        self.h_qsl[:n + 1] = qsl
+        self.h_qsl[n + 1:] = tokens
+        for a, (seq, table, slots) in enumerate(groups):
+            self.h_seq[a, :n] = seq
+            self.h_tables[a][:n, :table.shape[1]] = table
+            self.h_slots[a, :tokens] = slots
+        self.h_seq[:, n:self._rows] = 0
+        self.h_slots[:, tokens:] = -1      # (and the stride's padding column: never read)
+        self._rows = n
+
+    def upload(self) -> None:
+        """The packed step to the device (on the current stream): slots, offsets and lengths in one copy, then
+        each group's table rows. The host side may be packed again once these copies have run."""
+        n = self._rows
+        end = self._seq_at + 4 * len(self.groups) * self._seq_stride
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        for at, w in zip(self._table_at, self.widths, strict=True):
+            self.dev[at:at + 4 * n * w].copy_(self.host[at:at + 4 * n * w], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()

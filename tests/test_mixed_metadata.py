@@ -1,0 +1,107 @@
+"""The mixed graphs' static attention inputs (``engine/mixed_metadata.py``): widths, packing and padding, and the
+Triton attention over a packed bucket against the reference over the step's own metadata (interpreted without
+CUDA, compiled with it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from _cam_helpers import make_batch
+from _triton import DEVICE, kernel_module
+
+from hybridkv.engine.mixed_metadata import MixedAttentionBuffers, static_groups, static_table_width
+from hybridkv.kv_groups.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from hybridkv.layers.ops.attention_ref import paged_attention_ref
+
+BS, HEADS, KV_HEADS, D = 4, 4, 2, 16
+
+
+def _plan(max_model_len: int = 64, window: int = 5) -> SimpleNamespace:
+    """What the buffers read of a plan: groups (spec, cache names) and the model length."""
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=D, dtype=torch.float32)
+    sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=D, dtype=torch.float32,
+                                sliding_window=window)
+    return SimpleNamespace(max_model_len=max_model_len,
+                           groups=[SimpleNamespace(spec=full, cache_names=("l0", "l2")),
+                                   SimpleNamespace(spec=sliding, cache_names=("l1",))])
+
+
+@pytest.mark.parametrize(("spec", "max_model_len", "max_tokens", "want"), [
+    (FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64), 32768, 4096, 2048),
+    (FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64), 100, 4096, 16),          # 7 blocks, 16 columns
+    (SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=512), 32768, 4096, 304),  # 290
+    (SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=512), 1024, 4096, 64),    # the model
+])
+def test_static_table_width(spec, max_model_len: int, max_tokens: int, want: int) -> None:
+    assert static_table_width(spec, max_model_len=max_model_len, max_tokens=max_tokens) == want
+
+
+def test_static_groups_are_full_and_sliding_attention_only() -> None:
+    kw = dict(block_size=16, num_kv_heads=1, head_size=64)
+    specs = [FullAttentionSpec(**kw), MLAAttentionSpec(block_size=16, kv_lora_rank=32, qk_rope_head_dim=16),
+             SlidingWindowSpec(**kw, sliding_window=8), ChunkedLocalAttentionSpec(**kw, attention_chunk_size=32),
+             MambaSpec(shapes=((4, 8),), dtypes=(torch.float32,), block_size=16)]
+    plan = SimpleNamespace(groups=[SimpleNamespace(spec=s) for s in specs])
+    assert static_groups(plan) == (0, 2)
+
+
+def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
+    buffers = MixedAttentionBuffers(_plan(), max_tokens=32, max_reqs=6, device="cpu", pin=False)
+    assert buffers.names == {"l0", "l1", "l2"} and buffers.widths == (16, 16)
+    rng = np.random.default_rng(0)
+
+    def step(q_lens: list[int]) -> np.ndarray:
+        n, tokens = len(q_lens), sum(q_lens)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        groups = [(rng.integers(1, 40, n).astype(np.int32), rng.integers(1, 99, (n, 3 + g)).astype(np.int32),
+                   rng.integers(0, 500, tokens)) for g in range(2)]
+        buffers.pack(qsl, groups)
+        buffers.upload()
+        for a, (seq, table, slots) in enumerate(groups):
+            assert np.array_equal(buffers.d_seq[a, :n].numpy(), seq) and not buffers.d_seq[a, n:6].any()
+            assert np.array_equal(buffers.d_tables[a][:n, :table.shape[1]].numpy(), table)
+            assert np.array_equal(buffers.d_slots[a, :tokens].numpy(), slots)
+            assert (buffers.d_slots[a, tokens:32] == -1).all()
+        return qsl
+
+    step([5, 1, 1, 9, 2, 1])                                 # every request row used
+    qsl = step([3, 1])                                       # then fewer: rows 2.. are padding again
+    assert buffers.d_qsl.tolist() == [*qsl.tolist(), *[4] * 4]
+    assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int | None) -> None:
+    """A mixed batch packed into a larger bucket (padded requests with no queries, padded tokens in no request):
+    the kernel's rows for the real tokens equal the reference over the batch's own metadata."""
+    ta = kernel_module("hybridkv.backends.triton_attention")
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5))
+    s_lens = rng.integers(2, 40, n).tolist()
+    q_lens = [1 if rng.random() < 0.4 else int(rng.integers(1, s + 1)) for s in s_lens]
+    b = make_batch(q_lens, s_lens, BS, seed, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D)
+    cam, tokens = b.cam, sum(q_lens)
+    buffers = MixedAttentionBuffers(_plan(window=window or 5), max_tokens=64, max_reqs=6, device=DEVICE, pin=False)
+    table = cam.block_table_cpu.astype(np.int32)
+    packed = (cam.seq_lens_cpu.astype(np.int32), table, cam.slot_mapping.numpy())
+    buffers.pack(cam.query_start_loc_cpu.astype(np.int32), [packed, packed])
+    buffers.upload()
+    bucket = 48
+    inputs = buffers.inputs(bucket)
+    static = inputs["l1" if window else "l0"]
+    assert static.cam.num_reqs == 6 and static.cam.num_actual_tokens == bucket and static.sliding_window == window
+    q = torch.cat([b.q, torch.randn(bucket - tokens, HEADS, D)]).to(DEVICE)
+    pool = torch.stack([b.k_cache, b.v_cache], dim=1).to(DEVICE)
+    out = ta.paged_attention_triton(q, pool[:, 0], pool[:, 1], static.cam, scale=b.scale, sliding_window=window)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, cam, scale=b.scale, sliding_window=window)
+    torch.testing.assert_close(out[:tokens].cpu(), ref, atol=2e-4, rtol=2e-4)
