@@ -64,10 +64,10 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         groups = [(rng.integers(1, 40, n).astype(np.int32), rng.integers(1, 99, (n, 3 + g)).astype(np.int32),
                    rng.integers(0, 500, tokens)) for g in range(2)]
-        buffers.pack(qsl, groups)
+        buffers.pack(qsl, groups, bucket=32)
         buffers.upload()
         for a, (seq, table, slots) in enumerate(groups):
-            assert np.array_equal(buffers.d_seq[a, :n].numpy(), seq) and not buffers.d_seq[a, n:6].any()
+            assert np.array_equal(buffers.d_seq[a, :n].numpy(), seq) and not buffers.d_seq[a, n:7].any()
             assert np.array_equal(buffers.d_tables[a][:n, :table.shape[1]].numpy(), table)
             assert np.array_equal(buffers.d_slots[a, :tokens].numpy(), slots)
             assert (buffers.d_slots[a, tokens:32] == -1).all()
@@ -75,15 +75,18 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
 
     step([5, 1, 1, 9, 2, 1])                                 # every request row used
     qsl = step([3, 1])                                       # then fewer: rows 2.. are padding again
-    assert buffers.d_qsl.tolist() == [*qsl.tolist(), *[4] * 4]
+    assert buffers.d_qsl.tolist() == [*qsl.tolist(), *[32] * 5]    # request 2 owns tokens 4..32, with no keys
+    with pytest.raises(ValueError, match="cannot replay"):
+        buffers.pack(qsl, [], bucket=3)
     assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int | None) -> None:
-    """A mixed batch packed into a larger bucket (padded requests with no queries, padded tokens in no request):
-    the kernel's rows for the real tokens equal the reference over the batch's own metadata."""
+    """A mixed batch packed into a larger bucket (the padded tokens owned by a request with no keys, the requests
+    after it with no queries): the kernel's rows for the real tokens equal the reference over the batch's own
+    metadata, and its padded rows are zero, with and without split-KV."""
     ta = kernel_module("hybridkv.backends.triton_attention")
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 5))
@@ -94,14 +97,18 @@ def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int 
     buffers = MixedAttentionBuffers(_plan(window=window or 5), max_tokens=64, max_reqs=6, device=DEVICE, pin=False)
     table = cam.block_table_cpu.astype(np.int32)
     packed = (cam.seq_lens_cpu.astype(np.int32), table, cam.slot_mapping.numpy())
-    buffers.pack(cam.query_start_loc_cpu.astype(np.int32), [packed, packed])
-    buffers.upload()
     bucket = 48
+    buffers.pack(cam.query_start_loc_cpu.astype(np.int32), [packed, packed], bucket=bucket)
+    buffers.upload()
     inputs = buffers.inputs(bucket)
     static = inputs["l1" if window else "l0"]
-    assert static.cam.num_reqs == 6 and static.cam.num_actual_tokens == bucket and static.sliding_window == window
+    assert static.cam.num_reqs == 7 and static.cam.num_actual_tokens == bucket and static.sliding_window == window
     q = torch.cat([b.q, torch.randn(bucket - tokens, HEADS, D)]).to(DEVICE)
     pool = torch.stack([b.k_cache, b.v_cache], dim=1).to(DEVICE)
-    out = ta.paged_attention_triton(q, pool[:, 0], pool[:, 1], static.cam, scale=b.scale, sliding_window=window)
     ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, cam, scale=b.scale, sliding_window=window)
-    torch.testing.assert_close(out[:tokens].cpu(), ref, atol=2e-4, rtol=2e-4)
+    for segs in (1, 4):         # (4: split-KV, as small captured buckets are)
+        out = torch.full_like(q, float("nan"))
+        ta.paged_attention_triton(q, pool[:, 0], pool[:, 1], static.cam, scale=b.scale, sliding_window=window,
+                                  out=out, num_segments=segs)
+        torch.testing.assert_close(out[:tokens].cpu(), ref, atol=2e-4, rtol=2e-4)
+        assert (out[tokens:] == 0).all(), "padded rows: zero (finite), not stale memory"

@@ -20,9 +20,9 @@ replay (``mixed_metadata.py``), so it is captured with the rest, and a Gemma-3-l
 graph (3.4 ms for 64 decodes + 256 prompt tokens on an H200, ~GPU time; 22 ms with an eager op per attention
 layer). The breaks left are the recurrent layers', MLA's and chunked-local attention's.
 
-Padded rows run through the graphs on stale ids and stale op outputs; every captured op is row-wise (attention
-over the static inputs: a padded token belongs to no request), so they never reach the real rows, and nothing
-reads them. A ``metadata_op`` result is used before the second
+Padded rows run through the graphs on stale ids and stale op outputs (zero rows from the static attention: its
+padded tokens belong to a request with no keys); every captured op is row-wise, so they never reach the real rows,
+and nothing reads them. A ``metadata_op`` result is used before the second
 call after it (its contract), so the breaks take turns over two buffers per dtype, shared by every bucket:
 a few MB, where a buffer per break would hold layers x 4096 tokens x width.
 """
@@ -197,6 +197,7 @@ class MixedStepGraphs:
         self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
+        self._contexts: dict[int, ForwardContext] = {}
 
     def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
         """A ``shape`` view of break buffer ``turn`` (0 or 1) of ``dtype``, sized by the largest bucket (captured
@@ -219,7 +220,8 @@ class MixedStepGraphs:
             torch.cuda.synchronize(self.device)
             recorder = _Recorder(self, pool)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), forward_context(self._context(recorder, b)):
+            context = self._context(recorder, b)
+            with torch.cuda.stream(stream), forward_context(context):
                 recorder.start()
                 try:
                     hidden = self.model(ids, positions)
@@ -227,6 +229,7 @@ class MixedStepGraphs:
                     recorder.stop()         # (after a failure too: the stream leaves capture mode)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._captured[b] = (recorder.graphs, recorder.breaks, hidden)
+            self._contexts[b] = context         # what the captured attention may read stays alive
         torch.cuda.synchronize(self.device)
         breaks = len(self._captured[self.buckets[-1]][1])
         logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each) "
@@ -250,11 +253,14 @@ class MixedStepGraphs:
                     len(self.eager), self.eager[0] if self.eager else 0, self.eager[-1] if self.eager else 0,
                     len(head_rows), time.perf_counter() - t0)
 
-    def run_eager(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def run_eager(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                  size: int | None = None) -> torch.Tensor:
         """Hidden states (n, hidden_size) of a step past the graphs, run eagerly under ``context`` at the padded
-        size (``eager_sizes``) with its metadata ops on the n real tokens (``_Padded``)."""
+        size (``eager_sizes``, or ``size``: a bucket's, whose GEMMs the capture met) with its metadata ops on the n
+        real tokens (``_Padded``)."""
         n = int(ids.shape[0])
-        size = next((s for s in self.eager if s >= n), n)
+        if size is None:
+            size = next((s for s in self.eager if s >= n), n)
         if size == n:
             with forward_context(context):
                 return self.model(ids, positions)

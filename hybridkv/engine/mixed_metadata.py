@@ -6,19 +6,21 @@ Python plus a copy per layer, most of a ~1B model's mixed step on the host. Full
 need no break: the Triton kernels read only device metadata, and their grids depend on the token and request
 counts only (a q-block grid of ``tokens // BLOCK_Q + requests`` programs, each finding its request by a search
 over ``query_start_loc``). So each bucket of T tokens captures them over buffers that hold a step of up to
-R = min(T, max_num_seqs) requests, and a step fills the buffers before the replay:
+R = min(T, max_num_seqs) requests and one more, and a step fills the buffers before the replay:
 
     int64: per group a: slot mapping (T_max,)                      tokens n_tok.. : -1 (no KV write)
-    int32: query_start_loc (R_max + 1,)                             requests n.. : n_tok (no queries)
-           per group a: seq_lens (R_max,)                            requests n.. : 0
-           per group a: block table (R_max, W_a)                     rows n.. and columns past a row's keys: stale,
+    int32: query_start_loc (R_max + 2,)                             request n owns tokens n_tok..T; then T (empty)
+           per group a: seq_lens (R_max + 1,)                        requests n.. : 0
+           per group a: block table (R_max + 1, W_a)                 rows n.. and columns past a row's keys: stale,
                                                                      never read
 
-Every bucket's views start at the same bytes (only one replays at a time). A padded request owns no query, so its
-programs exit at once; a padded token belongs to no request and writes no KV, and the rows it yields are never
-read by a real row (every captured op outside attention is row-wise). W_a is the widest row the group's step can
-read: the model's length in blocks for full attention; for a sliding window the window plus the largest bucket
-(the engine's rows start at their first live block, ``StepTables``). A step whose tables are wider runs eagerly.
+Every bucket's views start at the same bytes (only one replays at a time). The padded tokens belong to request n,
+which has no keys: its rows come out zero (finite, as the break buffers' zeros were: nothing downstream sees stale
+memory, even an op that mixes rows such as MoE routing) and write no KV; the requests after it own no query, so
+their programs exit at once. Real rows never read padded ones (every captured op outside attention is row-wise).
+W_a is the widest row the group's step can read: the model's length in blocks for full attention; for a sliding
+window the window plus the largest bucket (the engine's rows start at their first live block, ``StepTables``). A
+step whose tables are wider runs eagerly, padded to the bucket.
 
 One copy moves the slots, offsets and lengths; one more per group moves its table's first n rows (n x W_a x 4
 bytes: the rows' stride is fixed at capture, so a narrower step still moves whole rows).
@@ -53,7 +55,7 @@ def static_table_width(spec: KVCacheSpec, *, max_model_len: int, max_tokens: int
     blocks = -(-max_model_len // spec.block_size)
     if isinstance(spec, SlidingWindowSpec):
         blocks = min(blocks, -(-(spec.sliding_window + max_tokens) // spec.block_size) + 2)
-    return -(-blocks // 16) * 16
+    return _aligned(blocks)
 
 
 def _aligned(n: int, unit: int = 16) -> int:
@@ -73,7 +75,7 @@ class MixedAttentionBuffers:
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.widths = tuple(static_table_width(s, max_model_len=plan.max_model_len, max_tokens=max_tokens)
                             for s in specs)
-        a, t, r = len(self.groups), max_tokens, max_reqs
+        a, t, r = len(self.groups), max_tokens, max_reqs + 1      # + the request that owns the padded tokens
         # byte offsets: slots (int64), then qsl and seq_lens (int32), then the tables; every group's field from a
         # 16-byte boundary (Triton specializes on a pointer's alignment: one compile serves every group)
         self._slot_stride, self._seq_stride = _aligned(t, 2), _aligned(r, 4)
@@ -92,8 +94,8 @@ class MixedAttentionBuffers:
         self.pad()
 
     def _views(self, buf: np.ndarray | torch.Tensor) -> tuple:
-        """(slots (groups, T), qsl (R + 1,), seq_lens (groups, R), [table (R, W_a)]) over ``buf``."""
-        a, r = len(self.groups), self.max_reqs
+        """(slots (groups, T), qsl (R + 2,), seq_lens (groups, R + 1), [table (R + 1, W_a)]) over ``buf``."""
+        a, r = len(self.groups), self.max_reqs + 1
         i64, i32 = (torch.int64, torch.int32) if isinstance(buf, torch.Tensor) else (np.int64, np.int32)
         slots = buf[:self._qsl_at].view(i64).reshape(a, self._slot_stride)
         qsl = buf[self._qsl_at:self._qsl_at + 4 * (r + 1)].view(i32)
@@ -106,7 +108,7 @@ class MixedAttentionBuffers:
     def inputs(self, bucket: int) -> dict[str, AttentionInputs]:
         """Every static layer's inputs for a ``bucket``-token step, over views of the device buffer. The host
         fields hold only what is fixed per bucket (the captured ops read no other host metadata)."""
-        r = min(bucket, self.max_reqs)
+        r = min(bucket, self.max_reqs) + 1
         qsl = self.d_qsl[:r + 1]
         zeros = np.zeros(r, np.int32)
         out: dict[str, AttentionInputs] = {}
@@ -133,7 +135,7 @@ class MixedAttentionBuffers:
         self.h_qsl[:] = 0
         self.h_seq[:] = 0
         self.h_slots[:] = -1
-        self._rows = self.max_reqs
+        self._rows = self.max_reqs + 1
         self.dev.copy_(self.host)
 
     # -- a step ---------------------------------------------------------------------------------
@@ -141,31 +143,35 @@ class MixedAttentionBuffers:
         """Whether a step of ``num_reqs`` requests whose static groups' tables have ``widths`` columns fits."""
         return num_reqs <= self.max_reqs and all(w <= cap for w, cap in zip(widths, self.widths, strict=True))
 
-    def pack(self, qsl: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        """The host side for a step: ``qsl`` (n + 1,) int32 query offsets; per static group (plan order) its
-        (n,) int32 seq_lens, (n, w) int32 block table and (num_tokens,) int64 slots; padding past them."""
+    def pack(self, qsl: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], *,
+             bucket: int) -> None:
+        """The host side for a step that replays ``bucket``: ``qsl`` (n + 1,) int32 query offsets; per static group
+        (plan order) its (n,) int32 seq_lens, (n, w) int32 block table and (num_tokens,) int64 slots; padding past
+        them (request n owns the tokens up to ``bucket``)."""
         self._wait()
         n, tokens = int(qsl.shape[0]) - 1, int(qsl[-1])
+        if not tokens <= bucket <= self.max_tokens:
+            raise ValueError(f"a {tokens}-token step cannot replay a {bucket}-token bucket (at most {self.max_tokens})")
         self.h_qsl[:n + 1] = qsl
-        self.h_qsl[n + 1:] = tokens
+        self.h_qsl[n + 1:] = bucket
         for a, (seq, table, slots) in enumerate(groups):
             self.h_seq[a, :n] = seq
             self.h_tables[a][:n, :table.shape[1]] = table
             self.h_slots[a, :tokens] = slots
         self.h_seq[:, n:self._rows] = 0
         self.h_slots[:, tokens:] = -1      # (and the stride's padding column: never read)
-        self._rows = n
+        self._rows = n + 1                 # (request n's row: no keys, so its table is never read)
 
     def upload(self) -> None:
         """The packed step to the device (on the current stream): slots, offsets and lengths in one copy, then
         each group's table rows. The host side may be packed again once these copies have run."""
-        n = self._rows
+        n = self._rows - 1
         end = self._seq_at + 4 * len(self.groups) * self._seq_stride
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         for at, w in zip(self._table_at, self.widths, strict=True):
             self.dev[at:at + 4 * n * w].copy_(self.host[at:at + 4 * n * w], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.dev.device))
 
     def _wait(self) -> None:
         if self._copied is not None:

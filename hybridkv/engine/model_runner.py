@@ -371,7 +371,10 @@ class ModelRunner:
             rows.append((table, slots, seq, computed, key_start, max_seq, twins, upload(on_device), upload(slots)))
         num_group_uploads = len(uploads)
         if static is not None:
-            static.pack(qsl, packed)
+            assert self.mixed_graphs is not None
+            bucket = self.mixed_graphs.bucket_for(num_tokens)
+            assert bucket is not None
+            static.pack(qsl, packed, bucket=bucket)
             static.upload()
         dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
@@ -470,13 +473,14 @@ class ModelRunner:
                 static: MixedAttentionBuffers | None = None) -> torch.Tensor:
         """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket (the
         ``static`` inputs packed when the graphs hold attention), past it eagerly at a padded size
-        (``MixedStepGraphs.run_eager``), or plainly where there are no mixed graphs or a step's tables do not fit
-        the static ones (rare: a sliding window's rows wider than the window and the largest bucket)."""
+        (``MixedStepGraphs.run_eager``; also at the bucket's size when a step's tables do not fit the static ones,
+        rare: a sliding window's rows wider than the window and the largest bucket), or plainly where there are no
+        mixed graphs."""
         mixed = self.mixed_graphs
         if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is None:
             return mixed.run_eager(ids, positions, context)
-        if mixed is not None and mixed.static is not None and static is None:   # tables wider than the static ones
-            mixed = None
+        if mixed is not None and mixed.static is not None and static is None:   # tables wider than the static ones:
+            return mixed.run_eager(ids, positions, context, size=mixed.bucket_for(int(ids.shape[0])))  # (GEMMs met)
         with forward_context(context):
             return self.model(ids, positions) if mixed is None else mixed.run(ids, positions)
 
