@@ -164,6 +164,29 @@ def _all_kinds_config() -> HybridConfig:
     return HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
 
 
+def _staggered(llm, prompts: list[list[int]], params, *, every: int) -> dict:
+    """Request i arrives at step ``every * i`` while the earlier ones run (steps that mix prefills and decodes);
+    each request's completion by id."""
+    eng, done = llm.engine, {}
+    for step in range(400):
+        if step % every == 0 and step // every < len(prompts):
+            eng.add_request(str(step // every), prompts[step // every], params)
+        for out in eng.step(only_finished=True):
+            done[out.request_id] = out.outputs[0]
+        if len(done) == len(prompts):
+            break
+    assert len(done) == len(prompts)
+    return done
+
+
+def _assert_same(eager: dict, graphed: dict) -> None:
+    """Greedy tokens equal, logprobs within fp32 reassociation."""
+    for rid, out in eager.items():
+        assert graphed[rid].token_ids == out.token_ids, rid
+        np.testing.assert_allclose([lp.logprob for lp in graphed[rid].logprobs], [lp.logprob for lp in out.logprobs],
+                                   atol=1e-4, rtol=1e-4)
+
+
 @gpu
 @pytest.mark.parametrize(("budget", "graphed_tokens"), [(24, MAX_GRAPHED_TOKENS), (160, MAX_GRAPHED_TOKENS), (160, 64)])
 def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,23 +217,10 @@ def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch:
                 return run(ids, positions)
 
             runner.mixed_graphs.run = counted
-        eng, done = llm.engine, {}
-        for step in range(400):
-            if step % 3 == 0 and step // 3 < len(prompts):
-                eng.add_request(str(step // 3), prompts[step // 3], params)
-            for out in eng.step(only_finished=True):
-                done[out.request_id] = out.outputs[0]
-            if len(done) == len(prompts):
-                break
-        assert len(done) == len(prompts)
+        runs.append(_staggered(llm, prompts, params, every=3))
         if graphs:
             assert len(replays) > 5 and max(replays) > 8
-        runs.append(done)
-    eager, graphed = runs
-    for rid, out in eager.items():
-        assert graphed[rid].token_ids == out.token_ids, rid
-        np.testing.assert_allclose([lp.logprob for lp in graphed[rid].logprobs], [lp.logprob for lp in out.logprobs],
-                                   atol=1e-4, rtol=1e-4)
+    _assert_same(*runs)
 
 
 @gpu
@@ -237,21 +247,8 @@ def test_attention_runs_inside_the_mixed_graphs(other: str) -> None:
         if graphs:
             assert mixed is not None and mixed.static is not None
             assert all(len(pieces) == breaks + 1 == len(brks) + 1 for pieces, brks, _ in mixed._captured.values())
-        eng, done = llm.engine, {}
-        for step in range(400):
-            if step % 2 == 0 and step // 2 < len(prompts):
-                eng.add_request(str(step // 2), prompts[step // 2], params)
-            for out in eng.step(only_finished=True):
-                done[out.request_id] = out.outputs[0]
-            if len(done) == len(prompts):
-                break
-        assert len(done) == len(prompts)
-        runs.append(done)
-    eager, graphed = runs
-    for rid, out in eager.items():
-        assert graphed[rid].token_ids == out.token_ids, rid
-        np.testing.assert_allclose([lp.logprob for lp in graphed[rid].logprobs], [lp.logprob for lp in out.logprobs],
-                                   atol=1e-4, rtol=1e-4)
+        runs.append(_staggered(llm, prompts, params, every=2))
+    _assert_same(*runs)
 
 
 def test_padded_eager_steps_equal_exact_ones() -> None:
