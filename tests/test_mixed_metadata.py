@@ -112,3 +112,69 @@ def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int 
                                   out=out, num_segments=segs)
         torch.testing.assert_close(out[:tokens].cpu(), ref, atol=2e-4, rtol=2e-4)
         assert (out[tokens:] == 0).all(), "padded rows: zero (finite), not stale memory"
+
+
+def _key_slots(qsl: np.ndarray, seq: np.ndarray, table: np.ndarray, abs_seq: np.ndarray, bs: int,
+               window: int | None) -> list[dict[int, int]]:
+    """Per request: absolute key position -> KV slot, over the keys its queries can see (``seq`` and ``table``
+    relative to the row's first key, ``abs_seq - seq``): the brute-force meaning of a group's metadata."""
+    out = []
+    for r in range(len(seq)):
+        q_len, first = int(qsl[r + 1] - qsl[r]), int(abs_seq[r] - seq[r])
+        lo = 0 if window is None else max(0, int(abs_seq[r]) - q_len - window + 1)
+        out.append({p: int(table[r, (p - first) // bs]) * bs + (p - first) % bs for p in range(lo, int(abs_seq[r]))})
+    return out
+
+
+def test_model_runner_packs_what_the_eager_step_reads() -> None:
+    """Serving-shaped steps of a full + sliding-window model (prompts past the window, so the engine's sliding rows
+    start at their first live block): what ``ModelRunner`` packs into the static buffers means the same keys at the
+    same slots, and the same query offsets and KV writes, as the eager step's built metadata (after the builders'
+    transforms). CPU: a stand-in for the mixed graphs answers the bucket."""
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer
+
+    window = 8
+    layers = tuple(Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=8,
+                                         sliding_window=window if i % 2 else None), ffn=MLP(intermediate_size=48))
+                   for i in range(4))
+    config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
+    llm = LLM(config, device="cpu", max_num_seqs=6, kv_cache_memory=16 << 20, max_num_batched_tokens=32, seed=0)
+    runner = llm.engine.runner
+    buffers = MixedAttentionBuffers(runner.plan, max_tokens=32, max_reqs=6, device="cpu", pin=False)
+    stand_in = SimpleNamespace(static=buffers, bucket_for=lambda n: 32 if n <= 32 else None)
+    execute, checked = runner.execute, []
+
+    def compare(batch):
+        runner.mixed_graphs = None
+        built = runner.group_inputs(batch, torch.device("cpu"))
+        runner.mixed_graphs = stand_in
+        static = runner._static_inputs(batch)
+        assert static is buffers
+        runner._group_inputs(batch, torch.device("cpu"), (), static)
+        n, tokens = batch.num_reqs, int(batch.input_ids.shape[0])
+        abs_seq = batch.seq_lens
+        qsl = buffers.d_qsl.numpy()
+        for a, g in enumerate(buffers.groups):
+            cam, spec = built[g].cam, runner.plan.groups[g].spec
+            win = getattr(spec, "sliding_window", None)
+            assert np.array_equal(qsl[:n + 1], cam.query_start_loc_cpu) and (qsl[n + 1:] == 32).all()
+            assert np.array_equal(buffers.d_slots[a, :tokens].numpy(), built[g].slot_mapping.numpy())
+            assert (buffers.d_slots[a, tokens:32] == -1).all() and not buffers.d_seq[a, n:7].any()
+            seq = buffers.d_seq[a, :n].numpy()
+            static_keys = _key_slots(qsl, seq, buffers.d_tables[a][:n].numpy(), abs_seq, spec.block_size, win)
+            built_keys = _key_slots(cam.query_start_loc_cpu, cam.seq_lens_cpu, cam.block_table_cpu, abs_seq,
+                                    spec.block_size, win)
+            assert static_keys == built_keys
+        checked.append(n)
+        runner.mixed_graphs = None
+
+    def checked_execute(batch):
+        compare(batch)
+        return execute(batch)
+
+    runner.execute = checked_execute
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(10, 70, 8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert len(outs) == 8 and len(checked) > 10 and max(checked) > 1
