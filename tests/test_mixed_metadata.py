@@ -126,12 +126,15 @@ def _key_slots(qsl: np.ndarray, seq: np.ndarray, table: np.ndarray, abs_seq: np.
     return out
 
 
-def test_model_runner_packs_what_the_eager_step_reads() -> None:
+def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Serving-shaped steps of a full + sliding-window model (prompts past the window, so the engine's sliding rows
     start at their first live block): what ``ModelRunner`` packs into the static buffers means the same keys at the
     same slots, and the same query offsets and KV writes, as the eager step's built metadata (after the builders'
-    transforms). CPU: a stand-in for the mixed graphs answers the bucket."""
+    transforms). CPU: a stand-in for the mixed graphs answers the bucket; with ``HYBRIDKV_DEBUG`` the packing step
+    validates the same arrays as CAMs too."""
     from hybridkv import LLM, SamplingParams
+
+    monkeypatch.setenv("HYBRIDKV_DEBUG", "1")
     from hybridkv.models import MLP, Attention, HybridConfig, Layer
 
     window = 8

@@ -305,6 +305,8 @@ class ModelRunner:
         decode batch (one query per request) makes no offsets anew: they are views of
         ``_DecodeConstants``. The scheduler's output is trusted here (``CommonAttentionMetadata.build`` is
         the checked path; HYBRIDKV_DEBUG validates)."""
+        if static is not None and debug_enabled():     # its groups build no CAM: validate the same arrays as CAMs
+            self._group_inputs(batch, torch.device("cpu"), ())
         q, s = batch.query_lens, batch.seq_lens
         n, num_tokens = int(q.shape[0]), int(batch.input_ids.shape[0])
         s32 = s.astype(np.int32)
