@@ -81,12 +81,13 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
     assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("seed", "bucket"), [(0, 48), (1, 48), (2, 48), (3, 256)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int | None) -> None:
+def test_attention_over_a_packed_bucket_matches_the_step(seed: int, bucket: int, window: int | None) -> None:
     """A mixed batch packed into a larger bucket (the padded tokens owned by a request with no keys, the requests
     after it with no queries): the kernel's rows for the real tokens equal the reference over the batch's own
-    metadata, and its padded rows are zero, with and without split-KV."""
+    metadata, and its padded rows are zero, with and without split-KV. At 256 the padded request spans several
+    q-blocks, and its key range ends far below zero (negative tile counts, the split's empty segments)."""
     ta = kernel_module("hybridkv.backends.triton_attention")
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 5))
@@ -94,10 +95,9 @@ def test_attention_over_a_packed_bucket_matches_the_step(seed: int, window: int 
     q_lens = [1 if rng.random() < 0.4 else int(rng.integers(1, s + 1)) for s in s_lens]
     b = make_batch(q_lens, s_lens, BS, seed, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D)
     cam, tokens = b.cam, sum(q_lens)
-    buffers = MixedAttentionBuffers(_plan(window=window or 5), max_tokens=64, max_reqs=6, device=DEVICE, pin=False)
+    buffers = MixedAttentionBuffers(_plan(window=window or 5), max_tokens=256, max_reqs=6, device=DEVICE, pin=False)
     table = cam.block_table_cpu.astype(np.int32)
     packed = (cam.seq_lens_cpu.astype(np.int32), table, cam.slot_mapping.numpy())
-    bucket = 48
     buffers.pack(cam.query_start_loc_cpu.astype(np.int32), [packed, packed], bucket=bucket)
     buffers.upload()
     inputs = buffers.inputs(bucket)
@@ -122,6 +122,7 @@ def _key_slots(qsl: np.ndarray, seq: np.ndarray, table: np.ndarray, abs_seq: np.
     for r in range(len(seq)):
         q_len, first = int(qsl[r + 1] - qsl[r]), int(abs_seq[r] - seq[r])
         lo = 0 if window is None else max(0, int(abs_seq[r]) - q_len - window + 1)
+        assert first <= lo and -(-(int(abs_seq[r]) - first) // bs) <= table.shape[1], "a visible key off the row"
         out.append({p: int(table[r, (p - first) // bs]) * bs + (p - first) % bs for p in range(lo, int(abs_seq[r]))})
     return out
 
@@ -169,7 +170,7 @@ def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.Monkey
             built_keys = _key_slots(cam.query_start_loc_cpu, cam.seq_lens_cpu, cam.block_table_cpu, abs_seq,
                                     spec.block_size, win)
             assert static_keys == built_keys
-        checked.append(n)
+        checked.append(int((abs_seq - buffers.d_seq[:, :n].numpy().min(axis=0)).max()))   # the latest row start
         runner.mixed_graphs = None
 
     def checked_execute(batch):
@@ -180,4 +181,45 @@ def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.Monkey
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(10, 70, 8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    assert len(outs) == 8 and len(checked) > 10 and max(checked) > 1
+    assert len(outs) == 8 and len(checked) > 10 and max(checked) > 0      # some sliding rows started past key 0
+
+
+def test_a_step_wider_than_the_static_tables_runs_eagerly_at_its_bucket() -> None:
+    """When a step's tables do not fit the static ones, the runner builds every group's inputs and runs the forward
+    eagerly, padded to the bucket (whose GEMM shapes the capture met): same tokens and logprobs as a plain run."""
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.engine.mixed_graphs import MixedStepGraphs
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer
+
+    class Refusing:             # the mixed graphs' fallback alone: static inputs that never fit
+        eager = ()
+        run_eager = MixedStepGraphs.run_eager
+
+        def __init__(self, model) -> None:
+            self.model, self.sizes = model, []
+            self.static = SimpleNamespace(groups=(0,), fits=lambda num_reqs, widths: False)
+
+        def bucket_for(self, num_tokens: int) -> int:
+            self.sizes.append(num_tokens)
+            return 64
+
+        def run(self, ids, positions):
+            raise AssertionError("no replay: the tables do not fit")
+
+    layers = tuple(Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=8 if i else None),
+                         ffn=MLP(intermediate_size=48)) for i in range(2))
+    config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(3, 40, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    runs = []
+    for refusing in (False, True):
+        llm = LLM(config, device="cpu", max_num_seqs=8, kv_cache_memory=16 << 20, max_num_batched_tokens=64, seed=0)
+        if refusing:
+            stub = llm.engine.runner.mixed_graphs = Refusing(llm.engine.runner.model)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+    assert min(stub.sizes) < 64                  # steps padded to the bucket among them
+    for plain, padded in zip(*runs, strict=True):
+        assert padded.token_ids == plain.token_ids
+        np.testing.assert_allclose([lp.logprob for lp in padded.logprobs], [lp.logprob for lp in plain.logprobs],
+                                   atol=1e-5, rtol=1e-5)

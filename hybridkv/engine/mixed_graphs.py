@@ -21,10 +21,11 @@ graph (3.4 ms for 64 decodes + 256 prompt tokens on an H200, ~GPU time; 22 ms wi
 layer). The breaks left are the recurrent layers', MLA's and chunked-local attention's.
 
 Padded rows run through the graphs on stale ids and stale op outputs (zero rows from the static attention: its
-padded tokens belong to a request with no keys); every captured op is row-wise, so they never reach the real rows,
-and nothing reads them. A ``metadata_op`` result is used before the second
-call after it (its contract), so the breaks take turns over two buffers per dtype, shared by every bucket:
-a few MB, where a buffer per break would hold layers x 4096 tokens x width.
+padded tokens belong to a request with no keys); no captured op lets a padded row change a real row's value (an op
+that mixes rows, such as MoE routing, still computes each row on its own), and nothing reads them. A
+``metadata_op`` result is used before the second call after it (its contract), so the breaks take turns over two
+buffers per dtype, shared by every bucket: a few MB, where a buffer per break would hold layers x 4096 tokens x
+width.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,7 +198,7 @@ class MixedStepGraphs:
         self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
-        self._contexts: dict[int, ForwardContext] = {}
+        self._inputs: dict[int, Mapping[str, object]] = {}
 
     def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
         """A ``shape`` view of break buffer ``turn`` (0 or 1) of ``dtype``, sized by the largest bucket (captured
@@ -229,7 +230,7 @@ class MixedStepGraphs:
                     recorder.stop()         # (after a failure too: the stream leaves capture mode)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._captured[b] = (recorder.graphs, recorder.breaks, hidden)
-            self._contexts[b] = context         # what the captured attention may read stays alive
+            self._inputs[b] = context.inputs    # what the captured attention may read stays alive (no cycle)
         torch.cuda.synchronize(self.device)
         breaks = len(self._captured[self.buckets[-1]][1])
         logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each) "

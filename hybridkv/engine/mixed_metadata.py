@@ -17,7 +17,7 @@ R = min(T, max_num_seqs) requests and one more, and a step fills the buffers bef
 Every bucket's views start at the same bytes (only one replays at a time). The padded tokens belong to request n,
 which has no keys: its rows come out zero (finite, as the break buffers' zeros were: nothing downstream sees stale
 memory, even an op that mixes rows such as MoE routing) and write no KV; the requests after it own no query, so
-their programs exit at once. Real rows never read padded ones (every captured op outside attention is row-wise).
+their programs exit at once. No captured op lets a padded row change a real row's value.
 W_a is the widest row the group's step can read: the model's length in blocks for full attention; for a sliding
 window the window plus the largest bucket (the engine's rows start at their first live block, ``StepTables``). A
 step whose tables are wider runs eagerly, padded to the bucket.

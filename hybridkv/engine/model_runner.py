@@ -373,9 +373,9 @@ class ModelRunner:
             rows.append((table, slots, seq, computed, key_start, max_seq, twins, upload(on_device), upload(slots)))
         num_group_uploads = len(uploads)
         if static is not None:
-            assert self.mixed_graphs is not None
-            bucket = self.mixed_graphs.bucket_for(num_tokens)
-            assert bucket is not None
+            bucket = self.mixed_graphs.bucket_for(num_tokens) if self.mixed_graphs is not None else None
+            if bucket is None:
+                raise RuntimeError(f"static attention inputs for a {num_tokens}-token step that no mixed graph runs")
             static.pack(qsl, packed, bucket=bucket)
             static.upload()
         dev = host_to_device_many([*uploads, *extra], device)
