@@ -81,7 +81,7 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
     assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
 
 
-@pytest.mark.parametrize(("seed", "bucket"), [(0, 48), (1, 48), (2, 48), (3, 256)])
+@pytest.mark.parametrize(("seed", "bucket"), [(0, 48), (1, 48), (2, 48), pytest.param(3, 256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_over_a_packed_bucket_matches_the_step(seed: int, bucket: int, window: int | None) -> None:
     """A mixed batch packed into a larger bucket (the padded tokens owned by a request with no keys, the requests
