@@ -12,7 +12,7 @@ import torch
 from _cam_helpers import make_batch
 from _triton import DEVICE, kernel_module
 
-from hybridkv.engine.mixed_metadata import MixedAttentionBuffers, static_groups, static_table_width
+from hybridkv.engine.mixed_metadata import MixedStepBuffers, static_groups, static_state_groups, static_table_width
 from hybridkv.kv_groups.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -30,8 +30,10 @@ def _plan(max_model_len: int = 64, window: int = 5) -> SimpleNamespace:
     full = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=D, dtype=torch.float32)
     sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=D, dtype=torch.float32,
                                 sliding_window=window)
+    mamba = MambaSpec(shapes=((4, 3), (2, 8, 8)), dtypes=(torch.float32, torch.float32), block_size=BS)
     return SimpleNamespace(max_model_len=max_model_len,
                            groups=[SimpleNamespace(spec=full, cache_names=("l0", "l2")),
+                                   SimpleNamespace(spec=mamba, cache_names=("m3",)),
                                    SimpleNamespace(spec=sliding, cache_names=("l1",))])
 
 
@@ -54,9 +56,17 @@ def test_static_groups_are_full_and_sliding_attention_only() -> None:
     assert static_groups(plan) == (0, 2)
 
 
+def test_static_state_groups_are_those_whose_layers_all_take_static_slots() -> None:
+    plan = _plan()
+    yes, no = SimpleNamespace(static_slots=True), SimpleNamespace()
+    assert static_state_groups(plan, {"l0": no, "l1": no, "l2": no, "m3": yes}) == (1,)
+    assert static_state_groups(plan, {"l0": no, "l1": no, "l2": no, "m3": no}) == ()
+    assert static_state_groups(plan, {}) == ()
+
+
 def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
-    buffers = MixedAttentionBuffers(_plan(), max_tokens=32, max_reqs=6, device="cpu", pin=False)
-    assert buffers.names == {"l0", "l1", "l2"} and buffers.widths == (16, 16)
+    buffers = MixedStepBuffers(_plan(), max_tokens=32, max_reqs=6, device="cpu", pin=False, state_groups=(1,))
+    assert buffers.names == {"l0", "l1", "l2", "m3"} and buffers.widths == (16, 16)
     rng = np.random.default_rng(0)
 
     def step(q_lens: list[int]) -> np.ndarray:
@@ -64,8 +74,15 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         groups = [(rng.integers(1, 40, n).astype(np.int32), rng.integers(1, 99, (n, 3 + g)).astype(np.int32),
                    rng.integers(0, 500, tokens)) for g in range(2)]
-        buffers.pack(qsl, groups, bucket=32)
+        states = [(rng.integers(1, 9, n).astype(np.int32), rng.random(n) < 0.5)]
+        buffers.pack(qsl, groups, bucket=32, states=states)
         buffers.upload()
+        slot, started = states[0]
+        assert np.array_equal(buffers.d_idx[0, :n].numpy(), slot) and (buffers.d_idx[0, n:7] == -1).all()
+        assert np.array_equal(buffers.d_init[0, :n].numpy(), started) and not buffers.d_init[0, n:7].any()
+        scan = buffers.inputs(32)["m3"]
+        assert scan.num_decodes == 0 and scan.num_reqs == 7 and scan.query_start_loc.data_ptr() == \
+            buffers.d_qsl.data_ptr() and scan.has_initial_state.dtype == torch.bool
         for a, (seq, table, slots) in enumerate(groups):
             assert np.array_equal(buffers.d_seq[a, :n].numpy(), seq) and not buffers.d_seq[a, n:7].any()
             assert np.array_equal(buffers.d_tables[a][:n, :table.shape[1]].numpy(), table)
@@ -95,7 +112,7 @@ def test_attention_over_a_packed_bucket_matches_the_step(seed: int, bucket: int,
     q_lens = [1 if rng.random() < 0.4 else int(rng.integers(1, s + 1)) for s in s_lens]
     b = make_batch(q_lens, s_lens, BS, seed, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D)
     cam, tokens = b.cam, sum(q_lens)
-    buffers = MixedAttentionBuffers(_plan(window=window or 5), max_tokens=256, max_reqs=6, device=DEVICE, pin=False)
+    buffers = MixedStepBuffers(_plan(window=window or 5), max_tokens=256, max_reqs=6, device=DEVICE, pin=False)
     table = cam.block_table_cpu.astype(np.int32)
     packed = (cam.seq_lens_cpu.astype(np.int32), table, cam.slot_mapping.numpy())
     buffers.pack(cam.query_start_loc_cpu.astype(np.int32), [packed, packed], bucket=bucket)
@@ -145,7 +162,7 @@ def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.Monkey
     config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
     llm = LLM(config, device="cpu", max_num_seqs=6, kv_cache_memory=16 << 20, max_num_batched_tokens=32, seed=0)
     runner = llm.engine.runner
-    buffers = MixedAttentionBuffers(runner.plan, max_tokens=32, max_reqs=6, device="cpu", pin=False)
+    buffers = MixedStepBuffers(runner.plan, max_tokens=32, max_reqs=6, device="cpu", pin=False)
     stand_in = SimpleNamespace(static=buffers, bucket_for=lambda n: 32 if n <= 32 else None)
     execute, checked = runner.execute, []
 
@@ -223,3 +240,80 @@ def test_a_step_wider_than_the_static_tables_runs_eagerly_at_its_bucket() -> Non
         assert padded.token_ids == plain.token_ids
         np.testing.assert_allclose([lp.logprob for lp in padded.logprobs], [lp.logprob for lp in plain.logprobs],
                                    atol=1e-5, rtol=1e-5)
+
+
+class _Replay:
+    """The mixed graphs' replay without CUDA: a step's forward at its bucket, the static layers' ops over the packed
+    buffers on every row (as captured), the others on the real tokens, padded with zero rows (as the breaks run)."""
+
+    eager = ()
+
+    def __init__(self, model, static: MixedStepBuffers, bucket: int) -> None:
+        self.model, self.static, self.bucket, self.replays = model, static, bucket, 0
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return self.bucket if num_tokens <= self.bucket else None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        import dataclasses
+
+        import torch.nn.functional as F
+
+        from hybridkv.engine.mixed_graphs import _Padded
+        from hybridkv.forward_context import forward_context, get_forward_context
+
+        n, ctx = int(ids.shape[0]), get_forward_context()
+        eager = _Padded(n)
+
+        def ops(fn, tensors, shape, dtype, key=None):
+            return fn(*tensors) if key in self.static.names else eager(fn, tensors, shape, dtype, key)
+
+        step = dataclasses.replace(ctx, inputs={**ctx.inputs, **self.static.inputs(self.bucket)}, graph_breaks=ops)
+        pad = (0, self.bucket - n)
+        with forward_context(step):
+            hidden = self.model(F.pad(ids, pad), F.pad(positions, pad))[:n]
+        self.replays += 1
+        return hidden
+
+
+@pytest.mark.slow          # ~40 s: every Mamba2 and attention kernel interpreted, ~40 steps twice
+def test_mamba2_scans_over_the_static_slots_match_the_eager_step() -> None:
+    """Mamba2 beside full and sliding-window attention, requests arriving while others decode and chunked prefills:
+    with every step replayed over the static buffers (``_Replay``: the Mamba2 layers take every request through the
+    packed conv and scan, decodes as one-token requests, the padded request at slot -1), greedy tokens and logprobs
+    equal a plain run's (fp32, Triton interpreted without CUDA)."""
+    from test_mixed_graphs import _assert_same, _staggered
+
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.backends.base import KernelBackend
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
+
+    conv, ssd, attention = (kernel_module(f"hybridkv.backends.triton_{m}") for m in ("conv1d", "ssd", "attention"))
+    # the kernels the static inputs meet (interpreted without CUDA); the references for the rest
+    backend = KernelBackend(name="triton-state", paged_attention=attention.paged_attention_triton,
+                            write_kv=attention.write_kv_triton, causal_conv1d=conv.causal_conv1d_triton,
+                            causal_conv1d_update=conv.causal_conv1d_update_triton,
+                            ssd_chunk_scan=ssd.ssd_chunk_scan_triton, ssd_state_update=ssd.ssd_state_update_triton)
+    attn = dict(num_heads=4, num_kv_heads=2, head_dim=8)
+    mixers = (Mamba2(num_heads=4, head_dim=8, state_size=8, n_groups=1, chunk_size=8), Attention(**attn),
+              Mamba2(num_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8),
+              Attention(sliding_window=6, **attn))
+    config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32",
+                          layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=48)) for m in mixers))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(2, 24, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    runs = []
+    for replay in (False, True):
+        llm = LLM(config, device=DEVICE, backend=backend, max_num_seqs=4, kv_cache_memory=16 << 20,
+                  max_num_batched_tokens=16, cuda_graphs=False, seed=0)
+        runner = llm.engine.runner
+        if replay:
+            groups = static_state_groups(runner.plan, runner.model.cache_layers())
+            assert len(groups) == 2           # (the two layers' state shapes differ)
+            static = MixedStepBuffers(runner.plan, max_tokens=16, max_reqs=4, device=DEVICE, pin=False,
+                                      state_groups=groups)
+            runner.mixed_graphs = stand_in = _Replay(runner.model, static, 16)
+        runs.append(_staggered(llm, prompts, params, every=2))
+    assert stand_in.replays > 10
+    _assert_same(*runs)

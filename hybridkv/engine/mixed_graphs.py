@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.backends.registry import KernelBackend
-from hybridkv.engine.mixed_metadata import MixedAttentionBuffers
+from hybridkv.engine.mixed_metadata import MixedStepBuffers
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.models.hybrid import HybridModel
 
@@ -177,7 +177,7 @@ class MixedStepGraphs:
     the larger steps run eagerly at padded token counts (``eager_sizes``)."""
 
     def __init__(self, model: HybridModel, backend: KernelBackend, *, buckets: Sequence[int],
-                 eager: Sequence[int] = (), static: MixedAttentionBuffers | None = None) -> None:
+                 eager: Sequence[int] = (), static: MixedStepBuffers | None = None) -> None:
         if not backend.cuda_graph_safe:
             raise ValueError(f"kernel backend {backend.name!r} reads host metadata inside its ops; "
                              "CUDA graphs need one that reads device metadata only (e.g. 'triton')")

@@ -1,4 +1,5 @@
-"""Static attention metadata for the mixed-step graphs: full and sliding-window attention inside the capture.
+"""Static step metadata for the mixed-step graphs: full and sliding-window attention, and Mamba2's scans, inside the
+capture.
 
 A mixed step's attention depends on how its tokens split into requests, so the piecewise graphs
 (``mixed_graphs.py``) used to break at every attention layer and run it eagerly: two Triton launches through
@@ -24,18 +25,28 @@ step whose tables are wider runs eagerly, padded to the bucket.
 
 One copy moves the slots, offsets and lengths; one more per group moves its table's first n rows (n x W_a x 4
 bytes: the rows' stride is fixed at capture, so a narrower step still moves whole rows).
+
+Groups of state slots whose layers say so (``static_slots``: Mamba2) are captured the same way. Their Triton conv
+and scan kernels read the offsets, slots and flags on the device, with grids from shapes; captured, every request
+takes the packed scan (a decode is a one-token request that continues from its slot), so the op has one form for
+any split of the step:
+
+    int64: per state group m: working slot (R_max + 1,)             requests n.. : -1 (never read, never written)
+    bool:  per state group m: has_initial_state (R_max + 1,)        requests n.. : False
+
+The padded request n scans its tokens from a zero state and writes none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from hybridkv.backends.builders import AttentionInputs
+from hybridkv.backends.builders import AttentionInputs, MambaInputs
 from hybridkv.kv_groups.plan import KVCachePlan
-from hybridkv.kv_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.kv_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridkv.metadata import CommonAttentionMetadata
 
 STATIC_KINDS = (FullAttentionSpec, SlidingWindowSpec)
@@ -46,6 +57,13 @@ whose transforms change the request count, keep their graph breaks)."""
 def static_groups(plan: KVCachePlan) -> tuple[int, ...]:
     """Plan group indices whose attention the mixed graphs capture."""
     return tuple(i for i, g in enumerate(plan.groups) if type(g.spec) in STATIC_KINDS)
+
+
+def static_state_groups(plan: KVCachePlan, layers: Mapping[str, object]) -> tuple[int, ...]:
+    """Plan indices of the state-slot groups whose every layer (``layers``: cache name -> module) runs its step op over
+    static slot inputs (``static_slots``)."""
+    return tuple(i for i, g in enumerate(plan.groups) if isinstance(g.spec, MambaSpec)
+                 and all(getattr(layers.get(name), "static_slots", False) for name in g.cache_names))
 
 
 def static_table_width(spec: KVCacheSpec, *, max_model_len: int, max_tokens: int) -> int:
@@ -62,56 +80,72 @@ def _aligned(n: int, unit: int = 16) -> int:
     return -(-n // unit) * unit
 
 
-class MixedAttentionBuffers:
-    """The mixed graphs' attention metadata: one host and one device allocation (``pin`` False: no GPU needed),
-    views for every bucket, and the step's packing and copies."""
+class MixedStepBuffers:
+    """The mixed graphs' static step metadata: one host and one device allocation (``pin`` False: no GPU needed),
+    views for every bucket, and the step's packing and copies. ``groups``: the attention groups (``static_groups``);
+    ``state_groups``: the state-slot groups captured too (``static_state_groups``)."""
 
     def __init__(self, plan: KVCachePlan, *, max_tokens: int, max_reqs: int, device: torch.device | str,
-                 pin: bool) -> None:
+                 pin: bool, state_groups: Sequence[int] = ()) -> None:
         self.plan = plan
         self.groups = static_groups(plan)
+        self.state_groups = tuple(state_groups)
         specs = [plan.groups[g].spec for g in self.groups]
-        self.names = frozenset(name for g in self.groups for name in plan.groups[g].cache_names)
+        self.names = frozenset(name for g in (*self.groups, *self.state_groups)
+                               for name in plan.groups[g].cache_names)
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.widths = tuple(static_table_width(s, max_model_len=plan.max_model_len, max_tokens=max_tokens)
                             for s in specs)
-        a, t, r = len(self.groups), max_tokens, max_reqs + 1      # + the request that owns the padded tokens
-        # byte offsets: slots (int64), then qsl and seq_lens (int32), then the tables; every group's field from a
-        # 16-byte boundary (Triton specializes on a pointer's alignment: one compile serves every group)
-        self._slot_stride, self._seq_stride = _aligned(t, 2), _aligned(r, 4)
-        self._qsl_at = 8 * a * self._slot_stride
+        a, m, t, r = len(self.groups), len(self.state_groups), max_tokens, max_reqs + 1   # + the padded tokens' request
+        # byte offsets: slots and state slots (int64), then qsl and seq_lens (int32), the initial-state flags (bool),
+        # then the tables; every group's field from a 16-byte boundary (Triton specializes on a pointer's alignment:
+        # one compile serves every group)
+        self._slot_stride, self._idx_stride, self._seq_stride, self._init_stride = (
+            _aligned(t, 2), _aligned(r, 2), _aligned(r, 4), _aligned(r, 16))
+        self._idx_at = 8 * a * self._slot_stride
+        self._qsl_at = self._idx_at + 8 * m * self._idx_stride
         self._seq_at = self._qsl_at + _aligned(4 * (r + 1))
-        self._tables_at = _aligned(self._seq_at + 4 * a * self._seq_stride)
+        self._init_at = _aligned(self._seq_at + 4 * a * self._seq_stride)
+        self._tables_at = _aligned(self._init_at + m * self._init_stride)
         starts = self._tables_at + 4 * r * np.cumsum([0, *self.widths])
         nbytes = int(starts[-1])
         self.host = torch.zeros(max(nbytes, 16), dtype=torch.uint8, pin_memory=pin)
         self.dev = torch.zeros_like(self.host, device=device)
         self._table_at = tuple(int(s) for s in starts[:-1])
-        self.h_slots, self.h_qsl, self.h_seq, self.h_tables = self._views(self.host.numpy())
-        self.d_slots, self.d_qsl, self.d_seq, self.d_tables = self._views(self.dev)
+        self.h_slots, self.h_idx, self.h_qsl, self.h_seq, self.h_init, self.h_tables = self._views(self.host.numpy())
+        self.d_slots, self.d_idx, self.d_qsl, self.d_seq, self.d_init, self.d_tables = self._views(self.dev)
         self._copied = torch.cuda.Event() if self.dev.is_cuda else None
         self._rows = r                  # rows of the last packing (those past it are padding already)
         self.pad()
 
     def _views(self, buf: np.ndarray | torch.Tensor) -> tuple:
-        """(slots (groups, T), qsl (R + 2,), seq_lens (groups, R + 1), [table (R + 1, W_a)]) over ``buf``."""
-        a, r = len(self.groups), self.max_reqs + 1
-        i64, i32 = (torch.int64, torch.int32) if isinstance(buf, torch.Tensor) else (np.int64, np.int32)
-        slots = buf[:self._qsl_at].view(i64).reshape(a, self._slot_stride)
+        """(slots (groups, T), state slots (state groups, R + 1), qsl (R + 2,), seq_lens (groups, R + 1),
+        has_initial_state (state groups, R + 1), [table (R + 1, W_a)]) over ``buf``."""
+        a, m, r = len(self.groups), len(self.state_groups), self.max_reqs + 1
+        i64, i32, b8 = ((torch.int64, torch.int32, torch.bool) if isinstance(buf, torch.Tensor)
+                        else (np.int64, np.int32, np.bool_))
+        slots = buf[:self._idx_at].view(i64).reshape(a, self._slot_stride)
+        idx = buf[self._idx_at:self._qsl_at].view(i64).reshape(m, self._idx_stride)
         qsl = buf[self._qsl_at:self._qsl_at + 4 * (r + 1)].view(i32)
         seq = buf[self._seq_at:self._seq_at + 4 * a * self._seq_stride].view(i32).reshape(a, self._seq_stride)
+        init = buf[self._init_at:self._init_at + m * self._init_stride].view(b8).reshape(m, self._init_stride)
         tables = [buf[at:at + 4 * r * w].view(i32).reshape(r, w) for at, w in zip(self._table_at, self.widths,
                                                                                   strict=True)]
-        return slots, qsl, seq, tables
+        return slots, idx, qsl, seq, init, tables
 
     # -- capture --------------------------------------------------------------------------------
-    def inputs(self, bucket: int) -> dict[str, AttentionInputs]:
+    def inputs(self, bucket: int) -> dict[str, AttentionInputs | MambaInputs]:
         """Every static layer's inputs for a ``bucket``-token step, over views of the device buffer. The host
         fields hold only what is fixed per bucket (the captured ops read no other host metadata)."""
         r = min(bucket, self.max_reqs) + 1
         qsl = self.d_qsl[:r + 1]
         zeros = np.zeros(r, np.int32)
-        out: dict[str, AttentionInputs] = {}
+        out: dict[str, AttentionInputs | MambaInputs] = {}
+        for m, g in enumerate(self.state_groups):       # no decodes apart: every request through the scan
+            scan = MambaInputs(query_start_loc=qsl, state_indices=self.d_idx[m, :r],
+                               has_initial_state=self.d_init[m, :r], num_decodes=0, num_decode_tokens=0,
+                               prefill_query_start_loc=qsl, num_reqs=r)
+            out.update(dict.fromkeys(self.plan.groups[g].cache_names, scan))
         for a, g in enumerate(self.groups):
             group = self.plan.groups[g]
             spec = group.spec
@@ -135,6 +169,8 @@ class MixedAttentionBuffers:
         self.h_qsl[:] = 0
         self.h_seq[:] = 0
         self.h_slots[:] = -1
+        self.h_idx[:] = -1
+        self.h_init[:] = False
         self._rows = self.max_reqs + 1
         self.dev.copy_(self.host)
 
@@ -144,10 +180,11 @@ class MixedAttentionBuffers:
         return num_reqs <= self.max_reqs and all(w <= cap for w, cap in zip(widths, self.widths, strict=True))
 
     def pack(self, qsl: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], *,
-             bucket: int) -> None:
+             bucket: int, states: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> None:
         """The host side for a step that replays ``bucket``: ``qsl`` (n + 1,) int32 query offsets; per static group
-        (plan order) its (n,) int32 seq_lens, (n, w) int32 block table and (num_tokens,) int64 slots; padding past
-        them (request n owns the tokens up to ``bucket``)."""
+        (plan order) its (n,) int32 seq_lens, (n, w) int32 block table and (num_tokens,) int64 slots; per state
+        group its (n,) working slots and (n,) bool has-initial-state flags; padding past them (request n owns the
+        tokens up to ``bucket``)."""
         self._wait()
         n, tokens = int(qsl.shape[0]) - 1, int(qsl[-1])
         if not tokens <= bucket <= self.max_tokens:
@@ -158,15 +195,20 @@ class MixedAttentionBuffers:
             self.h_seq[a, :n] = seq
             self.h_tables[a][:n, :table.shape[1]] = table
             self.h_slots[a, :tokens] = slots
+        for m, (slot, started) in enumerate(states):
+            self.h_idx[m, :n] = slot
+            self.h_init[m, :n] = started
         self.h_seq[:, n:self._rows] = 0
+        self.h_idx[:, n:self._rows] = -1
+        self.h_init[:, n:self._rows] = False
         self.h_slots[:, tokens:] = -1      # (and the stride's padding column: never read)
         self._rows = n + 1                 # (request n's row: no keys, so its table is never read)
 
     def upload(self) -> None:
-        """The packed step to the device (on the current stream): slots, offsets and lengths in one copy, then
-        each group's table rows. The host side may be packed again once these copies have run."""
+        """The packed step to the device (on the current stream): slots, offsets, lengths and flags in one copy,
+        then each group's table rows. The host side may be packed again once these copies have run."""
         n = self._rows - 1
-        end = self._seq_at + 4 * len(self.groups) * self._seq_stride
+        end = self._tables_at
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         for at, w in zip(self._table_at, self.widths, strict=True):
             self.dev[at:at + 4 * n * w].copy_(self.host[at:at + 4 * n * w], non_blocking=True)

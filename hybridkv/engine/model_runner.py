@@ -30,7 +30,7 @@ from hybridkv.engine.mixed_graphs import (
     padded_rows,
     unsupported_for_mixed_graphs,
 )
-from hybridkv.engine.mixed_metadata import MixedAttentionBuffers, static_groups
+from hybridkv.engine.mixed_metadata import MixedStepBuffers, static_groups, static_state_groups
 from hybridkv.engine.sampler import chosen_finite, report, take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.kv_groups.cache_tensors import allocate_kv_cache
@@ -256,9 +256,10 @@ class ModelRunner:
             return None
         buckets = mixed_buckets(max_num_batched_tokens)
         static = None
-        if static_groups(self.plan):        # full and sliding-window attention inside the graphs
-            static = MixedAttentionBuffers(self.plan, max_tokens=buckets[-1],
-                                           max_reqs=min(buckets[-1], self.max_num_seqs), device=self.device, pin=True)
+        state_groups = static_state_groups(self.plan, self.model.cache_layers())
+        if static_groups(self.plan) or state_groups:    # full and sliding-window attention, Mamba2, inside the graphs
+            static = MixedStepBuffers(self.plan, max_tokens=buckets[-1], max_reqs=min(buckets[-1], self.max_num_seqs),
+                                      device=self.device, pin=True, state_groups=state_groups)
         graphs = MixedStepGraphs(self.model, self.backend, buckets=buckets, eager=eager_sizes(max_num_batched_tokens),
                                  static=static)
         try:
@@ -277,7 +278,7 @@ class ModelRunner:
         return graphs
 
     def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = (),
-                      static: MixedAttentionBuffers | None = None) -> tuple[ForwardContext, list[torch.Tensor]]:
+                      static: MixedStepBuffers | None = None) -> tuple[ForwardContext, list[torch.Tensor]]:
         """One CAM per group from the batch, then each group's builder; all layers of a group share it. ``extra``:
         more host arrays the step needs on the device, whose twins come back with the context (same copy).
         ``static``: its groups are packed and copied there instead (the context has no inputs for them)."""
@@ -293,7 +294,7 @@ class ModelRunner:
         return self._group_inputs(batch, device, ())[0]
 
     def _group_inputs(self, batch: StepBatch, device: torch.device, extra: Sequence[np.ndarray],
-                      static: MixedAttentionBuffers | None = None
+                      static: MixedStepBuffers | None = None
                       ) -> tuple[list[AttentionInputs | MambaInputs | None], list[torch.Tensor]]:
         """``group_inputs``, and the device twins of ``extra`` made by the same copy; with ``static``, its groups'
         fields are packed there and copied (their entries None).
@@ -335,14 +336,20 @@ class ModelRunner:
         positions = None if prepared is not None else batch.positions()    # (num_tokens,) int64
         index_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         static_ids = set(static.groups) if static is not None else set()
+        static_state_ids = set(static.state_groups) if static is not None else set()
         packed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []        # the static groups' (seq, table, slots)
+        packed_states: list[tuple[np.ndarray, np.ndarray]] = []             # the static state groups' (slot, started)
         # pass 1: every group's host arrays (what needs a device twin goes to ``uploads``)
         rows: list[tuple | str | None] = []
         for g, group in enumerate(self.plan.groups):
             spec = group.spec
             table = batch.block_tables[g] if prepared is None else prepared.tables[g]
             if not spec.is_attention:                        # column 0: the working state slot
-                rows.append(None)
+                if g in static_state_ids:
+                    packed_states.append((table[:, 0], num_computed > 0))
+                    rows.append("static")
+                else:
+                    rows.append(None)
                 continue
             bs = spec.block_size
             table = np.ascontiguousarray(table, dtype=np.int32)
@@ -376,7 +383,7 @@ class ModelRunner:
             bucket = self.mixed_graphs.bucket_for(num_tokens) if self.mixed_graphs is not None else None
             if bucket is None:
                 raise RuntimeError(f"static attention inputs for a {num_tokens}-token step that no mixed graph runs")
-            static.pack(qsl, packed, bucket=bucket)
+            static.pack(qsl, packed, bucket=bucket, states=packed_states)
             static.upload()
         dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
@@ -461,9 +468,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         return None if logits is None else StepOutput(logits=logits[:rows])
 
-    def _static_inputs(self, batch: StepBatch) -> MixedAttentionBuffers | None:
+    def _static_inputs(self, batch: StepBatch) -> MixedStepBuffers | None:
         """The mixed graphs' static attention inputs when this step replays them: a bucket holds its tokens and the
-        static groups' tables fit (``MixedAttentionBuffers.fits``); else None (the step runs eagerly)."""
+        static groups' tables fit (``MixedStepBuffers.fits``); else None (the step runs eagerly)."""
         mixed = self.mixed_graphs
         if mixed is None or mixed.static is None or mixed.bucket_for(int(batch.input_ids.shape[0])) is None:
             return None
@@ -472,7 +479,7 @@ class ModelRunner:
         return mixed.static if mixed.static.fits(batch.num_reqs, widths) else None
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
-                static: MixedAttentionBuffers | None = None) -> torch.Tensor:
+                static: MixedStepBuffers | None = None) -> torch.Tensor:
         """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket (the
         ``static`` inputs packed when the graphs hold attention), past it eagerly at a padded size
         (``MixedStepGraphs.run_eager``; also at the bucket's size when a step's tables do not fit the static ones,

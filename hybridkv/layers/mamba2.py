@@ -117,6 +117,8 @@ class Mamba2Layer(StateSlotMixer):
     out_proj row-parallel; the scans are local, the conv and SSM states per rank hold only its heads."""
 
     graph_breaks = True     # reads the step's inputs only inside ``metadata_op`` (``engine/mixed_graphs.py``)
+    static_slots = True     # ... and that op, given every request as a scan, reads device inputs only: the mixed
+    #                         graphs capture it (``engine/mixed_metadata.py``)
 
     def __init__(self, hidden_size: int, cfg: Mamba2, *, cache_name: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__(cache_name=cache_name)
@@ -164,7 +166,8 @@ class Mamba2Layer(StateSlotMixer):
         if self.mup_vector is not None:
             projected = projected * self.mup_vector
         z, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        y = metadata_op(self._mix, xbc, dt, shape=(x.shape[0], self.num_heads, cfg.head_dim), dtype=x.dtype)
+        y = metadata_op(self._mix, xbc, dt, shape=(x.shape[0], self.num_heads, cfg.head_dim), dtype=x.dtype,
+                        key=self.cache_name)
         return self._output(y, z, current_ops())
 
     def _mix(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
