@@ -72,16 +72,16 @@ def _conv1d_varlen_kernel(
     t1 = tl.minimum(tl.maximum(tl.load(qsl_ptr + req + 1).to(tl.int32), t0), num_tokens)
     seq_len = t1 - t0
     t_blk = pid - (tl.load(qsl_ptr + req).to(tl.int32) // BLOCK_T + req)
-    if (t_blk * BLOCK_T >= seq_len) & (t_blk > 0):          # past the request (block 0 writes its state)
-        return
+    slot = tl.load(idx_ptr + req).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    if (t_blk * BLOCK_T >= seq_len) & ((t_blk > 0) | ~slot_ok):   # past the request (block 0 writes its state,
+        return                                                     # if it has a slot: padded requests have none)
 
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     offs_t = t_blk * BLOCK_T + tl.arange(0, BLOCK_T)          # positions inside the request
     t_ok = offs_t < seq_len
 
-    slot = tl.load(idx_ptr + req).to(tl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
     use_state = slot_ok & (tl.load(init_ptr + req) != 0)
     s_base = state_ptr + tl.where(slot_ok, slot, 0) * stride_ss
     x_base = x_ptr + t0.to(tl.int64) * stride_xt

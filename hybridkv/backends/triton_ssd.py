@@ -26,7 +26,8 @@ Kernel design:
   so that no loaded tile is a transposed A operand of a Hopper wgmma: with B/C row strides that are not
   multiples of 16 elements, triton 3.6 compiled that form (``B^T @ xw``) into an out-of-bounds
   shared-memory read (illegal memory access on an H100; tests/test_triton_mamba.py's bf16 test has such
-  strides). The second load hits L1/L2.
+  strides). The second load hits L1/L2. A one-token request takes the update kernel's arithmetic instead (in
+  fp32, no tiles): the mixed-step graphs send decodes through the scan.
 - ``_ssd_update_kernel`` (decode): grid = (nheads x P-blocks, batch); the program reads its (BLOCK_P, N)
   state tile from the slot, ``state = exp(dt * A) * state + dt * x B^T``, writes it back in place and
   ``y = state @ C + D x`` (gated). Fully parallel, graph-safe.
@@ -114,7 +115,7 @@ def _ssd_scan_kernel(
     if D_MODE == 1:
         d_skip = tl.load(D_ptr + h * stride_dh).to(tl.float32)
     elif D_MODE == 2:
-        d_skip = tl.load(D_ptr + h * stride_dh + offs_p * stride_dp, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        d_skip = tl.load(D_ptr + h * stride_dh + offs_p * stride_dp, mask=p_ok, other=0.0).to(tl.float32)
     else:
         d_skip = 0.0
 
@@ -123,7 +124,26 @@ def _ssd_scan_kernel(
     x_base = x_ptr + h * stride_xh
     b_base = B_ptr + g * stride_bg
     c_base = C_ptr + g * stride_cg
-    for c0 in range(0, seq_len, CHUNK):
+    if seq_len == 1:
+        # One token (a decode, when the mixed graphs send every request through the scan): the update kernel's
+        # arithmetic, in fp32, with no chunk tiles; (CHUNK, CHUNK) scores for one token cost ~3x the state's traffic.
+        tok1 = t0.to(tl.int64)
+        dt1 = _discretize(tl.load(dt_ptr + tok1 * stride_dtt + h * stride_dth).to(tl.float32), dtb, dt_min, dt_max,
+                          HAS_DT_BIAS, SOFTPLUS)
+        x1 = tl.load(x_base + tok1 * stride_xt + offs_p * stride_xp, mask=p_ok, other=0.0).to(tl.float32)
+        bv = tl.load(b_base + tok1 * stride_bt + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+        cv = tl.load(c_base + tok1 * stride_ct + offs_n * stride_cn, mask=n_ok, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt1 * A_h) + (dt1 * x1)[:, None] * bv[None, :]
+        y1 = tl.sum(state * cv[None, :], 1)
+        if D_MODE != 0:
+            y1 += d_skip * x1
+        if HAS_Z:
+            z1 = tl.load(z_ptr + tok1 * stride_zt + h * stride_zh + offs_p * stride_zp, mask=p_ok,
+                         other=0.0).to(tl.float32)
+            y1 = y1 * (z1 / (1.0 + tl.exp(-z1)))
+        tl.store(y_ptr + tok1 * stride_yt + h * stride_yh + offs_p * stride_yp, y1.to(y_ptr.dtype.element_ty),
+                 mask=p_ok)
+    for c0 in range(0, tl.where(seq_len == 1, 0, seq_len), CHUNK):    # (a single token is done above)
         l_ok = c0 + offs_l < seq_len
         tok = (t0 + c0 + offs_l).to(tl.int64)
         dt = tl.load(dt_ptr + tok * stride_dtt + h * stride_dth, mask=l_ok, other=0.0).to(tl.float32)
@@ -149,8 +169,10 @@ def _ssd_scan_kernel(
                      mask=l_ok[:, None] & n_ok[None, :], other=0.0).to(x.dtype)     # B again: see the docstring
         state = state * tl.exp(total) + tl.dot(tl.trans(xw), b2, input_precision=PRECISION)
 
-        if D_MODE != 0:
+        if D_MODE == 1:
             y += d_skip * x.to(tl.float32)
+        elif D_MODE == 2:
+            y += d_skip[None, :] * x.to(tl.float32)
         if HAS_Z:
             zv = tl.load(z_ptr + tok[:, None] * stride_zt + h * stride_zh + offs_p[None, :] * stride_zp,
                          mask=xm, other=0.0).to(tl.float32)
