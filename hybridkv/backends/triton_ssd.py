@@ -98,6 +98,8 @@ def _ssd_scan_kernel(
 
     slot = tl.load(idx_ptr + req).to(tl.int64)
     slot_ok = (slot >= 0) & (slot < num_slots)
+    if (seq_len == 0) & ~slot_ok:       # nothing to read or write (the mixed graphs' padded requests)
+        return
     use_state = slot_ok & (tl.load(init_ptr + req) != 0)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = offs_p < headdim
