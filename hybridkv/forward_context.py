@@ -68,8 +68,8 @@ def metadata_op(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, shape: 
     A layer keeps every other part of its forward free of step inputs, so the mixed-step graphs
     (``engine/mixed_graphs.py``) can capture it for a padded token count: they break the graph at each of these
     calls and run ``fn`` eagerly on the step's real tokens at each replay, except where they hold static inputs for
-    ``key`` (the cache name whose inputs ``fn`` reads: full and sliding-window attention, ``mixed_metadata.py``),
-    which they capture. Elsewhere a plain call."""
+    ``key`` (the cache name whose inputs ``fn`` reads: full and sliding-window attention and Mamba2,
+    ``mixed_metadata.py``), which they capture. Elsewhere a plain call."""
     ctx = _CURRENT.get()
     if ctx is None or ctx.graph_breaks is None:
         return fn(*tensors)

@@ -145,24 +145,28 @@ def _key_slots(qsl: np.ndarray, seq: np.ndarray, table: np.ndarray, abs_seq: np.
 
 
 def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Serving-shaped steps of a full + sliding-window model (prompts past the window, so the engine's sliding rows
-    start at their first live block): what ``ModelRunner`` packs into the static buffers means the same keys at the
-    same slots, and the same query offsets and KV writes, as the eager step's built metadata (after the builders'
-    transforms). CPU: a stand-in for the mixed graphs answers the bucket; with ``HYBRIDKV_DEBUG`` the packing step
-    validates the same arrays as CAMs too."""
+    """Serving-shaped steps of a full + sliding-window + Mamba2 model (prompts past the window, so the engine's sliding
+    rows start at their first live block): what ``ModelRunner`` packs into the static buffers means the same keys at
+    the same slots, and the same query offsets and KV writes, as the eager step's built metadata (after the builders'
+    transforms); the Mamba2 group's slots and initial-state flags are the eager step's. CPU: a stand-in for the mixed
+    graphs answers the bucket; with ``HYBRIDKV_DEBUG`` the packing step validates the same arrays as CAMs too."""
     from hybridkv import LLM, SamplingParams
 
     monkeypatch.setenv("HYBRIDKV_DEBUG", "1")
-    from hybridkv.models import MLP, Attention, HybridConfig, Layer
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
     window = 8
-    layers = tuple(Layer(mixer=Attention(num_heads=4, num_kv_heads=2, head_dim=8,
-                                         sliding_window=window if i % 2 else None), ffn=MLP(intermediate_size=48))
-                   for i in range(4))
+    mixers = [Attention(num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=window if i % 2 else None)
+              for i in range(4)]
+    mixers.insert(2, Mamba2(num_heads=4, head_dim=8, state_size=8, chunk_size=8))
+    layers = tuple(Layer(mixer=m, ffn=MLP(intermediate_size=48)) for m in mixers)
     config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
     llm = LLM(config, device="cpu", max_num_seqs=6, kv_cache_memory=16 << 20, max_num_batched_tokens=32, seed=0)
     runner = llm.engine.runner
-    buffers = MixedStepBuffers(runner.plan, max_tokens=32, max_reqs=6, device="cpu", pin=False)
+    state_groups = static_state_groups(runner.plan, runner.model.cache_layers())
+    assert len(state_groups) == 1
+    buffers = MixedStepBuffers(runner.plan, max_tokens=32, max_reqs=6, device="cpu", pin=False,
+                               state_groups=state_groups)
     stand_in = SimpleNamespace(static=buffers, bucket_for=lambda n: 32 if n <= 32 else None)
     execute, checked = runner.execute, []
 
@@ -187,6 +191,10 @@ def test_model_runner_packs_what_the_eager_step_reads(monkeypatch: pytest.Monkey
             built_keys = _key_slots(cam.query_start_loc_cpu, cam.seq_lens_cpu, cam.block_table_cpu, abs_seq,
                                     spec.block_size, win)
             assert static_keys == built_keys
+        for m, g in enumerate(buffers.state_groups):       # the Mamba2 group: the eager step's slots and flags
+            assert np.array_equal(buffers.d_idx[m, :n].numpy(), built[g].state_indices.numpy())
+            assert np.array_equal(buffers.d_init[m, :n].numpy(), built[g].has_initial_state.numpy())
+            assert (buffers.d_idx[m, n:7] == -1).all() and not buffers.d_init[m, n:7].any()
         checked.append(int((abs_seq - buffers.d_seq[:, :n].numpy().min(axis=0)).max()))   # the latest row start
         runner.mixed_graphs = None
 
@@ -317,3 +325,36 @@ def test_mamba2_scans_over_the_static_slots_match_the_eager_step() -> None:
         runs.append(_staggered(llm, prompts, params, every=2))
     assert stand_in.replays > 10
     _assert_same(*runs)
+
+
+def test_a_backend_whose_scan_refuses_capture_keeps_mamba2_as_a_graph_break(monkeypatch: pytest.MonkeyPatch,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """mamba_ssm's scan refuses a capture of several requests: the runner captures again with the Mamba2 groups
+    breaking the graph (attention still inside), and says so, rather than losing the mixed graphs."""
+    from hybridkv import LLM
+    from hybridkv.backends.registry import UnsupportedConfig
+    from hybridkv.engine import model_runner
+    from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
+
+    class Graphs:               # the capture alone: the packed scan refuses it
+        def __init__(self, model, backend, *, buckets, eager, static) -> None:
+            self.static = static
+
+        def capture(self) -> None:
+            if self.static.state_groups:
+                raise UnsupportedConfig("mamba_ssm", "ssd_chunk_scan", "several requests under CUDA-graph capture")
+
+        def touch_eager_sizes(self, head, head_rows) -> None:
+            pass
+
+    monkeypatch.setattr(model_runner, "MixedStepGraphs", Graphs)
+    monkeypatch.setattr(model_runner, "MixedStepBuffers",
+                        lambda plan, *, state_groups, **kw: SimpleNamespace(state_groups=tuple(state_groups)))
+    layers = tuple(Layer(mixer=m, ffn=MLP(intermediate_size=48)) for m in (
+        Attention(num_heads=4, num_kv_heads=2, head_dim=8), Mamba2(num_heads=4, head_dim=8, state_size=8)))
+    config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
+    runner = LLM(config, device="cpu", max_num_seqs=4, kv_cache_memory=16 << 20, seed=0).engine.runner
+    with caplog.at_level("WARNING", logger="hybridkv.engine"):
+        graphs = runner._capture_mixed(64)
+    assert graphs is not None and graphs.static.state_groups == ()
+    assert "with the state groups inside failed" in caplog.text and "mixed steps off" not in caplog.text

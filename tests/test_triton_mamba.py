@@ -250,6 +250,43 @@ def test_ssd_scan_of_one_token_equals_state_update():
     _close(pool, pool2)
 
 
+def test_conv_and_scan_over_a_padded_bucket():
+    """The mixed graphs' packed layout (``engine/mixed_metadata.py``): the step's requests (a decode, one token
+    continuing its slot; a fresh prompt; a continuing chunk), then the padded tokens' request at slot -1, then empty
+    requests at slot -1. Conv and scan equal the reference over the real requests, the padded rows are finite, and
+    no other slot is read or written (the unused ones stay NaN)."""
+    g = torch.Generator().manual_seed(21)
+    real_lens, padded_lens = [1, 7, 5], [4, 0, 0]
+    slots, init = torch.tensor([3, 0, 5, -1, -1, -1]), torch.tensor([True, False, True, False, False, False])
+    qsl = torch.tensor([0, *np.cumsum(real_lens + padded_lens).tolist()], dtype=torch.int32)
+    n, total, num_slots = sum(real_lens), sum(real_lens + padded_lens), 7
+    real = dict(query_start_loc=qsl[:4], state_indices=slots[:3], has_initial_state=init[:3])
+    packed = dict(query_start_loc=qsl.to(DEVICE), state_indices=slots.to(DEVICE), has_initial_state=init.to(DEVICE))
+
+    dim, width = 12, 4
+    x, w, b = torch.randn(total, dim, generator=g), torch.randn(dim, width, generator=g), torch.randn(dim, generator=g)
+    pool = _pool((num_slots, dim, width - 1), slots[:3], init[:3], g)
+    ref_pool = pool.clone()
+    ref = causal_conv1d_ref(x[:n], w, b, conv_states=ref_pool, **real, activation="silu")
+    dpool = pool.to(DEVICE)
+    y = tc.causal_conv1d_triton(*_dev(x, w, b), conv_states=dpool, **packed, activation="silu")
+    _close(y[:n], ref)
+    assert torch.isfinite(y[n:]).all()
+    _check_states(dpool, ref_pool, slots[:3])
+
+    p = _ssd_inputs(21, total, 4, 8, 2, 8, d_mode=2, use_z=True, use_bias=True)
+    pool = _pool((num_slots, 4, 8, 8), slots[:3], init[:3], g)
+    ref_pool = pool.clone()
+    tokens = ("x", "dt", "B", "C", "z")
+    ref = ssd_chunk_scan_ref(**{k: v[:n] if k in tokens else v for k, v in p.items()}, chunk_size=4,
+                             ssm_states=ref_pool, **real)
+    dpool = pool.to(DEVICE)
+    y = ts.ssd_chunk_scan_triton(**_strided_ssd(p), chunk_size=4, ssm_states=dpool, **packed)
+    _close(y[:n], ref, 2e-4)
+    assert torch.isfinite(y[n:]).all()
+    _check_states(dpool, ref_pool, slots[:3], 2e-4)
+
+
 # ------------------------------------------------------------------------------------------ contract
 
 def _same_error(ref_call, our_call) -> None:

@@ -15,13 +15,13 @@ the layers say instead of a compiler's graph split):
     graph 0 | op 0 (eager: n real tokens) -> break buffer | graph 1 | op 1 -> break buffer | ... | graph L
     -> hidden (bucket rows); the caller takes the first n, and the head runs eagerly on those it needs
 
-Full and sliding-window attention break nothing: their op reads static inputs that the step packs before the
-replay (``mixed_metadata.py``), so it is captured with the rest, and a Gemma-3-like model's mixed step is one
+Full and sliding-window attention and Mamba2 break nothing: their op reads static inputs that the step packs before
+the replay (``mixed_metadata.py``), so it is captured with the rest, and a Gemma-3-like model's mixed step is one
 graph (3.4 ms for 64 decodes + 256 prompt tokens on an H200, ~GPU time; 22 ms with an eager op per attention
-layer). The breaks left are the recurrent layers', MLA's and chunked-local attention's.
+layer). The breaks left are the other recurrent kinds', MLA's and chunked-local attention's.
 
-Padded rows run through the graphs on stale ids and stale op outputs (zero rows from the static attention: its
-padded tokens belong to a request with no keys); no captured op lets a padded row change a real row's value (an op
+Padded rows run through the graphs on stale ids and stale op outputs (finite rows from the static ops: the padded
+tokens belong to a request with no keys and no state); no captured op lets a padded row change a real row's value (an op
 that mixes rows, such as MoE routing, still computes each row on its own), and nothing reads them. A
 ``metadata_op`` result is used before the second call after it (its contract), so the breaks take turns over two
 buffers per dtype, shared by every bucket: a few MB, where a buffer per break would hold layers x 4096 tokens x
@@ -192,7 +192,7 @@ class MixedStepGraphs:
         self.static = static
         self.static_names = static.names if static is not None else frozenset()
         if static is not None and static.max_tokens < self.buckets[-1]:
-            raise ValueError(f"static attention inputs hold {static.max_tokens} tokens, the buckets {self.buckets[-1]}")
+            raise ValueError(f"static step inputs hold {static.max_tokens} tokens, the buckets {self.buckets[-1]}")
         top = self.buckets[-1]
         self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -216,6 +216,8 @@ class MixedStepGraphs:
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
             ids, positions = self._ids[:b], self._positions[:b]
+            if self.static is not None:     # the warm-up's static ops see a step of padding only (finite rows)
+                self.static.pad(b)
             with forward_context(self._context(_Recorder(self, None), b)):
                 self.model(ids, positions)                 # compile and warm up outside the capture
             torch.cuda.synchronize(self.device)

@@ -163,10 +163,12 @@ class MixedStepBuffers:
                                                                         sliding_window=window)))
         return out
 
-    def pad(self) -> None:
-        """Every request and token padding (the capture's warm-ups: no queries, no KV writes), copied."""
+    def pad(self, bucket: int = 0) -> None:
+        """A step of padding only, copied: request 0 owns the ``bucket`` tokens, with no keys and no state (the
+        capture's warm-up: finite rows, no KV or state writes)."""
         self._wait()
-        self.h_qsl[:] = 0
+        self.h_qsl[0] = 0
+        self.h_qsl[1:] = bucket
         self.h_seq[:] = 0
         self.h_slots[:] = -1
         self.h_idx[:] = -1
@@ -189,6 +191,9 @@ class MixedStepBuffers:
         n, tokens = int(qsl.shape[0]) - 1, int(qsl[-1])
         if not tokens <= bucket <= self.max_tokens:
             raise ValueError(f"a {tokens}-token step cannot replay a {bucket}-token bucket (at most {self.max_tokens})")
+        if len(groups) != len(self.groups) or len(states) != len(self.state_groups):
+            raise ValueError(f"{len(groups)} attention and {len(states)} state groups packed, the buffers hold "
+                             f"{len(self.groups)} and {len(self.state_groups)}")
         self.h_qsl[:n + 1] = qsl
         self.h_qsl[n + 1:] = bucket
         for a, (seq, table, slots) in enumerate(groups):

@@ -254,19 +254,12 @@ class ModelRunner:
         if reason is not None:
             logger.info("CUDA graphs for mixed steps off: %s", reason)
             return None
-        buckets = mixed_buckets(max_num_batched_tokens)
-        static = None
         state_groups = static_state_groups(self.plan, self.model.cache_layers())
-        if static_groups(self.plan) or state_groups:    # full and sliding-window attention, Mamba2, inside the graphs
-            static = MixedStepBuffers(self.plan, max_tokens=buckets[-1], max_reqs=min(buckets[-1], self.max_num_seqs),
-                                      device=self.device, pin=True, state_groups=state_groups)
-        graphs = MixedStepGraphs(self.model, self.backend, buckets=buckets, eager=eager_sizes(max_num_batched_tokens),
-                                 static=static)
-        try:
-            graphs.capture()
-        except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
-            # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
-            logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(e).splitlines()[0])
+        graphs = self._mixed_graphs(max_num_batched_tokens, state_groups)
+        if graphs is None and state_groups:     # the backend's packed conv or scan reads host metadata (mamba_ssm's
+            graphs = self._mixed_graphs(max_num_batched_tokens, ())     # scan): those layers break the graph instead
+        if graphs is None:
+            logger.warning("CUDA graphs for mixed steps off")
             return None
         rows = range(HEAD_MIN_ROWS + 1, self.max_num_seqs + 1)
         try:
@@ -275,6 +268,25 @@ class ModelRunner:
         except (RuntimeError, UnsupportedConfig) as e:    # (out of memory among them): only a first-use cost lost
             logger.warning("start-up could not run the eager step sizes' GEMMs (%s): the first steps of each size "
                            "will pay cuBLAS's first use", str(e).splitlines()[0])
+        return graphs
+
+    def _mixed_graphs(self, max_num_batched_tokens: int, state_groups: Sequence[int]) -> MixedStepGraphs | None:
+        """The mixed graphs captured with full and sliding-window attention and the ``state_groups`` inside; None
+        (logged) when the capture fails."""
+        buckets = mixed_buckets(max_num_batched_tokens)
+        static = None
+        if static_groups(self.plan) or state_groups:
+            static = MixedStepBuffers(self.plan, max_tokens=buckets[-1], max_reqs=min(buckets[-1], self.max_num_seqs),
+                                      device=self.device, pin=True, state_groups=state_groups)
+        graphs = MixedStepGraphs(self.model, self.backend, buckets=buckets, eager=eager_sizes(max_num_batched_tokens),
+                                 static=static)
+        try:
+            graphs.capture()
+        except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
+            # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
+            inside = " with the state groups inside" if state_groups else ""
+            logger.warning("capturing the mixed steps%s failed (%s)", inside, str(e).splitlines()[0])
+            return None
         return graphs
 
     def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = (),
@@ -382,7 +394,7 @@ class ModelRunner:
         if static is not None:
             bucket = self.mixed_graphs.bucket_for(num_tokens) if self.mixed_graphs is not None else None
             if bucket is None:
-                raise RuntimeError(f"static attention inputs for a {num_tokens}-token step that no mixed graph runs")
+                raise RuntimeError(f"static step inputs for a {num_tokens}-token step that no mixed graph runs")
             static.pack(qsl, packed, bucket=bucket, states=packed_states)
             static.upload()
         dev = host_to_device_many([*uploads, *extra], device)
@@ -469,7 +481,7 @@ class ModelRunner:
         return None if logits is None else StepOutput(logits=logits[:rows])
 
     def _static_inputs(self, batch: StepBatch) -> MixedStepBuffers | None:
-        """The mixed graphs' static attention inputs when this step replays them: a bucket holds its tokens and the
+        """The mixed graphs' static step inputs when this step replays them: a bucket holds its tokens and the
         static groups' tables fit (``MixedStepBuffers.fits``); else None (the step runs eagerly)."""
         mixed = self.mixed_graphs
         if mixed is None or mixed.static is None or mixed.bucket_for(int(batch.input_ids.shape[0])) is None:
