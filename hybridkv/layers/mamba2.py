@@ -3,7 +3,8 @@
 in_proj -> [z | xBC | dt]; causal depthwise conv over xBC (conv state = last kernel-1 inputs);
 SSD scan over x with B, C, dt (SSM state fp32); y = gated group RMSNorm(y, z) (or, without the norm,
 y * silu(z)); out_proj. Decodes (1-token continuations, batched first) take the one-step update ops;
-everything else the packed chunked scan with per-request initial states.
+everything else the packed chunked scan with per-request initial states (inside the mixed-step graphs, every
+request: ``engine/mixed_metadata.py``).
 
 Falcon-H1's µP factors are config data: the input, each in_proj section (z, x, B, C, dt) and the output
 are scaled by fixed multipliers (HF's non-persistent ``mup_vector``, rebuilt here from the config).
