@@ -12,8 +12,9 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    the conversations), once per ``--api-server-counts`` value (API processes over the one engine process; the
    load generator is a process of its own): the same conversations all at once, streamed and not (throughput
    vs offline); then, on the last count, Poisson arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0,
-   1.25 x C): TTFT, TPOT (per request: time after the first token / tokens after it), ITL (time between
-   streamed chunks, as a client sees it) p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate``
+   1.25 x C, then up to ``--extra-rate-points`` more at 1.25x each while the last still keeps p99 TTFT <= 2 s):
+   TTFT, TPOT (per request: time after the first token / tokens after it), ITL (time between streamed chunks,
+   as a client sees it) p50 / p99, output tok/s. Each rate point runs ``--seconds-per-rate``
    of arrivals (at least 16 requests, at most ``--max-requests-per-rate``), then waits for them to finish
    (bounded). The half-rate point runs again on a server with ``--max-num-batched-tokens
    --itl-batched-tokens`` (shorter steps while prefills run).
@@ -45,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +407,24 @@ def _passes(point: dict[str, Any]) -> bool:
     return point["failed"] == 0 and point["ttft_p99"] is not None and point["ttft_p99"] <= TTFT_SLO
 
 
+def sweep_rates(rates: list[float], run: Callable[[float], dict[str, Any]], *, extend: int = 0
+                ) -> tuple[list[dict[str, Any]], float | None, bool]:
+    """``run`` each of ``rates`` in turn until a point misses the TTFT target; while the last one still meets it, up
+    to ``extend`` more at 1.25x each. (points, the best rate that met it or None, whether that is only a lower bound:
+    the last point run met it too)."""
+    points, queue = [], list(rates)
+    while queue:
+        point = run(queue.pop(0))
+        points.append(point)
+        if not _passes(point):
+            break
+        if not queue and extend > 0:
+            queue.append(round(point["rate"] * 1.25, 3))
+            extend -= 1
+    ok = [p["rate"] for p in points if _passes(p)]
+    return points, (max(ok) if ok else None), bool(points) and _passes(points[-1])
+
+
 def _points_per_rate(rate: float, args: argparse.Namespace) -> int:
     return int(min(args.max_requests_per_rate, max(16, rate * args.seconds_per_rate)))
 
@@ -477,17 +496,16 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                 capacity = result["offline"]["requests_s"]
                 rates = ([float(r) for r in args.rates.split(",")] if args.rates != "auto"
                          else [round(capacity * f, 3) for f in args.rate_fractions])
-                points = []
-                for rate in rates:
-                    point = run_profiled(server.url, name, convs, rate=rate,
+
+                def run_rate(rate: float, url: str = server.url) -> dict[str, Any]:
+                    point = run_profiled(url, name, convs, rate=rate,
                                          num_requests=_points_per_rate(rate, args), output_len=args.output_len,
                                          extra=extra)
-                    points.append(point)
                     _print_point("hybridkv", family, point)
-                    if not _passes(point):
-                        break
-                ok = [p["rate"] for p in points if _passes(p)]
-                best = max(ok) if ok else None
+                    return point
+
+                points, best, lower_bound = sweep_rates(
+                    rates, run_rate, extend=args.extra_rate_points if args.rates == "auto" else 0)
                 half = None
                 if best is not None:
                     half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
@@ -497,8 +515,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                                             extra=extra)
                         _print_point("hybridkv", family, half)
                         points.append(half)
-                result.update(rates=points, best_rate=best,
-                              best_rate_is_lower_bound=bool(points) and _passes(points[-1]),
+                result.update(rates=points, best_rate=best, best_rate_is_lower_bound=lower_bound,
                               itl_p99_at_half=half["itl_p99"] if half else None)
             finally:
                 server.stop()
@@ -642,6 +659,9 @@ def main() -> None:
     ap.add_argument("--rates", default="auto", help="requests/s, comma-separated (auto: 0.5, 0.8, 1.0, 1.25 x the "
                     "offline capacity)")
     ap.add_argument("--seconds-per-rate", type=float, default=6.0, help="seconds of arrivals per rate point")
+    ap.add_argument("--extra-rate-points", type=int, default=2,
+                    help="with --rates auto: while the highest rate still meets the TTFT target, up to this many more "
+                    "at 1.25x each (default 2), so the best rate is measured rather than bounded")
     ap.add_argument("--api-server-counts", default="1,4",
                     help="hybridkv serve --api-server-count values, comma-separated: each gets the all-at-once "
                     "throughput runs; the last also gets the rate points (default 1,4)")
@@ -670,6 +690,7 @@ def main() -> None:
         args.kv_memory, args.max_num_seqs, args.seconds_per_rate = "64MiB", 32, min(args.seconds_per_rate, 2.0)
         args.max_requests_per_rate = min(args.max_requests_per_rate, 24)
         args.rate_fractions, args.peer_points = (0.5, 1.0), min(args.peer_points, 2)
+        args.extra_rate_points = min(args.extra_rate_points, 1)
     started = time.perf_counter()
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "commit": commit(),
             "command": " ".join(sys.argv), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),

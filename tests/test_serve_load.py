@@ -1,0 +1,43 @@
+"""``benchmarks/serve_load.py``'s rate sweep: where it stops, what it extends, and when its best rate is only a
+lower bound (the last point run still met the TTFT target)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _point(rate: float, ttft_p99: float, failed: int = 0) -> dict:
+    return {"rate": rate, "ttft_p99": ttft_p99, "failed": failed}
+
+
+@pytest.mark.parametrize(("limit", "extend", "want_rates", "want_best", "want_bound"), [
+    (150.0, 2, [50, 80, 100, 125, 156.25], 125, False),              # extended once, then a miss
+    (1000.0, 2, [50, 80, 100, 125, 156.25, 195.312], 195.312, True),   # extended twice, still met: a lower bound
+    (1000.0, 0, [50, 80, 100, 125], 125, True),
+    (90.0, 2, [50, 80, 100], 80, False),                              # a miss stops the sweep
+    (10.0, 2, [50], None, False),
+])
+def test_sweep_stops_at_a_miss_and_extends_while_met(limit, extend, want_rates, want_best, want_bound) -> None:
+    from serve_load import sweep_rates
+
+    runs = []
+
+    def run(rate: float) -> dict:
+        runs.append(rate)
+        return _point(rate, 0.5 if rate <= limit else 3.0)
+
+    points, best, bound = sweep_rates([50.0, 80.0, 100.0, 125.0], run, extend=extend)
+    assert runs == want_rates and [p["rate"] for p in points] == want_rates
+    assert best == want_best and bound is want_bound
+
+
+def test_a_point_with_failed_requests_misses() -> None:
+    from serve_load import sweep_rates
+
+    points, best, bound = sweep_rates([10.0, 20.0], lambda r: _point(r, 0.1, failed=int(r > 10)), extend=2)
+    assert [p["rate"] for p in points] == [10.0, 20.0] and best == 10.0 and not bound
