@@ -508,7 +508,8 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                     rates, run_rate, extend=args.extra_rate_points if args.rates == "auto" else 0)
                 half = None
                 if best is not None:
-                    half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=0.05)), None)
+                    # (an earlier point only at the same rate: the small-steps run below uses best / 2 exactly)
+                    half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=1e-3)), None)
                     if half is None:
                         half = run_profiled(server.url, name, convs, rate=best / 2,
                                             num_requests=_points_per_rate(best / 2, args), output_len=args.output_len,

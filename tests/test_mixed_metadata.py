@@ -93,6 +93,11 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
     step([5, 1, 1, 9, 2, 1])                                 # every request row used
     qsl = step([3, 1])                                       # then fewer: rows 2.. are padding again
     assert buffers.d_qsl.tolist() == [*qsl.tolist(), *[32] * 5]    # request 2 owns tokens 4..32, with no keys
+    buffers.pad(16)                                          # the capture's warm-up: request 0 owns the 16 tokens
+    assert buffers.d_qsl.tolist() == [0, *[16] * 7] and not buffers.d_seq.any() and not buffers.d_init.any()
+    assert (buffers.d_slots == -1).all() and (buffers.d_idx == -1).all()
+    step([5, 1, 1, 9, 2, 1])
+    step([2])
     with pytest.raises(ValueError, match="cannot replay"):
         buffers.pack(qsl, [], bucket=3)
     assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
@@ -327,22 +332,28 @@ def test_mamba2_scans_over_the_static_slots_match_the_eager_step() -> None:
     _assert_same(*runs)
 
 
-def test_a_backend_whose_scan_refuses_capture_keeps_mamba2_as_a_graph_break(monkeypatch: pytest.MonkeyPatch,
-                                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """mamba_ssm's scan refuses a capture of several requests: the runner captures again with the Mamba2 groups
-    breaking the graph (attention still inside), and says so, rather than losing the mixed graphs."""
+@pytest.mark.parametrize("refusal", ["vendor", "other"])
+def test_a_backend_whose_scan_refuses_capture_keeps_mamba2_as_a_graph_break(
+        refusal: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """mamba_ssm's scan refuses a capture of several requests (``UnsupportedConfig``): the runner captures again with
+    the Mamba2 groups breaking the graph (attention still inside), rather than losing the mixed graphs. Any other
+    failure (out of memory, say) is not retried: the mixed graphs are off."""
     from hybridkv import LLM
     from hybridkv.backends.registry import UnsupportedConfig
     from hybridkv.engine import model_runner
     from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
-    class Graphs:               # the capture alone: the packed scan refuses it
+    captures: list[tuple[int, ...]] = []
+
+    class Graphs(model_runner.MixedStepGraphs):     # the capture alone: the packed scan refuses it
         def __init__(self, model, backend, *, buckets, eager, static) -> None:
             self.static = static
 
         def capture(self) -> None:
+            captures.append(self.static.state_groups)
             if self.static.state_groups:
-                raise UnsupportedConfig("mamba_ssm", "ssd_chunk_scan", "several requests under CUDA-graph capture")
+                raise (UnsupportedConfig("mamba_ssm", "ssd_chunk_scan", "several requests under CUDA-graph capture")
+                       if refusal == "vendor" else RuntimeError("CUDA out of memory"))
 
         def touch_eager_sizes(self, head, head_rows) -> None:
             pass
@@ -354,7 +365,11 @@ def test_a_backend_whose_scan_refuses_capture_keeps_mamba2_as_a_graph_break(monk
         Attention(num_heads=4, num_kv_heads=2, head_dim=8), Mamba2(num_heads=4, head_dim=8, state_size=8)))
     config = HybridConfig(vocab_size=128, hidden_size=32, max_position_embeddings=256, dtype="float32", layers=layers)
     runner = LLM(config, device="cpu", max_num_seqs=4, kv_cache_memory=16 << 20, seed=0).engine.runner
-    with caplog.at_level("WARNING", logger="hybridkv.engine"):
+    with caplog.at_level("INFO", logger="hybridkv.engine"):
         graphs = runner._capture_mixed(64)
-    assert graphs is not None and graphs.static.state_groups == ()
-    assert "with the state groups inside failed" in caplog.text and "mixed steps off" not in caplog.text
+    if refusal == "vendor":
+        assert len(captures) == 2 and len(captures[0]) == 1 and captures[1] == ()
+        assert graphs is not None and graphs.static.state_groups == ()
+        assert "state groups as graph breaks" in caplog.text and "mixed steps off" not in caplog.text
+    else:
+        assert len(captures) == 1 and graphs is None and "mixed steps off" in caplog.text

@@ -40,8 +40,8 @@ class KernelBackend:
     ``dataclasses.replace(backend, name=..., write_kv=...)``; an unknown op name is a ``TypeError``.
     ``cuda_graph_safe``: its decode-path ops read only device metadata and never sync, so a captured
     decode step stays correct for any batch of the captured size (``engine/cuda_graphs.py``). The mixed-step graphs
-    also capture its attention and packed conv and scan (``engine/mixed_metadata.py``); where one of those refuses a
-    capture (mamba_ssm's scan), its layers break the graph instead (``ModelRunner._capture_mixed``)."""
+    also capture its attention and Mamba2's packed conv and scan (``engine/mixed_metadata.py``); where that scan
+    refuses a capture (mamba_ssm's), the Mamba2 layers break the graph instead (``ModelRunner._capture_mixed``)."""
 
     name: str
     overrides: Mapping[str, Callable[..., Any]]

@@ -165,7 +165,8 @@ class MixedStepBuffers:
 
     def pad(self, bucket: int = 0) -> None:
         """A step of padding only, copied: request 0 owns the ``bucket`` tokens, with no keys and no state (the
-        capture's warm-up: finite rows, no KV or state writes)."""
+        capture's warm-up: finite rows, no KV writes, and no state writes from the Triton kernels, which never
+        dereference slot -1)."""
         self._wait()
         self.h_qsl[0] = 0
         self.h_qsl[1:] = bucket

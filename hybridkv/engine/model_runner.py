@@ -256,10 +256,11 @@ class ModelRunner:
             return None
         state_groups = static_state_groups(self.plan, self.model.cache_layers())
         graphs = self._mixed_graphs(max_num_batched_tokens, state_groups)
-        if graphs is None and state_groups:     # the backend's packed conv or scan reads host metadata (mamba_ssm's
-            graphs = self._mixed_graphs(max_num_batched_tokens, ())     # scan): those layers break the graph instead
-        if graphs is None:
-            logger.warning("CUDA graphs for mixed steps off")
+        if isinstance(graphs, UnsupportedConfig) and state_groups:   # a vendor scan that refuses a capture (mamba_ssm's
+            logger.info("the mixed graphs keep the state groups as graph breaks: %s", graphs)  # reads lengths on the
+            graphs = self._mixed_graphs(max_num_batched_tokens, ())                            # host)
+        if not isinstance(graphs, MixedStepGraphs):
+            logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(graphs).splitlines()[0])
             return None
         rows = range(HEAD_MIN_ROWS + 1, self.max_num_seqs + 1)
         try:
@@ -270,9 +271,10 @@ class ModelRunner:
                            "will pay cuBLAS's first use", str(e).splitlines()[0])
         return graphs
 
-    def _mixed_graphs(self, max_num_batched_tokens: int, state_groups: Sequence[int]) -> MixedStepGraphs | None:
-        """The mixed graphs captured with full and sliding-window attention and the ``state_groups`` inside; None
-        (logged) when the capture fails."""
+    def _mixed_graphs(self, max_num_batched_tokens: int, state_groups: Sequence[int]
+                      ) -> MixedStepGraphs | RuntimeError | UnsupportedConfig | KeyError:
+        """The mixed graphs captured with full and sliding-window attention and the ``state_groups`` inside, or why
+        the capture failed."""
         buckets = mixed_buckets(max_num_batched_tokens)
         static = None
         if static_groups(self.plan) or state_groups:
@@ -283,10 +285,7 @@ class ModelRunner:
         try:
             graphs.capture()
         except (RuntimeError, UnsupportedConfig, KeyError) as e:   # an op that syncs or refuses this config,
-            # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
-            inside = " with the state groups inside" if state_groups else ""
-            logger.warning("capturing the mixed steps%s failed (%s)", inside, str(e).splitlines()[0])
-            return None
+            return e    # or a layer that reads step inputs outside metadata_op (KeyError: the capture gives it none)
         return graphs
 
     def build_context(self, batch: StepBatch, extra: Sequence[np.ndarray] = (),
