@@ -256,9 +256,10 @@ class ModelRunner:
             return None
         state_groups = static_state_groups(self.plan, self.model.cache_layers())
         graphs = self._mixed_graphs(max_num_batched_tokens, state_groups)
-        if isinstance(graphs, UnsupportedConfig) and state_groups:   # a vendor scan that refuses a capture (mamba_ssm's
-            logger.info("the mixed graphs keep the state groups as graph breaks: %s", graphs)  # reads lengths on the
-            graphs = self._mixed_graphs(max_num_batched_tokens, ())                            # host)
+        # a vendor scan that refuses a capture (mamba_ssm's reads the lengths on the host): those layers break the graph
+        if isinstance(graphs, UnsupportedConfig) and state_groups:
+            logger.info("the mixed graphs keep the state groups as graph breaks: %s", graphs)
+            graphs = self._mixed_graphs(max_num_batched_tokens, ())
         if not isinstance(graphs, MixedStepGraphs):
             logger.warning("CUDA graphs for mixed steps off: capturing failed (%s)", str(graphs).splitlines()[0])
             return None
