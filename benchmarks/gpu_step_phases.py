@@ -95,6 +95,20 @@ def measure(eng, family: str, batch: int) -> str:
             f"total={total:.2f}")
 
 
+def kernel_ms(step, steps: int) -> tuple[dict[str, float], float, float]:
+    """GPU ms per step by kernel name (torch profiler over ``steps`` calls of ``step``), their total, and the
+    kernels launched per step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3 / steps
+    return by_name, sum(by_name.values()), len(kernels) / steps
+
+
 def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -> str:
     """``batch`` running decodes, then ``steps`` mixed steps, each adding one ``prefill``-token request that
     finishes in its prefill step (so the decode batch stays ``batch``)."""
@@ -129,16 +143,11 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
         runner.mixed_graphs = mixed_graphs
     decode = ms_per_call(lambda: eng.step(only_finished=True), steps)
     synced, phases = synced_phases(eng, mixed_step, steps)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            mixed_step()
-        sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.device_time for e in kernels) / 1e3 / steps
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3 / steps
-    heavy = ", ".join(f"{n} {t:.3f}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:8])
+    mixed_kernels, gpu_ms, launches = kernel_ms(mixed_step, steps)
+    decode_kernels, decode_gpu_ms, _ = kernel_ms(lambda: eng.step(only_finished=True), steps)
+    heavy = ", ".join(f"{n} {t:.3f}" for n, t in sorted(mixed_kernels.items(), key=lambda kv: -kv[1])[:8])
+    extra = {n: t - decode_kernels.get(n, 0.0) for n, t in mixed_kernels.items()}
+    added = ", ".join(f"{n} {t:.3f}" for n, t in sorted(extra.items(), key=lambda kv: -kv[1])[:14])
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -161,8 +170,9 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
     graphed = "graphed" if mixed_graphs is not None else "eager: no mixed-step graphs"
     return (f"{family} B={batch} +{prefill} prompt tokens: mixed step {step:.2f} ms ({graphed}; eager "
             f"{eager:.2f} ms; decode-only {decode:.2f} ms), "
-            f"GPU kernels {gpu_ms:.2f} ms/step, {len(kernels) / steps:.0f} kernels/step\n"
+            f"GPU kernels {gpu_ms:.2f} ms/step ({decode_gpu_ms:.2f} decode-only), {launches:.0f} kernels/step\n"
             f"heaviest kernels (ms/step): {heavy}\n"
+            f"what the {prefill} prompt tokens add, by kernel (ms/step): {added}\n"
             f"synced phases (ms): {phases} total={synced:.2f}\n"
             f"host functions by own time over {steps} mixed steps (cProfile, ncalls tottime percall cumtime):\n{top}\n"
             f"host ops by own CPU time over {steps} mixed steps (torch profiler):\n{table}")

@@ -11,8 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
-def _point(rate: float, ttft_p99: float, failed: int = 0) -> dict:
-    return {"rate": rate, "ttft_p99": ttft_p99, "failed": failed}
+def _point(rate: float, ttft_p99: float, failed: int = 0, kept_up: float | None = 1.0) -> dict:
+    return {"rate": rate, "ttft_p99": ttft_p99, "failed": failed, "kept_up": kept_up}
 
 
 @pytest.mark.parametrize(("limit", "extend", "want_rates", "want_best", "want_bound"), [
@@ -41,3 +41,11 @@ def test_a_point_with_failed_requests_misses() -> None:
 
     points, best, bound = sweep_rates([10.0, 20.0], lambda r: _point(r, 0.1, failed=int(r > 10)), extend=2)
     assert [p["rate"] for p in points] == [10.0, 20.0] and best == 10.0 and not bound
+
+
+@pytest.mark.parametrize(("kept_up", "passes"), [(1.0, True), (0.95, True), (0.85, False), (None, True)])
+def test_a_point_whose_server_fell_behind_misses(kept_up, passes) -> None:
+    """Within the TTFT target but with a growing backlog (a short run hides it): a miss. (None: an all-at-once run.)"""
+    from serve_load import _passes
+
+    assert _passes(_point(100.0, 0.5, kept_up=kept_up)) is passes

@@ -68,10 +68,12 @@ shape to meet."""
 
 
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Token counts captured: 16, 32, 64, then every 128 to 1024, every 256 to 2048, every 512 to 4096 (at most
-    12.5% of a step's tokens are padding past 1024), up to the step budget."""
+    """Token counts captured: 16, 32, 64, then every 32 to 256, every 64 to 512, every 128 to 1024, every 256 to
+    2048, every 512 to 4096, up to the step budget: past 128 tokens at most a fifth of a step is padding (the
+    GEMMs run the padded rows; short mixed steps, a few decodes and a prompt chunk, are the common ones)."""
     top = min(max_num_batched_tokens, MAX_GRAPHED_TOKENS)
-    sizes = [16, 32, 64, *range(128, 1025, 128), *range(1280, 2049, 256), *range(2560, 4097, 512)]
+    sizes = [16, 32, 64, *range(96, 257, 32), *range(320, 513, 64), *range(640, 1025, 128), *range(1280, 2049, 256),
+             *range(2560, 4097, 512)]
     return tuple(sorted({s for s in sizes if s < top} | {top}))
 
 
