@@ -109,9 +109,9 @@ def kernel_ms(step, steps: int) -> tuple[dict[str, float], float, float]:
     return by_name, sum(by_name.values()), len(kernels) / steps
 
 
-def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -> str:
-    """``batch`` running decodes, then ``steps`` mixed steps, each adding one ``prefill``-token request that
-    finishes in its prefill step (so the decode batch stays ``batch``)."""
+def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10, context: int = 512) -> str:
+    """``batch`` running decodes (``context``-token prompts), then ``steps`` mixed steps, each adding one
+    ``prefill``-token request that finishes in its prefill step (so the decode batch stays ``batch``)."""
     import cProfile
     import io
     import pstats
@@ -121,9 +121,9 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
     rng = np.random.default_rng(batch)
     vocab = min(30000, eng.vocab_size)
     for i in range(batch):
-        eng.add_request(f"{family}{batch}-{i}", rng.integers(10, vocab, 512).tolist(),
+        eng.add_request(f"{family}{batch}-{i}", rng.integers(10, vocab, context).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
-    while eng.scheduler.waiting or any(len(r.token_ids) <= 513 for r in eng.scheduler.running):
+    while eng.scheduler.waiting or any(len(r.token_ids) <= context + 1 for r in eng.scheduler.running):
         eng.step()
     counter = iter(range(10**9))
 
@@ -146,6 +146,7 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
     mixed_kernels, gpu_ms, launches = kernel_ms(mixed_step, steps)
     decode_kernels, decode_gpu_ms, _ = kernel_ms(lambda: eng.step(only_finished=True), steps)
     heavy = ", ".join(f"{n} {t:.3f}" for n, t in sorted(mixed_kernels.items(), key=lambda kv: -kv[1])[:8])
+    heavy_decode = ", ".join(f"{n} {t:.3f}" for n, t in sorted(decode_kernels.items(), key=lambda kv: -kv[1])[:8])
     extra = {n: t - decode_kernels.get(n, 0.0) for n, t in mixed_kernels.items()}
     added = ", ".join(f"{n} {t:.3f}" for n, t in sorted(extra.items(), key=lambda kv: -kv[1])[:14])
     profiler = cProfile.Profile()
@@ -155,8 +156,11 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
     sync()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(16)
     top = "\n".join(line for line in text.getvalue().splitlines() if line.strip()[:1].isdigit())
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumtime").print_stats(40)
+    cum = "\n".join(line for line in text.getvalue().splitlines() if line.strip()[:1].isdigit())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -168,13 +172,15 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10) -
     while eng.has_unfinished:
         eng.step()
     graphed = "graphed" if mixed_graphs is not None else "eager: no mixed-step graphs"
-    return (f"{family} B={batch} +{prefill} prompt tokens: mixed step {step:.2f} ms ({graphed}; eager "
-            f"{eager:.2f} ms; decode-only {decode:.2f} ms), "
+    return (f"{family} B={batch} (prompts of {context}) +{prefill} prompt tokens: mixed step {step:.2f} ms "
+            f"({graphed}; eager {eager:.2f} ms; decode-only {decode:.2f} ms), "
             f"GPU kernels {gpu_ms:.2f} ms/step ({decode_gpu_ms:.2f} decode-only), {launches:.0f} kernels/step\n"
             f"heaviest kernels (ms/step): {heavy}\n"
+            f"heaviest kernels of the decode-only step (ms/step): {heavy_decode}\n"
             f"what the {prefill} prompt tokens add, by kernel (ms/step): {added}\n"
             f"synced phases (ms): {phases} total={synced:.2f}\n"
             f"host functions by own time over {steps} mixed steps (cProfile, ncalls tottime percall cumtime):\n{top}\n"
+            f"host functions by cumulative time (cProfile):\n{cum}\n"
             f"host ops by own CPU time over {steps} mixed steps (torch profiler):\n{table}")
 
 
@@ -183,15 +189,18 @@ def main() -> None:
     ap.add_argument("--families", default="llama4,gemma3,mamba2,nemotronh")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--mixed", type=int, default=0, help="measure mixed steps with this many prompt tokens")
+    ap.add_argument("--contexts", default="512", help="with --mixed: the decoding requests' prompt lengths")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="the engine's (default: max(64, batch + 8))")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_phases.py needs a CUDA device")
     for family in args.families.split(","):
         batches = [int(b) for b in args.batches.split(",")]
-        llm = random_llm(family, max_num_seqs=max(64, max(batches) + 8))
+        llm = random_llm(family, max_num_seqs=args.max_num_seqs or max(64, max(batches) + 8))
         for batch in batches:
             if args.mixed:
-                print(measure_mixed(llm.engine, family, batch, args.mixed), flush=True)
+                for context in (int(c) for c in args.contexts.split(",")):
+                    print(measure_mixed(llm.engine, family, batch, args.mixed, context=context), flush=True)
             else:
                 print(measure(llm.engine, family, batch), flush=True)
         llm.shutdown()

@@ -28,7 +28,6 @@ from hybridkv.utils import parse_bytes
 logger = logging.getLogger("hybridkv.engine")
 
 DEFAULT_MAX_LOGPROBS = 20
-DEFAULT_PREFILL_SPREAD_STEPS = 8
 """vLLM's default ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for."""
 
 
@@ -48,9 +47,6 @@ class EngineConfig:
     caching and recurrent layers; per rank with tensor parallelism, as the KV budget). ``block_size`` None: 16,
     or what every chunked layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
     ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step.
-    ``prefill_spread_steps`` N: while requests decode, a step takes 1/N of the pending prompt tokens (at least 64),
-    not its whole budget, so arriving prompts do not stall the running streams for one long step; under load
-    the queue grows and so do the chunks (0: every step takes what its budget allows).
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
     ``tensor_parallel_size`` > 1 shards the model (docs/parallelism.md); ``distributed_timeout`` (seconds)
     bounds every collective. ``cuda_graphs``, ``async_scheduling``, ``warmup``: None = on where the device
@@ -63,7 +59,6 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    prefill_spread_steps: int = DEFAULT_PREFILL_SPREAD_STEPS
     kv_cache_memory: int | str | None = None
     host_cache_memory: int | str = 0
     enable_prefix_caching: bool = True
@@ -109,8 +104,6 @@ class EngineConfig:
         flag("enable_prefix_caching")
         for name in ("cuda_graphs", "async_scheduling", "warmup"):
             flag(name, optional=True)
-        if not _is_int(self.prefill_spread_steps) or self.prefill_spread_steps < 0:
-            errors.append(f"prefill_spread_steps must be an int >= 0, got {self.prefill_spread_steps!r}")
         if not _is_int(self.seed):
             errors.append(f"seed must be an int, got {self.seed!r}")
         if not _is_int(self.max_logprobs) or self.max_logprobs < -1:

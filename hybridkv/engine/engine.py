@@ -124,7 +124,6 @@ class LLMEngine:
     one step, and a request that stops on a token computes one more step that is thrown away. None = on
     for an in-process runner on CUDA, where the host's work per step would otherwise leave the GPU idle.
     ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary).
-    ``prefill_spread_steps``: ``EngineConfig``'s (``SchedulerConfig``).
 
     Logits processing (logit bias, min_tokens, penalties) keeps per-row state on the device, written when a
     request takes a row: its bias and masked ids, and for penalties its token history in a
@@ -134,8 +133,7 @@ class LLMEngine:
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
                  seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None,
-                 async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                 prefill_spread_steps: int = 0) -> None:
+                 async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -149,8 +147,7 @@ class LLMEngine:
                                               max_num_reqs=max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching,
-            prefill_spread_steps=prefill_spread_steps),
+            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
             self.coordinator)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,

@@ -195,7 +195,7 @@ class LLM:
                                 enable_prefix_caching=config.enable_prefix_caching, backend=config.backend,
                                 tokenizer=self.tokenizer, seed=config.seed, runner=runner,
                                 cuda_graphs=config.cuda_graphs, async_scheduling=config.async_scheduling,
-                                max_logprobs=config.max_logprobs, prefill_spread_steps=config.prefill_spread_steps)
+                                max_logprobs=config.max_logprobs)
         if config.warmup or (config.warmup is None and dev.type == "cuda"):
             warm_up(self.engine)
         self.front = EngineFront(self.engine)

@@ -1,7 +1,6 @@
 """Continuous batching over the hybrid KV cache.
 
-Each step, under a token budget (while requests decode, with ``prefill_spread_steps`` N: their decodes plus 1/N
-of the pending prompt tokens, so arriving prompts ride in several short steps, not one that stalls every stream):
+Each step, under a token budget:
 
 1. running requests first — 1-token continuations (decodes) ahead of prefill continuations — in one
    all-or-nothing ``allocate_batch``; when any group runs short, the latest arrival is preempted
@@ -40,9 +39,6 @@ _NEVER = np.iinfo(np.int64).max
 # A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
-# Prefill spreading counts the tokens of at most this many waiting requests: past that the queue is long, and a step
-# takes its whole budget.
-SPREAD_SCAN = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,16 +47,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
-    prefill_spread_steps: int = 0          # spread pending prompts over this many steps while requests decode (0: off)
-    spread_min_chunk: int = 64             # ... but take at least this many prompt tokens a step (few chunks a prompt)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.prefill_spread_steps < 0 or self.spread_min_chunk <= 0:
-            raise ValueError(f"SchedulerConfig: prefill_spread_steps must be >= 0 and spread_min_chunk > 0, got "
-                             f"{self.prefill_spread_steps} and {self.spread_min_chunk}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,22 +271,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _spread(self, budget: int, rem: np.ndarray) -> int:
-        """The step's token budget while requests decode (``rem``: each running request's tokens to compute):
-        their decodes plus 1 / ``prefill_spread_steps`` of the pending prompt tokens (running prefills' and the
-        waiting queue's; at least ``spread_min_chunk``). A prompt arriving beside running streams then rides in
-        a few short steps, not one long one that stalls every stream; a growing queue grows the chunk, so
-        throughput under load stays (the queue waits about ``prefill_spread_steps`` steps longer)."""
-        decodes = int(np.count_nonzero(rem == 1))
-        if decodes == 0 or len(self.waiting) > SPREAD_SCAN:
-            return budget
-        pending = int(rem.sum()) - decodes + sum(r.num_tokens for r in self.waiting)
-        chunk = max(self.config.spread_min_chunk, -(-pending // self.config.prefill_spread_steps))
-        return min(budget, decodes + chunk)
-
-    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool, int]:
-        """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes, the step's
-        budget: ``budget`` or less, ``_spread``) for the running requests, decodes first then by arrival, within it.
+    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes) for
+        the running requests, decodes first then by arrival, within ``budget``.
 
         Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
@@ -306,10 +284,8 @@ class Scheduler:
         done = known >= self.row_final[rows]      # its last sampled token is on its way: nothing left to run
         if np.count_nonzero(done):
             rem[done] = 0
-        if self.config.prefill_spread_steps:
-            budget = self._spread(budget, rem)
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
-            return list(running), rem, rows, computed, True, budget     # all decodes, all fit (the steady state)
+            return list(running), rem, rows, computed, True        # all decodes, all fit (the steady state)
         prefill = rem > 1
         if self.config.align_prefill_chunks and prefill.any():    # prefill chunks end at their stops
             for i in np.flatnonzero(prefill).tolist():
@@ -327,9 +303,8 @@ class Scheduler:
             take[i] = self._chunk(int(computed[i]), int(rem[i]), int(take[i]))
         keep = take > 0
         if keep.all():
-            return list(running), take, rows, computed, False, budget
-        return ([running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False,
-                budget)
+            return list(running), take, rows, computed, False
+        return [running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -339,16 +314,15 @@ class Scheduler:
         counts, rows, computed = empty, empty, empty
         decode = False
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
-        step_budget = budget
         while self.running:
-            chosen, counts, rows, computed, decode, step_budget = self._running_step(budget)
+            chosen, counts, rows, computed, decode = self._running_step(budget)
             if self.coord.allocate_batch(rows, computed, counts):
                 break
             victim = self.running[-1]                       # the latest arrival
             self._preempt(victim)
             preempted.append(victim)
-            chosen, counts, rows, computed, decode, step_budget = [], empty, empty, empty, False, budget
-        budget = step_budget - int(counts.sum())
+            chosen, counts, rows, computed, decode = [], empty, empty, empty, False
+        budget -= int(counts.sum())
         num_running = len(chosen)
         new_counts: list[int] = []
         new_computed: list[int] = []

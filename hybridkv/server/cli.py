@@ -84,9 +84,6 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                             "e.g. 32GiB (default 0: none)")
     model.add_argument("--max-num-seqs", type=positive_int, default=256, help="concurrent requests (default 256)")
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step")
-    model.add_argument("--prefill-spread-steps", type=int, default=None, metavar="N",
-                       help="while requests decode, a step takes 1/N of the pending prompt tokens (at least 64), "
-                            "keeping steps short for the running streams (default 8; 0: the whole step budget)")
     model.add_argument("--no-prefix-caching", action="store_true")
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     model.add_argument("--seed", type=int, default=0)
@@ -101,9 +98,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        cuda_graphs=False if args.enforce_eager else None, seed=args.seed,
-                        **({} if args.prefill_spread_steps is None else
-                           {"prefill_spread_steps": args.prefill_spread_steps}))
+                        cuda_graphs=False if args.enforce_eager else None, seed=args.seed)
 
 
 def run_serve(args: argparse.Namespace) -> int:
