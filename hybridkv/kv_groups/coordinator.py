@@ -631,9 +631,9 @@ class KVCacheCoordinator:
         row = self._rows.get(request_id)
         if row is None:
             return False
-        rows = np.array([row])
+        num_cols = int(self._num_cols[row])
         for m in self.owners:
-            m.free_rows(rows, self._num_cols[rows])
+            m.free_row(row, num_cols)
         self._release_row(row)
         return True
 

@@ -16,7 +16,7 @@ mamba             (state overwritten in place)  a checkpoint stored exactly at L
 
 Every manager has one interface (``GroupManager``), so the coordinator iterates over its managers with no
 kind switch: which prefix-cache hits the kind accepts (``find_longest_cache_hit``, ``take_cache_hit``), what
-it holds per request row and frees (``free_rows``, ``reset_rows``, ``swap_rows``), and hooks through a
+it holds per request row and frees (``free_row``, ``reset_rows``, ``swap_rows``), and hooks through a
 request's life that a kind may ignore (arrival, prompt and final lengths, ``can_allocate`` /
 ``allocate_rows``, ``commit``, ``take_state_copies``). Attention managers decide which leading blocks to free
 (``skipped_blocks``, ``remove_skipped_blocks``); what every attention kind does alike -- a new block for every
@@ -136,11 +136,11 @@ class GroupManager(ABC):
         return False
 
     @abstractmethod
-    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
-        """Release everything ``rows`` hold (``num_cols``: their block-table entries)."""
+    def free_row(self, row: int, num_cols: int) -> None:
+        """Release everything ``row`` holds (``num_cols``: its block-table entries)."""
 
     @abstractmethod
-    def reset_rows(self, rows: np.ndarray) -> None:
+    def reset_rows(self, rows: np.ndarray | int) -> None:
         """Forget ``rows``' per-row state (they were released)."""
 
     @abstractmethod
@@ -279,14 +279,13 @@ class AttentionManager(GroupManager):
         self.reset_rows(row, start)
 
     # -- request end -----------------------------------------------------------------------------
-    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
-        """Release every block of ``rows`` (last block first, per row and group) and clear them."""
-        owner, cols = token_ranges(self.num_skipped[rows].astype(np.int64),
-                                   (num_cols - self.num_skipped[rows]).clip(min=0))
-        rows_rep = rows[owner]
-        ids = self.tables[:, rows_rep, cols]                           # (G, k)
-        self.tables[:, rows_rep, cols] = NULL_BLOCK
-        self.reset_rows(rows)
+    def free_row(self, row: int, num_cols: int) -> None:
+        """Release every block of ``row`` (last block first, per group) and clear it."""
+        start = int(self.num_skipped[row])
+        cols = slice(start, max(start, num_cols))
+        ids = self.tables[:, row, cols].copy()                         # (G, k)
+        self.tables[:, row, cols] = NULL_BLOCK
+        self.reset_rows(row)
         self.pool.free(ids[:, ::-1].T.reshape(-1))     # tails of every group first
 
     def held_blocks(self, row: int, num_cols: int) -> np.ndarray:
@@ -659,13 +658,13 @@ class StateManager(GroupManager):
         self._copies = {}
         return src, dst
 
-    def free_rows(self, rows: np.ndarray, num_cols: np.ndarray) -> None:
-        self.slots.free(self.slot[rows])
-        for ckpt in self.pending[rows].tolist():
-            if ckpt != NULL_SLOT:
-                self.slots.unpin(ckpt)
-        self.slot[rows] = NULL_SLOT
-        self.pending[rows] = NULL_SLOT
+    def free_row(self, row: int, num_cols: int) -> None:
+        self.slots.free(self.slot[row:row + 1])
+        ckpt = int(self.pending[row])
+        if ckpt != NULL_SLOT:
+            self.slots.unpin(ckpt)
+        self.slot[row] = NULL_SLOT
+        self.pending[row] = NULL_SLOT
 
     def check_invariants(self) -> None:
         self.slots.check_invariants()
