@@ -3,6 +3,7 @@ transforms), model excluded, for N decoding requests over 4 groups (full, slidin
 the 3 attention groups alone (``--no-mamba``).
 
     python benchmarks/engine_cpu.py [--requests 64 256] [--context 2048] [--steps 200] [--no-mamba]
+    python benchmarks/engine_cpu.py --mixed [--steps 200]
 
 Requests are placed in the decode phase directly (their prompts registered with the coordinator
 without running the model), then each timed step does exactly what ``LLMEngine.step`` does on the
@@ -12,6 +13,12 @@ packed into the captured graph's buffers, here host arrays of that layout); "tot
 add schedule, step batch and commit to each. Prints a table and writes ``engine_cpu.json`` (scenario
 ``default``, or ``no_mamba``; ``--save``: the tracked result, see ``_results.py``). Target: <= 300 µs per step at
 256 requests.
+
+``--mixed``: a mixed step's host work instead, the step of ``gpu_mixed_step.py`` (40 requests decoding at 256
+tokens, one 96-token prompt arriving each step and finishing in it) on a Gemma-3-like plan (26 layers, 5 sliding
+window 512 : 1 full: 13 groups), ``max_num_seqs`` 256: schedule, step batch, the step's inputs packed into the
+mixed graphs' static buffers (host arrays here) and copied (a CPU copy here, one per copy call on CUDA), and commit
++ freeing the finished prompt (scenario ``mixed``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from _results import add_output_args, commit, write_json  # noqa: E402
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.cuda_graphs import _Layout, pack_host
+from hybridkv.engine.mixed_graphs import mixed_buckets
+from hybridkv.engine.mixed_metadata import MixedStepBuffers
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
 
@@ -93,6 +102,62 @@ def measure(num_requests: int, context: int, steps: int, *, mamba: bool = True) 
     return {key: statistics.median(values) for key, values in timings.items()}
 
 
+def measure_mixed(steps: int, *, decodes: int = 40, context: int = 256, prompt: int = 96) -> dict[str, float]:
+    """Median µs per phase of a mixed step's host work (``--mixed``)."""
+    attn = dict(num_heads=4, num_kv_heads=1, head_dim=16)
+    layers = tuple(Layer(mixer=Attention(**attn) if i % 6 == 5 else Attention(sliding_window=512, **attn),
+                         ffn=MLP(intermediate_size=16)) for i in range(26))
+    config = HybridConfig(vocab_size=128, hidden_size=64, max_position_embeddings=16384, dtype="float32",
+                          layers=layers)
+    llm = LLM(config, device="cpu", max_num_seqs=256, kv_cache_memory=1 << 30, max_num_batched_tokens=8192,
+              enable_prefix_caching=False)
+    engine, coord, sched, runner = llm.engine, llm.engine.coordinator, llm.engine.scheduler, llm.engine.runner
+    rng = np.random.default_rng(0)
+    for i in range(decodes):
+        engine.add_request(f"d{i}", rng.integers(0, 128, context).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True))
+    while sched.waiting:                    # registered as computed, as ``measure`` does
+        req = sched.waiting.popleft()
+        assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=req.num_tokens,
+                              token_ids=req.token_ids)
+        coord.commit(req.request_id, num_computed_tokens=req.num_tokens - 1)
+        sched.mark_running(req)
+    buckets = mixed_buckets(8192)
+    static = MixedStepBuffers(llm.plan, max_tokens=buckets[-1], max_reqs=256, device="cpu", pin=False)
+
+    class Buckets:                          # what the runner asks the (CUDA-only) mixed graphs
+        @staticmethod
+        def bucket_for(n: int) -> int:
+            return next(b for b in buckets if b >= n)
+
+    runner.mixed_graphs = Buckets()
+    timings: dict[str, list[float]] = {"schedule": [], "step_batch": [], "inputs": [], "commit_finish": [],
+                                       "total": []}
+    for i in range(steps + 20):
+        engine.add_request(f"p{i}", rng.integers(0, 128, prompt).tolist(), SamplingParams(temperature=0.0,
+                                                                                        max_tokens=1))
+        t0 = time.perf_counter_ns()
+        batch = sched.schedule()
+        t1 = time.perf_counter_ns()
+        step = engine._step_batch(batch)
+        t2 = time.perf_counter_ns()
+        arrays = [np.asarray(step.input_ids, np.int64), step.positions(), np.asarray(step.logits_indices, np.int64)]
+        runner.build_context(step, arrays, static)
+        t3 = time.perf_counter_ns()
+        for req in batch.requests:
+            req.token_ids.append(1)
+        sched.add_sampled(batch.rows)
+        sched.set_last_tokens(batch.rows, np.ones(batch.num_reqs, np.int64))
+        coord.commit_batch(batch.rows, batch.num_computed + batch.num_new_tokens)
+        sched.finish(batch.requests[-1])    # the prompt: one token asked, sampled in its prefill step
+        t4 = time.perf_counter_ns()
+        assert batch.num_reqs == decodes + 1
+        if i >= 20:                         # (warm-up)
+            for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+                timings[key].append(value / 1000)
+    return {key: statistics.median(values) for key, values in timings.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
@@ -101,8 +166,19 @@ def main() -> None:
     parser.add_argument("--no-mamba", action="store_true",
                         help="3 attention groups only: every decode block is hashed and registered for prefix "
                              "caching (with Mamba, only blocks up to the last state checkpoint are)")
+    parser.add_argument("--mixed", action="store_true", help="a mixed step's host work instead (module docstring)")
     add_output_args(parser, "engine_cpu")
     args = parser.parse_args()
+    if args.mixed:
+        row = measure_mixed(args.steps)
+        table = Table(title=f"host cost per mixed step, Gemma-3-like plan, 13 groups (µs, median of {args.steps})")
+        for key in row:
+            table.add_column(key, justify="right")
+        table.add_row(*(f"{v:.0f}" for v in row.values()))
+        Console().print(table)
+        write_json(args, "engine_cpu", {"cpu": platform.processor() or platform.machine(), "commit": commit(),
+                                         "command": " ".join(sys.argv), "us_per_mixed_step": row}, scenario="mixed")
+        return
     rows = {}
     for n in args.requests:
         gc.collect()            # the previous size's engine is garbage: not left for the timed steps to scan

@@ -103,6 +103,30 @@ def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
     assert buffers.fits(6, [16, 16]) and not buffers.fits(7, [16, 16]) and not buffers.fits(2, [16, 17])
 
 
+@pytest.mark.parametrize("groups", [(0, 2), ()])
+def test_a_step_goes_to_the_device_in_one_copy(monkeypatch: pytest.MonkeyPatch, groups: tuple[int, ...]) -> None:
+    """Every group's table rows are interleaved (row r of each, then r + 1), so the step's fields are one span; a
+    plan with state groups only has no table columns at all."""
+    plan = _plan()
+    plan.groups = [plan.groups[g] for g in (*groups, 1)]
+    buffers = MixedStepBuffers(plan, max_tokens=16, max_reqs=4, device="cpu", pin=False,
+                               state_groups=(len(groups),))
+    tables = [np.arange(9, dtype=np.int32).reshape(3, 3) + 10 * a for a in range(len(groups))]
+    qsl = np.array([0, 2, 3, 4], np.int32)
+    buffers.pack(qsl, [(np.ones(3, np.int32), t, np.arange(4)) for t in tables], bucket=16,
+                 states=[(np.array([1, 2, 3]), np.ones(3, bool))])
+    copies: list[int] = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: copies.append(t.numel()) or copy(t, *a, **k))
+    buffers.upload()
+    assert len(copies) == 1
+    for a, table in enumerate(tables):
+        view = buffers.d_tables[a]
+        assert view.stride(0) == sum(buffers.widths) and view.data_ptr() % 16 == 0
+        assert np.array_equal(view[:3, :3].numpy(), table)
+    assert buffers.d_idx[0, :3].tolist() == [1, 2, 3]
+
+
 @pytest.mark.parametrize(("seed", "bucket"), [(0, 48), (1, 48), (2, 48), pytest.param(3, 256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_over_a_packed_bucket_matches_the_step(seed: int, bucket: int, window: int | None) -> None:
