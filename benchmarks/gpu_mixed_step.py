@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
 from gpu_decode import random_llm  # noqa: E402
+from gpu_step_phases import ms_per_call  # noqa: E402
 
 PHASES = {"scheduler": ["schedule"], "engine": ["_step_batch", "_launch", "_finish", "_release", "_commit"],
           "runner": ["execute", "build_context", "_hidden"], "model": ["compute_logits_and_greedy"],
@@ -104,15 +104,10 @@ def main() -> None:
                         SamplingParams(temperature=0.0, max_tokens=1))
         eng.step(only_finished=True)
 
-    def ms(fn, n: int = 30) -> float:
+    def ms(fn) -> float:
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n * 1e3
+        return ms_per_call(fn, 30)
 
     mixed_ms, decode_ms = ms(mixed), ms(lambda: eng.step(only_finished=True))
     annotate(eng)
