@@ -27,6 +27,7 @@ from _results import add_output_args, commit, write_json  # noqa: E402
 from gpu_decode import random_llm  # noqa: E402
 from gpu_step_phases import ms_per_call  # noqa: E402
 
+TRACED = 8          # mixed steps in the trace
 PHASES = {"scheduler": ["schedule"], "engine": ["_step_batch", "_launch", "_finish", "_release", "_commit"],
           "runner": ["execute", "build_context", "_hidden"], "model": ["compute_logits_and_greedy"],
           "static": ["pack", "upload"], "mixed": ["run"]}
@@ -92,15 +93,16 @@ def main() -> None:
     llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False)
     eng = llm.engine
     rng = np.random.default_rng(0)
+    vocab = min(30000, eng.vocab_size)
     for i in range(args.batch):
-        eng.add_request(f"d{i}", rng.integers(3, 30000, args.context).tolist(),
+        eng.add_request(f"d{i}", rng.integers(3, vocab, args.context).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
     while eng.scheduler.waiting or any(len(r.token_ids) <= args.context + 1 for r in eng.scheduler.running):
         eng.step()
     ids = iter(range(10**9))
 
     def mixed() -> None:
-        eng.add_request(f"p{next(ids)}", rng.integers(3, 30000, args.prompt).tolist(),
+        eng.add_request(f"p{next(ids)}", rng.integers(3, vocab, args.prompt).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=1))
         eng.step(only_finished=True)
 
@@ -115,7 +117,7 @@ def main() -> None:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(8):
+        for _ in range(TRACED):
             mixed()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -125,7 +127,7 @@ def main() -> None:
           f"{mixed_ms:.2f} ms, decode step {decode_ms:.2f} ms", flush=True)
     print("host phase (under the profiler)     host µs/call   GPU idle µs/step while in it")
     for name, row in sorted(phases.items(), key=lambda kv: -kv[1]["host_us"] * kv[1]["calls"]):
-        print(f"  {name:32s} {row['host_us']:10.0f}   {row['gpu_idle_us'] / 8:10.0f}")
+        print(f"  {name:32s} {row['host_us']:10.0f}   {row['gpu_idle_us'] / TRACED:10.0f}")
     write_json(args, "gpu_mixed_step", {"meta": {"device": torch.cuda.get_device_name(0), "commit": commit(),
                                                  "command": " ".join(sys.argv), "torch": torch.__version__},
                                         "mixed_step_ms": mixed_ms, "decode_step_ms": decode_ms, "phases": phases})

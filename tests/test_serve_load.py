@@ -3,6 +3,7 @@ lower bound (the last point run still met the TTFT target)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -49,3 +50,21 @@ def test_a_point_whose_server_fell_behind_misses(kept_up, passes) -> None:
     from serve_load import _passes
 
     assert _passes(_point(100.0, 0.5, kept_up=kept_up)) is passes
+
+
+def _done(ttft: float, e2e: float) -> dict:
+    return {"ttft": ttft, "e2e": e2e}
+
+
+@pytest.mark.parametrize(("rate", "last", "wall", "done", "want"), [
+    (100.0, 4.0, 4.235, [_done(0.02, 0.2), _done(0.05, 0.3)], 1.0),    # done one unqueued latency (0.02 + 0.215) after
+    (100.0, 4.0, 6.235, [_done(0.02, 0.2), _done(1.0, 1.25)], 4 / 6),  # a 2 s backlog (a queued TTFT doesn't count)
+    (math.inf, 0.0, 1.0, [_done(0.1, 0.5)], None),                      # all at once: not a Poisson run
+    (100.0, 4.0, 5.0, [], None),                                        # nothing finished
+    (100.0, 4.0, 0.2, [_done(0.1, 0.5)], None),                         # (a wall shorter than one latency)
+])
+def test_kept_up_is_the_arrival_span_over_the_time_past_one_unqueued_latency(rate, last, wall, done, want) -> None:
+    from serve_load import kept_up
+
+    got = kept_up(rate, last, wall, done)
+    assert got == want if want is None else got == pytest.approx(want, abs=1e-3)

@@ -12,8 +12,8 @@ R = min(T, max_num_seqs) requests and one more, and a step fills the buffers bef
     int64: per group a: slot mapping (T_max,)                      tokens n_tok.. : -1 (no KV write)
     int32: query_start_loc (R_max + 2,)                             request n owns tokens n_tok..T; then T (empty)
            per group a: seq_lens (R_max + 1,)                        requests n.. : 0
-           per group a: block table (R_max + 1, W_a)                 rows n.. and columns past a row's keys: stale,
-                                                                     never read
+           block tables (R_max + 1, sum of W_a), row-interleaved:      rows n.. and columns past a row's keys: stale,
+             group a is columns c_a..c_a + W_a of every row          never read
 
 Every bucket's views start at the same bytes (only one replays at a time). The padded tokens belong to request n,
 which has no keys: its rows come out zero (finite, as the break buffers' zeros were: nothing downstream sees stale
@@ -23,8 +23,8 @@ W_a is the widest row the group's step can read: the model's length in blocks fo
 window the window plus the largest bucket (the engine's rows start at their first live block, ``StepTables``). A
 step whose tables are wider runs eagerly, padded to the bucket.
 
-One copy moves the slots, offsets and lengths; one more per group moves its table's first n rows (n x W_a x 4
-bytes: the rows' stride is fixed at capture, so a narrower step still moves whole rows).
+One copy moves the slots, offsets, lengths and the first n rows of the tables (every group's: n x sum of W_a x 4
+bytes; the rows' stride is fixed at capture, so a narrower step still moves whole rows).
 
 Groups of state slots whose layers say so (``static_slots``: Mamba2) are captured the same way. Their Triton conv
 and scan kernels read the offsets, slots and flags on the device, with grids from shapes; captured, every request

@@ -282,6 +282,7 @@ class AttentionManager(GroupManager):
     def free_row(self, row: int, num_cols: int) -> None:
         """Release every block of ``row`` (last block first, per group) and clear it."""
         start = int(self.num_skipped[row])
+        assert num_cols <= self.tables.shape[2], f"row {row}: {num_cols} columns, the table has {self.tables.shape[2]}"
         cols = slice(start, max(start, num_cols))
         ids = self.tables[:, row, cols].copy()                         # (G, k)
         self.tables[:, row, cols] = NULL_BLOCK
@@ -450,7 +451,8 @@ class StateManager(GroupManager):
         if tail and self.slots.key_of(tail) == self._tail_key[row]:
             self.slots.settle(tail)
 
-    def reset_rows(self, rows: np.ndarray) -> None:
+    def reset_rows(self, rows: np.ndarray | int) -> None:
+        rows = np.atleast_1d(rows)
         self.next_ckpt[rows] = _NEVER
         self.prompt_ckpt[rows] = 0
         self.final_ckpt[rows] = 0
