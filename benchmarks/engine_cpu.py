@@ -54,6 +54,16 @@ def bench_config(context: int, *, mamba: bool = True) -> HybridConfig:
                         layers=tuple(Layer(mixer=m, ffn=MLP(intermediate_size=16)) for m in mixers))
 
 
+def to_decode(sched, coord) -> None:
+    """Skip the model for the prefill: register every waiting prompt as computed, leaving one token to decode."""
+    while sched.waiting:
+        req = sched.waiting.popleft()
+        n = req.num_tokens
+        assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
+        coord.commit(req.request_id, num_computed_tokens=n - 1)
+        sched.mark_running(req)
+
+
 def measure(num_requests: int, context: int, steps: int, *, mamba: bool = True) -> dict[str, float]:
     llm = LLM(bench_config(context, mamba=mamba), device="cpu", max_num_seqs=num_requests, kv_cache_memory=1 << 30,
               max_num_batched_tokens=max(2048, num_requests))
@@ -63,13 +73,7 @@ def measure(num_requests: int, context: int, steps: int, *, mamba: bool = True) 
     for i in range(num_requests):
         n = int(context - rng.integers(0, 16))
         engine.add_request(str(i), rng.integers(0, 128, n).tolist(), params)
-    # Skip the model for the prefill: register every prompt as computed, leaving one token to decode.
-    while sched.waiting:
-        req = sched.waiting.popleft()
-        n = req.num_tokens
-        assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
-        coord.commit(req.request_id, num_computed_tokens=n - 1)
-        sched.mark_running(req)
+    to_decode(sched, coord)
 
     # A CUDA decode step packs the same tables into the captured graph's buffers instead of building CAMs:
     # timed here on host arrays shaped like that layout (no CUDA needed).
@@ -116,12 +120,7 @@ def measure_mixed(steps: int, *, decodes: int = 40, context: int = 256, prompt: 
     for i in range(decodes):
         engine.add_request(f"d{i}", rng.integers(0, 128, context).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True))
-    while sched.waiting:                    # registered as computed, as ``measure`` does
-        req = sched.waiting.popleft()
-        assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=req.num_tokens,
-                              token_ids=req.token_ids)
-        coord.commit(req.request_id, num_computed_tokens=req.num_tokens - 1)
-        sched.mark_running(req)
+    to_decode(sched, coord)
     buckets = mixed_buckets(8192)
     static = MixedStepBuffers(llm.plan, max_tokens=buckets[-1], max_reqs=256, device="cpu", pin=False)
 

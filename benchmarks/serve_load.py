@@ -431,9 +431,9 @@ def _passes(point: dict[str, Any]) -> bool:
 
 def sweep_rates(rates: list[float], run: Callable[[float], dict[str, Any]], *, extend: int = 0
                 ) -> tuple[list[dict[str, Any]], float | None, bool]:
-    """``run`` each of ``rates`` in turn until a point misses the TTFT target; while the last one still meets it, up
-    to ``extend`` more at 1.25x each. (points, the best rate that met it or None, whether that is only a lower bound:
-    the last point run met it too)."""
+    """``run`` each of ``rates`` in turn until a point misses the target (``_passes``); while the last one still meets
+    it, up to ``extend`` more at 1.25x each. (points, the best rate that met it or None, whether that is only a lower
+    bound: the last point run met it too)."""
     points, queue = [], list(rates)
     while queue:
         point = run(queue.pop(0))
@@ -530,7 +530,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                     rates, run_rate, extend=args.extra_rate_points if args.rates == "auto" else 0)
                 half = None
                 if best is not None:
-                    # (an earlier point only at the same rate: the small-steps run below uses best / 2 exactly)
+                    # (an earlier point only at the same rate: the variant run below uses best / 2 exactly)
                     half = next((p for p in points if math.isclose(p["rate"], best / 2, rel_tol=1e-3)), None)
                     if half is None:
                         half = run_profiled(server.url, name, convs, rate=best / 2,
@@ -683,7 +683,7 @@ def main() -> None:
                     "offline capacity)")
     ap.add_argument("--seconds-per-rate", type=float, default=6.0, help="seconds of arrivals per rate point")
     ap.add_argument("--extra-rate-points", type=int, default=2,
-                    help="with --rates auto: while the highest rate still meets the TTFT target, up to this many more "
+                    help="with --rates auto: while the highest rate still meets the target, up to this many more "
                     "at 1.25x each (default 2), so the best rate is measured rather than bounded")
     ap.add_argument("--api-server-counts", default="1,4",
                     help="hybridkv serve --api-server-count values, comma-separated: each gets the all-at-once "
