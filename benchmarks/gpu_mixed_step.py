@@ -1,22 +1,27 @@
-"""Is a mixed step host-bound? Mixed steps vs decode steps on the serving configuration, and where the GPU waits.
+"""Is a mixed step host-bound? Mixed steps vs decode steps on the serving configuration, and where the host's time goes.
 
     python benchmarks/gpu_mixed_step.py [--family gemma3] [--batch 40] [--context 256] [--prompt 96]
 
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) with
 ``serve_load.py``'s engine settings (``max_num_seqs`` 256, 24 GiB of KV cache, prefix caching off). ``--batch``
 requests decode at ``--context`` tokens; a mixed step adds one ``--prompt``-token request that finishes in its
-prefill step. Prints the mean time of a mixed step and of a decode step (30 each, device synced at both ends), then
-a torch-profiler trace of 8 mixed steps with the engine's host phases annotated: per phase, its mean host time and
-how long the GPU sat idle while the host was in it. A step whose GPU idles is host-bound: its time is the host's.
-Writes ``gpu_mixed_step.json`` (``_results.py``); CUDA only.
+prefill step. Prints the mean time of a mixed step (also with its logits head run eagerly instead of replayed,
+``mixed_graphs.HeadGraphs``) and of a decode step (60 each, device synced at both ends), then the host's wall time
+per step in each engine phase, timed by wrappers. ``wait`` is the host waiting for the step in flight's tokens:
+where it is near zero the host is the bottleneck, else the GPU (the engine queues step N+1 before reading step N).
+
+Not the torch profiler: under CUPTI a graph launch of a mixed bucket took ~450 µs of host time, against ~15 µs
+without it (``cudaGraphLaunch`` with the GPU busy), and the GPU's idle time moved with it. Writes
+``gpu_mixed_step.json`` (``_results.py``); CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,57 +30,55 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
 from gpu_decode import random_llm  # noqa: E402
-from gpu_step_phases import ms_per_call  # noqa: E402
 
-TRACED = 8          # mixed steps in the trace
-PHASES = {"scheduler": ["schedule"], "engine": ["_step_batch", "_launch", "_finish", "_release", "_commit"],
-          "runner": ["execute", "build_context", "_hidden"], "model": ["compute_logits_and_greedy"],
-          "static": ["pack", "upload"], "mixed": ["run"]}
+STEPS = 60
+PHASES = {"engine": ["add_request", "_step_batch", "_launch", "_finish", "_release", "_commit"],
+          "scheduler": ["schedule"], "runner": ["execute", "build_context", "_hidden"],
+          "static": ["pack", "upload"], "head": ["run"], "module": ["take_pending", "host_to_device_many"]}
+WAIT = "wait"       # the host waiting for the step in flight's tokens
 
 
-def annotate(eng) -> None:
-    """Wrap the engine's host phases in profiler ranges named ``@phase``."""
-    from torch.profiler import record_function
+def time_phases(eng) -> dict[str, float]:
+    """Wrap the engine's phases (``PHASES``) to add their wall time (s) to the returned dict."""
+    import hybridkv.engine.engine as engine_module
+    import hybridkv.engine.model_runner as runner_module
 
-    owners = {"scheduler": eng.scheduler, "engine": eng, "runner": eng.runner, "model": eng.model,
-              "static": eng.runner.mixed_graphs.static if eng.runner.mixed_graphs else None,
-              "mixed": eng.runner.mixed_graphs}
+    spent: dict[str, float] = defaultdict(float)
+    runner = eng.runner
+    owners = {"engine": eng, "scheduler": eng.scheduler, "runner": runner, "module": runner_module,
+              "static": runner.mixed_graphs.static if runner.mixed_graphs else None, "head": runner.head_graphs}
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
     for key, names in PHASES.items():
-        obj = owners[key]
-        for name in names if obj is not None else ():
-            fn = getattr(obj, name)
-
-            def wrapped(*args, _fn=fn, _name=name, **kwargs):
-                with record_function("@" + _name):
-                    return _fn(*args, **kwargs)
-
-            setattr(obj, name, wrapped)
+        for name in names if owners[key] is not None else ():
+            wrap(owners[key], name, "head graph" if key == "head" else name)
+    wrap(engine_module._Launched, "tokens_on_host", WAIT)
+    return spent
 
 
-def idle_by_phase(trace: dict) -> dict[str, dict[str, float]]:
-    """Per annotated phase: its mean host µs per call and the GPU's idle µs while it ran (summed over the trace)."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    busy: list[list[float]] = []
-    for e in sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                    key=lambda e: e["ts"]):
-        if busy and e["ts"] <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], e["ts"] + e["dur"])
-        else:
-            busy.append([e["ts"], e["ts"] + e["dur"]])
-    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False)]
-    out: dict[str, dict[str, float]] = {}
-    for e in events:
-        if e.get("cat") != "user_annotation" or not e["name"].startswith("@"):
-            continue
-        lo, hi = e["ts"], e["ts"] + e["dur"]
-        idle = sum(max(0.0, min(hi, g1) - max(lo, g0)) for g0, g1 in gaps)
-        row = out.setdefault(e["name"][1:], {"calls": 0, "host_us": 0.0, "gpu_idle_us": 0.0})
-        row["calls"] += 1
-        row["host_us"] += e["dur"]
-        row["gpu_idle_us"] += idle
-    for row in out.values():
-        row["host_us"] /= row["calls"]
-    return out
+def per_step_us(fn: Callable[[], None], spent: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """``fn``'s wall time (µs per call, device synced at both ends) and each phase's µs per call."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    spent.clear()
+    t = time.perf_counter()
+    for _ in range(STEPS):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / STEPS * 1e6
+    return wall, {k: v / STEPS * 1e6 for k, v in spent.items()}
 
 
 def main() -> None:
@@ -106,32 +109,27 @@ def main() -> None:
                         SamplingParams(temperature=0.0, max_tokens=1))
         eng.step(only_finished=True)
 
-    def ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        return ms_per_call(fn, 30)
-
-    mixed_ms, decode_ms = ms(mixed), ms(lambda: eng.step(only_finished=True))
-    annotate(eng)
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(TRACED):
-            mixed()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        phases = idle_by_phase(json.loads(Path(f.name).read_text()))
+    runner, spent = eng.runner, time_phases(eng)
+    mixed_us, mixed_phases = per_step_us(mixed, spent)
+    head_graphs, runner.head_graphs = runner.head_graphs, None
+    try:
+        eager_head_us, eager_head_phases = per_step_us(mixed, spent)
+    finally:
+        runner.head_graphs = head_graphs
+    decode_us, decode_phases = per_step_us(lambda: eng.step(only_finished=True), spent)
     print(f"{args.family}: {args.batch} decodes at {args.context} tokens: mixed step (+{args.prompt} prompt tokens) "
-          f"{mixed_ms:.2f} ms, decode step {decode_ms:.2f} ms", flush=True)
-    print("host phase (under the profiler)     host µs/call   GPU idle µs/step while in it")
-    for name, row in sorted(phases.items(), key=lambda kv: -kv[1]["host_us"] * kv[1]["calls"]):
-        print(f"  {name:32s} {row['host_us']:10.0f}   {row['gpu_idle_us'] / TRACED:10.0f}")
+          f"{mixed_us / 1e3:.2f} ms ({eager_head_us / 1e3:.2f} ms with the head eager), decode step "
+          f"{decode_us / 1e3:.2f} ms", flush=True)
+    print(f"host µs per step        {'mixed':>8s} {'head eager':>11s} {'decode':>8s}")
+    names = sorted(set(mixed_phases) | set(eager_head_phases), key=lambda k: -eager_head_phases.get(k, 0.0))
+    for name in names:
+        print(f"  {name:20s} {mixed_phases.get(name, 0.0):8.0f} {eager_head_phases.get(name, 0.0):11.0f} "
+              f"{decode_phases.get(name, 0.0):8.0f}")
+    host = {"mixed": mixed_phases, "mixed_eager_head": eager_head_phases, "decode": decode_phases}
     write_json(args, "gpu_mixed_step", {"meta": {"device": torch.cuda.get_device_name(0), "commit": commit(),
                                                  "command": " ".join(sys.argv), "torch": torch.__version__},
-                                        "mixed_step_ms": mixed_ms, "decode_step_ms": decode_ms, "phases": phases})
-
+                                        "mixed_step_ms": mixed_us / 1e3, "decode_step_ms": decode_us / 1e3,
+                                        "mixed_step_eager_head_ms": eager_head_us / 1e3, "host_us_per_step": host})
 
 if __name__ == "__main__":
     main()
