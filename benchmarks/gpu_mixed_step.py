@@ -5,10 +5,10 @@
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) with
 ``serve_load.py``'s engine settings (``max_num_seqs`` 256, 24 GiB of KV cache, prefix caching off). ``--batch``
 requests decode at ``--context`` tokens; a mixed step adds one ``--prompt``-token request that finishes in its
-prefill step. Prints the mean time of a mixed step (also with its logits head run eagerly instead of replayed,
-``mixed_graphs.HeadGraphs``) and of a decode step (60 each, device synced at both ends), then the host's wall time
-per step in each engine phase, timed by wrappers. ``wait`` is the host waiting for the step in flight's tokens:
-where it is near zero the host is the bottleneck, else the GPU (the engine queues step N+1 before reading step N).
+prefill step. Prints the mean time of a mixed step and of a decode step (60 each, device synced at both ends), the
+host's wall time per step in each engine phase, timed by wrappers, and the GPU's kernel time per step by kernel
+family. ``wait`` is the host waiting for the step in flight's tokens: where it is near zero the host is the
+bottleneck, else the GPU (the engine queues step N+1 before reading step N).
 
 Not the torch profiler: under CUPTI a graph launch of a mixed bucket took ~450 µs of host time, against ~15 µs
 without it (``cudaGraphLaunch`` with the GPU busy), and the GPU's idle time moved with it. Writes
@@ -18,7 +18,9 @@ without it (``cudaGraphLaunch`` with the GPU busy), and the GPU's idle time move
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from gpu_decode import random_llm  # noqa: E402
 STEPS = 60
 PHASES = {"engine": ["add_request", "_step_batch", "_launch", "_finish", "_release", "_commit"],
           "scheduler": ["schedule"], "runner": ["execute", "build_context", "_hidden"],
-          "static": ["pack", "upload"], "head": ["run"], "module": ["take_pending", "host_to_device_many"]}
+          "static": ["pack", "upload"], "module": ["take_pending", "host_to_device_many"]}
 WAIT = "wait"       # the host waiting for the step in flight's tokens
 
 
@@ -46,7 +48,7 @@ def time_phases(eng) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
     runner = eng.runner
     owners = {"engine": eng, "scheduler": eng.scheduler, "runner": runner, "module": runner_module,
-              "static": runner.mixed_graphs.static if runner.mixed_graphs else None, "head": runner.head_graphs}
+              "static": runner.mixed_graphs.static if runner.mixed_graphs else None}
 
     def wrap(obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
@@ -62,9 +64,38 @@ def time_phases(eng) -> dict[str, float]:
 
     for key, names in PHASES.items():
         for name in names if owners[key] is not None else ():
-            wrap(owners[key], name, "head graph" if key == "head" else name)
+            wrap(owners[key], name, name)
     wrap(engine_module._Launched, "tokens_on_host", WAIT)
     return spent
+
+
+KERNEL_FAMILIES = {"attention": ("_paged_attention", "_reduce_segments"), "GEMM (cuBLAS)": ("nvjet", "cublas", "gemm"),
+                   "GEMM (Triton)": ("_skinny_linear",), "norms": ("rms_norm",), "rope and KV write": ("rope",),
+                   "activation": ("_act_mul",), "copies": ("Memcpy", "Memset")}
+
+
+def kernel_us(fn: Callable[[], None], steps: int = 10) -> dict[str, float]:
+    """GPU µs per call of ``fn`` by kernel family (``KERNEL_FAMILIES``, the rest as "other") and in all, from a torch
+    profiler trace: the kernels' own durations (the profiler inflates the host's launches, not these; with
+    programmatic dependent launch consecutive kernels overlap, so the sum may exceed the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"]
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out: dict[str, float] = defaultdict(float)
+    for e in events:
+        family = next((k for k, keys in KERNEL_FAMILIES.items() if any(key in e["name"] for key in keys)), "other")
+        out[family] += e["dur"] / steps
+        out["all kernels"] += e["dur"] / steps
+    out["kernels launched"] = len(events) / steps
+    return dict(out)
 
 
 def per_step_us(fn: Callable[[], None], spent: dict[str, float]) -> tuple[float, dict[str, float]]:
@@ -109,27 +140,23 @@ def main() -> None:
                         SamplingParams(temperature=0.0, max_tokens=1))
         eng.step(only_finished=True)
 
-    runner, spent = eng.runner, time_phases(eng)
+    spent = time_phases(eng)
     mixed_us, mixed_phases = per_step_us(mixed, spent)
-    head_graphs, runner.head_graphs = runner.head_graphs, None
-    try:
-        eager_head_us, eager_head_phases = per_step_us(mixed, spent)
-    finally:
-        runner.head_graphs = head_graphs
     decode_us, decode_phases = per_step_us(lambda: eng.step(only_finished=True), spent)
+    mixed_kernels, decode_kernels = kernel_us(mixed), kernel_us(lambda: eng.step(only_finished=True))
     print(f"{args.family}: {args.batch} decodes at {args.context} tokens: mixed step (+{args.prompt} prompt tokens) "
-          f"{mixed_us / 1e3:.2f} ms ({eager_head_us / 1e3:.2f} ms with the head eager), decode step "
-          f"{decode_us / 1e3:.2f} ms", flush=True)
-    print(f"host µs per step        {'mixed':>8s} {'head eager':>11s} {'decode':>8s}")
-    names = sorted(set(mixed_phases) | set(eager_head_phases), key=lambda k: -eager_head_phases.get(k, 0.0))
-    for name in names:
-        print(f"  {name:20s} {mixed_phases.get(name, 0.0):8.0f} {eager_head_phases.get(name, 0.0):11.0f} "
-              f"{decode_phases.get(name, 0.0):8.0f}")
-    host = {"mixed": mixed_phases, "mixed_eager_head": eager_head_phases, "decode": decode_phases}
+          f"{mixed_us / 1e3:.2f} ms, decode step {decode_us / 1e3:.2f} ms", flush=True)
+    print(f"host µs per step        {'mixed':>8s} {'decode':>8s}")
+    for name in sorted(set(mixed_phases) | set(decode_phases), key=lambda k: -mixed_phases.get(k, 0.0)):
+        print(f"  {name:20s} {mixed_phases.get(name, 0.0):8.0f} {decode_phases.get(name, 0.0):8.0f}")
+    print(f"GPU kernel µs per step  {'mixed':>8s} {'decode':>8s}   (under the profiler; kernels may overlap)")
+    for name in sorted(set(mixed_kernels) | set(decode_kernels), key=lambda k: -mixed_kernels.get(k, 0.0)):
+        print(f"  {name:20s} {mixed_kernels.get(name, 0.0):8.0f} {decode_kernels.get(name, 0.0):8.0f}")
     write_json(args, "gpu_mixed_step", {"meta": {"device": torch.cuda.get_device_name(0), "commit": commit(),
                                                  "command": " ".join(sys.argv), "torch": torch.__version__},
                                         "mixed_step_ms": mixed_us / 1e3, "decode_step_ms": decode_us / 1e3,
-                                        "mixed_step_eager_head_ms": eager_head_us / 1e3, "host_us_per_step": host})
+                                        "host_us_per_step": {"mixed": mixed_phases, "decode": decode_phases},
+                                        "kernel_us_per_step": {"mixed": mixed_kernels, "decode": decode_kernels}})
 
 if __name__ == "__main__":
     main()

@@ -136,13 +136,11 @@ def measure_mixed(eng, family: str, batch: int, prefill: int, steps: int = 10, c
         mixed_step()
     step = ms_per_call(mixed_step, steps)
     runner = eng.runner
-    graphs = runner.mixed_graphs, runner.head_graphs
-    runner.mixed_graphs = runner.head_graphs = None
+    mixed_graphs, runner.mixed_graphs = runner.mixed_graphs, None
     try:
         eager = ms_per_call(mixed_step, steps)              # the same steps without the mixed-step graphs
     finally:
-        runner.mixed_graphs, runner.head_graphs = graphs
-    mixed_graphs = graphs[0]
+        runner.mixed_graphs = mixed_graphs
     decode = ms_per_call(lambda: eng.step(only_finished=True), steps)
     synced, phases = synced_phases(eng, mixed_step, steps)
     mixed_kernels, gpu_ms, launches = kernel_ms(mixed_step, steps)

@@ -14,10 +14,8 @@ import torch
 
 from hybridkv.backends.registry import torch_backend
 from hybridkv.engine.mixed_graphs import (
-    HEAD_GRAPH_ROWS,
     HEAD_MIN_ROWS,
     MAX_GRAPHED_TOKENS,
-    HeadGraphs,
     MixedStepGraphs,
     _Recorder,
     eager_sizes,
@@ -77,21 +75,6 @@ def test_eager_sizes(budget: int, expected: tuple[int, ...]) -> None:
                                                 (192, 192), (193, 250), (250, 250), (251, 251), (4000, 4000)])
 def test_head_rows_are_padded_to_few_counts(rows: int, expected: int) -> None:
     assert padded_rows(rows, 250) == expected
-
-
-@pytest.mark.parametrize(("max_rows", "rows", "expected"), [
-    (256, (1, 8, 9, 33, 64, 65), (8, 8, 16, 64, 64, None)),
-    (20, (1, 9, 17, 20, 21), (8, 16, 20, 20, None)),
-    (4, (1, 4, 5), (4, 4, None)),
-])
-def test_head_graph_rows(max_rows: int, rows: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
-    """A head replays at the smallest captured row count that holds it, up to the Triton GEMV's rows and
-    ``max_num_seqs``; past them it runs eagerly (None)."""
-    config = HybridConfig(vocab_size=64, hidden_size=16, max_position_embeddings=64, dtype="float32",
-                          layers=(Layer(mixer=_KINDS["full"][0], ffn=MLP(intermediate_size=32)),))
-    head = HeadGraphs(HybridModel(config), torch_backend(), max_rows=max_rows)
-    assert head.rows[-1] == min(max_rows, HEAD_GRAPH_ROWS[-1]) and HEAD_GRAPH_ROWS[-1] == HEAD_MIN_ROWS
-    assert tuple(head.rows_for(r) for r in rows) == expected
 
 
 def test_head_rows_past_the_triton_gemv_are_cublas_ones() -> None:
@@ -260,51 +243,12 @@ def test_attention_and_mamba2_run_inside_the_mixed_graphs(other: str) -> None:
     for graphs in (False, True):
         llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
                   max_num_batched_tokens=96, cuda_graphs=graphs, seed=0)
-        runner = llm.engine.runner
-        mixed, heads = runner.mixed_graphs, []
+        mixed = llm.engine.runner.mixed_graphs
         if graphs:
-            assert mixed is not None and mixed.static is not None and runner.head_graphs is not None
+            assert mixed is not None and mixed.static is not None
             assert all(len(pieces) == 1 and not brks for pieces, brks, _ in mixed._captured.values())
-
-            def counted(hidden, index, rows, *, logits, run=runner.head_graphs.run, heads=heads):
-                heads.append(rows)
-                return run(hidden, index, rows, logits=logits)
-
-            runner.head_graphs.run = counted
         runs.append(_staggered(llm, prompts, params, every=2))
-        assert (len(heads) > 5) == graphs            # the mixed steps' heads replayed their graphs
     _assert_same(*runs)
-
-
-@gpu
-def test_head_graphs_write_the_logits_only_when_asked() -> None:
-    """bf16, the head as the Triton GEMV with the argmax in its epilogue: mixed steps that need no logits replay the
-    head graphs with the logits' write off, steps that need them (logprobs) with it on; the greedy tokens agree,
-    and each chosen token is its row's most likely one."""
-    from hybridkv import LLM, SamplingParams
-
-    layers = tuple(Layer(mixer=_KINDS["sliding" if i % 2 else "full"][0], ffn=MLP(intermediate_size=96))
-                   for i in range(4))
-    config = HybridConfig(vocab_size=512, hidden_size=64, max_position_embeddings=512, dtype="bfloat16", layers=layers)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(3, 100, 10)]
-    llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
-              max_num_batched_tokens=96, seed=0)
-    head = llm.engine.runner.head_graphs
-    assert head is not None
-    writes: list[bool] = []
-    run = head.run
-    head.run = lambda hidden, index, rows, *, logits: (writes.append(logits), run(hidden, index, rows,
-                                                                                   logits=logits))[1]
-    runs = []
-    for logprobs in (None, 1):
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=logprobs)
-        runs.append(_staggered(llm, prompts, params, every=2))
-    assert False in writes and True in writes
-    for rid, out in runs[0].items():
-        assert runs[1][rid].token_ids == out.token_ids, rid
-        for lp in runs[1][rid].logprobs:
-            assert lp.top[0][0] == lp.token_id or lp.logprob >= lp.top[0][1] - 1e-3
 
 
 def test_padded_eager_steps_equal_exact_ones() -> None:

@@ -67,14 +67,6 @@ HEAD_MIN_ROWS = 64
 shape to meet."""
 
 
-HEAD_GRAPH_ROWS = (8, 16, 32, HEAD_MIN_ROWS)
-"""Row counts at which a step that no decode graph runs replays its logits head as a graph (``HeadGraphs``): the
-Triton GEMV's, where the head may skip writing the logits. Eager, the head is two Triton launches and a few torch
-ops: ~0.35 ms of host time per mixed step on an H200, more than its GPU time (``benchmarks/gpu_mixed_step.py``).
-Past them it runs eagerly: cuBLAS writes (rows, vocab) fp32 logits, which a graph per row count would each keep
-(a 262k vocabulary: 256 MB at 256 rows)."""
-
-
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Token counts captured: 16, 32, 64, then every 32 to 256, every 64 to 512, every 128 to 1024, every 256 to
     2048, every 512 to 4096, up to the step budget: past 128 tokens at most a fifth of a step is padding (the
@@ -307,61 +299,3 @@ class MixedStepGraphs:
             if brk is not None:
                 brk.run(n)
         return hidden[:n]
-
-
-class HeadGraphs:
-    """The logits head of the steps no decode graph runs, captured at ``HEAD_GRAPH_ROWS`` rows over static buffers:
-    hidden rows in; greedy tokens, their report (``StepOutput.report``) and, when asked, fp32 logits out."""
-
-    def __init__(self, model: HybridModel, backend: KernelBackend, *, max_rows: int) -> None:
-        self.model, self.backend = model, backend
-        self.device = next(model.parameters()).device
-        self.rows = tuple(r for r in HEAD_GRAPH_ROWS if r < max_rows) + (min(max_rows, HEAD_GRAPH_ROWS[-1]),)
-        top, weight = self.rows[-1], model.lm_head.weight
-        self._hidden = torch.zeros(top, weight.shape[1], dtype=weight.dtype, device=self.device)
-        self._tokens = torch.zeros(top, dtype=torch.int64, device=self.device)
-        self._report = torch.zeros(top, dtype=torch.int64, device=self.device)
-        self._write = torch.ones(1, dtype=torch.int64, device=self.device)     # nonzero: store the logits
-        self._writes = True                                                    # (the host's copy of it)
-        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    def capture(self) -> None:
-        """Capture every row count, largest first, in one memory pool; each warmed up first outside a capture."""
-        pool = torch.cuda.graph_pool_handle()
-        with forward_context(ForwardContext(inputs={}, backend=self.backend)):
-            for r in reversed(self.rows):
-                self._head(r)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._head(r)
-                self._captured[r] = (graph, logits)
-        torch.cuda.synchronize(self.device)
-
-    def _head(self, r: int) -> torch.Tensor:
-        out = self.model.compute_logits_and_greedy(self._hidden[:r], out=self._tokens[:r], report=self._report[:r],
-                                                   write_logits=self._write)
-        if out is None:
-            raise RuntimeError("head graphs: compute_logits returned None (tensor-parallel ranks are not supported)")
-        return out[0]
-
-    def rows_for(self, rows: int) -> int | None:
-        """The captured row count a head of ``rows`` rows replays at; None past the largest (eager)."""
-        return next((r for r in self.rows if r >= rows), None)
-
-    def run(self, hidden: torch.Tensor, index: torch.Tensor, rows: int, *, logits: bool
-            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The head of hidden (T, hidden_size) at ``index`` ((R,) int64 on the device, R a captured row count, the
-        first ``rows`` real): fp32 logits (rows, vocab) (None unless ``logits``), their argmax (rows,) int64 and its
-        report, valid until the next run."""
-        r = int(index.shape[0])
-        graph, out = self._captured[r]
-        if hidden.dtype == self._hidden.dtype:
-            torch.index_select(hidden, 0, index, out=self._hidden[:r])
-        else:
-            self._hidden[:r].copy_(hidden.index_select(0, index))
-        if logits != self._writes:
-            self._write.fill_(int(logits))
-            self._writes = logits
-        graph.replay()
-        return (out[:rows] if logits else None), self._tokens[:rows], self._report[:rows]

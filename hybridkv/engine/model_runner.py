@@ -24,7 +24,6 @@ from hybridkv.engine.cuda_graphs import DecodeGraphs, DecodeTables, default_buck
 from hybridkv.engine.host_checkpoints import HostCheckpoints
 from hybridkv.engine.mixed_graphs import (
     HEAD_MIN_ROWS,
-    HeadGraphs,
     MixedStepGraphs,
     eager_sizes,
     mixed_buckets,
@@ -218,7 +217,6 @@ class ModelRunner:
         self.graphs = self._capture_graphs(cuda_graphs, max_num_seqs, reason)
         self.mixed_graphs = (self._capture_mixed(max_num_batched_tokens)
                              if cuda_graphs is not False and reason is None else None)
-        self.head_graphs = self._capture_head() if self.mixed_graphs is not None else None
 
     def _graphs_unsupported(self) -> str | None:
         """Why no CUDA graph can run here; None when they can."""
@@ -273,18 +271,6 @@ class ModelRunner:
             logger.warning("start-up could not run the eager step sizes' GEMMs (%s): the first steps of each size "
                            "will pay cuBLAS's first use", str(e).splitlines()[0])
         return graphs
-
-    def _capture_head(self) -> HeadGraphs | None:
-        """The head graphs of the steps no decode graph runs (``mixed_graphs.HeadGraphs``); None if capturing fails
-        (those steps then run their head eagerly)."""
-        head = HeadGraphs(self.model, self.backend, max_rows=self.max_num_seqs)
-        try:
-            head.capture()
-        except (RuntimeError, UnsupportedConfig) as e:
-            logger.warning("CUDA graphs for the logits head of mixed steps off: capturing failed (%s)",
-                           str(e).splitlines()[0])
-            return None
-        return head
 
     def _mixed_graphs(self, max_num_batched_tokens: int, state_groups: Sequence[int]
                       ) -> MixedStepGraphs | RuntimeError | UnsupportedConfig | KeyError:
@@ -472,11 +458,7 @@ class ModelRunner:
             return StepOutput(logits=logits, greedy=greedy, report=reported)
         index = np.asarray(batch.logits_indices, dtype=np.int64)
         rows = len(index)
-        head = self.head_graphs if batch.greedy and self.head_graphs is not None else None
-        head_rows = head.rows_for(rows) if head is not None and rows else None
-        if head_rows is not None:           # the head replays a graph of this many rows
-            index = np.pad(index, (0, head_rows - rows), mode="edge")
-        elif self.mixed_graphs is not None:   # the head's GEMM at a few row counts (mixed_graphs.HEAD_GRANULE)
+        if self.mixed_graphs is not None:   # the head's GEMM at a few row counts (mixed_graphs.HEAD_GRANULE)
             index = np.pad(index, (0, padded_rows(rows, self.max_num_seqs) - rows), mode="edge")
         arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(), index]
         if batch.input_sources is not None:
@@ -486,12 +468,7 @@ class ModelRunner:
         if sources:                                                                             # copy (and static's)
             assert batch.prev_tokens is not None
             ids = take_pending(ids, sources[0], batch.prev_tokens)
-        hidden = self._hidden(ids, positions, context, static)
-        if head_rows is not None:
-            assert head is not None
-            logits, greedy, reported = head.run(hidden, index, rows, logits=batch.needs_logits)
-            return StepOutput(logits=logits, greedy=greedy, report=reported)
-        hidden = hidden.index_select(0, index)
+        hidden = self._hidden(ids, positions, context, static).index_select(0, index)
         with forward_context(context):      # the head too runs on the step's backend
             if batch.greedy:
                 out = self.model.compute_logits_and_greedy(hidden)
