@@ -8,11 +8,15 @@ requests decode at ``--context`` tokens; a mixed step adds one ``--prompt``-toke
 prefill step. Prints the mean time of a mixed step and of a decode step (60 each, device synced at both ends), the
 host's wall time per step in each engine phase, timed by wrappers, and the GPU's kernel time per step by kernel
 family. ``wait`` is the host waiting for the step in flight's tokens: where it is near zero the host is the
-bottleneck, else the GPU (the engine queues step N+1 before reading step N).
+bottleneck, else the GPU (the engine queues step N+1 before reading step N); the host's own work is the step less
+``wait``. Phases nest: ``_finish`` holds ``wait`` and ``_release``; ``execute`` holds ``build_context`` (which holds
+``pack``, ``upload`` and ``host_to_device_many``), ``take_pending``, ``_hidden`` (the mixed graph's replay) and
+``head`` (the eager logits head; a decode step's is in its graph).
 
-Not the torch profiler: under CUPTI a graph launch of a mixed bucket took ~450 µs of host time, against ~15 µs
-without it (``cudaGraphLaunch`` with the GPU busy), and the GPU's idle time moved with it. Writes
-``gpu_mixed_step.json`` (``_results.py``); CUDA only.
+The host phases are not timed under the torch profiler: under its CUPTI hooks a mixed bucket's graph launch took
+~450 µs of host time, which by wall clock is a part of ``_hidden``'s ~90 µs. The kernel table comes from a profiler
+trace: kernel durations, and the GPU's busy time per step (their union: kernels launched with programmatic dependent
+launch overlap, so the durations add up to more). Writes ``gpu_mixed_step.json`` (``_results.py``); CUDA only.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from gpu_decode import random_llm  # noqa: E402
 STEPS = 60
 PHASES = {"engine": ["add_request", "_step_batch", "_launch", "_finish", "_release", "_commit"],
           "scheduler": ["schedule"], "runner": ["execute", "build_context", "_hidden"],
-          "static": ["pack", "upload"], "module": ["take_pending", "host_to_device_many"]}
+          "static": ["pack", "upload"], "module": ["take_pending", "host_to_device_many"],
+          "model": ["compute_logits_and_greedy"]}
+LABELS = {"compute_logits_and_greedy": "head"}
 WAIT = "wait"       # the host waiting for the step in flight's tokens
 
 
@@ -48,7 +54,7 @@ def time_phases(eng) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
     runner = eng.runner
     owners = {"engine": eng, "scheduler": eng.scheduler, "runner": runner, "module": runner_module,
-              "static": runner.mixed_graphs.static if runner.mixed_graphs else None}
+              "static": runner.mixed_graphs.static if runner.mixed_graphs else None, "model": eng.model}
 
     def wrap(obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
@@ -64,7 +70,7 @@ def time_phases(eng) -> dict[str, float]:
 
     for key, names in PHASES.items():
         for name in names if owners[key] is not None else ():
-            wrap(owners[key], name, name)
+            wrap(owners[key], name, LABELS.get(name, name))
     wrap(engine_module._Launched, "tokens_on_host", WAIT)
     return spent
 
@@ -74,10 +80,10 @@ KERNEL_FAMILIES = {"attention": ("_paged_attention", "_reduce_segments"), "GEMM 
                    "activation": ("_act_mul",), "copies": ("Memcpy", "Memset")}
 
 
-def kernel_us(fn: Callable[[], None], steps: int = 10) -> dict[str, float]:
-    """GPU µs per call of ``fn`` by kernel family (``KERNEL_FAMILIES``, the rest as "other") and in all, from a torch
-    profiler trace: the kernels' own durations (the profiler inflates the host's launches, not these; with
-    programmatic dependent launch consecutive kernels overlap, so the sum may exceed the step)."""
+def kernel_us(fn: Callable[[], None], steps: int = 10) -> tuple[dict[str, float], float, float]:
+    """GPU µs per call of ``fn`` by kernel family (``KERNEL_FAMILIES``, the rest as "other") and in all, the GPU's
+    busy µs per call (the union of the kernels' intervals) and the kernels per call, from a torch profiler trace (the
+    profiler inflates the host's launches, not the kernels' durations)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -87,15 +93,18 @@ def kernel_us(fn: Callable[[], None], steps: int = 10) -> dict[str, float]:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"]
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    out: dict[str, float] = defaultdict(float)
+        events = sorted((e for e in json.loads(Path(f.name).read_text())["traceEvents"]
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    families: dict[str, float] = defaultdict(float)
+    busy, end = 0.0, float("-inf")
     for e in events:
         family = next((k for k, keys in KERNEL_FAMILIES.items() if any(key in e["name"] for key in keys)), "other")
-        out[family] += e["dur"] / steps
-        out["all kernels"] += e["dur"] / steps
-    out["kernels launched"] = len(events) / steps
-    return dict(out)
+        families[family] += e["dur"] / steps
+        families["all kernels"] += e["dur"] / steps
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return dict(families), busy / steps, len(events) / steps
 
 
 def per_step_us(fn: Callable[[], None], spent: dict[str, float]) -> tuple[float, dict[str, float]]:
@@ -143,20 +152,27 @@ def main() -> None:
     spent = time_phases(eng)
     mixed_us, mixed_phases = per_step_us(mixed, spent)
     decode_us, decode_phases = per_step_us(lambda: eng.step(only_finished=True), spent)
-    mixed_kernels, decode_kernels = kernel_us(mixed), kernel_us(lambda: eng.step(only_finished=True))
+    (mixed_kernels, mixed_busy, mixed_n), (decode_kernels, decode_busy, decode_n) = \
+        kernel_us(mixed), kernel_us(lambda: eng.step(only_finished=True))
     print(f"{args.family}: {args.batch} decodes at {args.context} tokens: mixed step (+{args.prompt} prompt tokens) "
           f"{mixed_us / 1e3:.2f} ms, decode step {decode_us / 1e3:.2f} ms", flush=True)
-    print(f"host µs per step        {'mixed':>8s} {'decode':>8s}")
+    print(f"host µs per step        {'mixed':>8s} {'decode':>8s}   (phases nest: module docstring)")
     for name in sorted(set(mixed_phases) | set(decode_phases), key=lambda k: -mixed_phases.get(k, 0.0)):
         print(f"  {name:20s} {mixed_phases.get(name, 0.0):8.0f} {decode_phases.get(name, 0.0):8.0f}")
-    print(f"GPU kernel µs per step  {'mixed':>8s} {'decode':>8s}   (under the profiler; kernels may overlap)")
+    print(f"  {'(step less wait)':20s} {mixed_us - mixed_phases.get(WAIT, 0.0):8.0f} "
+          f"{decode_us - decode_phases.get(WAIT, 0.0):8.0f}")
+    print(f"GPU µs per step         {'mixed':>8s} {'decode':>8s}   (under the profiler)")
+    print(f"  {'busy':20s} {mixed_busy:8.0f} {decode_busy:8.0f}   ({mixed_n:.0f} / {decode_n:.0f} kernels)")
     for name in sorted(set(mixed_kernels) | set(decode_kernels), key=lambda k: -mixed_kernels.get(k, 0.0)):
         print(f"  {name:20s} {mixed_kernels.get(name, 0.0):8.0f} {decode_kernels.get(name, 0.0):8.0f}")
     write_json(args, "gpu_mixed_step", {"meta": {"device": torch.cuda.get_device_name(0), "commit": commit(),
                                                  "command": " ".join(sys.argv), "torch": torch.__version__},
                                         "mixed_step_ms": mixed_us / 1e3, "decode_step_ms": decode_us / 1e3,
                                         "host_us_per_step": {"mixed": mixed_phases, "decode": decode_phases},
+                                        "gpu_busy_us_per_step": {"mixed": mixed_busy, "decode": decode_busy},
+                                        "kernels_per_step": {"mixed": mixed_n, "decode": decode_n},
                                         "kernel_us_per_step": {"mixed": mixed_kernels, "decode": decode_kernels}})
+
 
 if __name__ == "__main__":
     main()
