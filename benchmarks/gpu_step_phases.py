@@ -13,7 +13,8 @@ Prints one line per (family, batch); CUDA only.
 ``--mixed P``: the steps measured are mixed, as under serving traffic: ``batch`` decodes plus one new request of P
 prompt tokens each step, with the mixed-step graphs (``engine/mixed_graphs.py``) and without (eager); besides the
 phases, the GPU kernel time per step (torch profiler) and the host work that takes the most time of such steps
-(cProfile, and torch profiler's host ops), to tell a host-bound mixed step from a device-bound one.
+(cProfile, and torch profiler's host ops). The profiler's hooks slow the host's launches (a graph launch most), so
+whether a mixed step is bound by the host or the GPU is ``gpu_mixed_step.py``'s to tell (its ``wait``).
 """
 
 from __future__ import annotations
