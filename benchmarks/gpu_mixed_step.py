@@ -14,9 +14,11 @@ bottleneck, else the GPU (the engine queues step N+1 before reading step N); the
 ``head`` (the eager logits head; a decode step's is in its graph).
 
 The host phases are not timed under the torch profiler: under its CUPTI hooks a mixed bucket's graph launch took
-~450 µs of host time, which by wall clock is a part of ``_hidden``'s ~90 µs. The kernel table comes from a profiler
-trace: kernel durations, and the GPU's busy time per step (their union: kernels launched with programmatic dependent
-launch overlap, so the durations add up to more). Writes ``gpu_mixed_step.json`` (``_results.py``); CUDA only.
+~450 µs of host time, which by wall clock is a part of ``_hidden``. The kernel table comes from a profiler trace of
+10 more steps of each kind, after the timed ones (so at ~140 more tokens of context, and under CUPTI): kernel
+durations, and the GPU's busy time per step (their union; a Triton kernel launched with programmatic dependent launch
+starts early and waits for its predecessor inside, so durations added up overcount). Writes ``gpu_mixed_step.json``
+(``_results.py``); CUDA only.
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ def reduce_partials(values: torch.Tensor, indices: torch.Tensor, *, out: torch.T
     rows, parts = values.shape
     if out is not None and (out.shape != (rows,) or out.dtype != torch.int64):
         raise ValueError(f"argmax: out must be ({rows},) int64, got {tuple(out.shape)} {out.dtype}")
+    if report is not None and (report.shape != (rows,) or report.dtype != torch.int64):
+        raise ValueError(f"argmax: report must be ({rows},) int64, got {tuple(report.shape)} {report.dtype}")
     tokens = out if out is not None else torch.empty(rows, dtype=torch.int64, device=values.device)
     if rows:
         _reduce_kernel[(rows,)](values, indices, tokens, report if report is not None else tokens, parts,

@@ -471,7 +471,7 @@ class ModelRunner:
         hidden = self._hidden(ids, positions, context, static).index_select(0, index)
         with forward_context(context):      # the head too runs on the step's backend
             if batch.greedy:
-                # the report comes from the argmax's own reduction (a separate finite check: ~0.1 ms of launches)
+                # the report comes from the argmax's own reduction (a separate finite check: three more launches)
                 reported = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
                 out = self.model.compute_logits_and_greedy(hidden, report=reported)
                 if out is None:
