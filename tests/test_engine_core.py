@@ -60,8 +60,8 @@ def client(checkpoint: Path):
     assert engine.process.returncode == 0
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+def run(coro, timeout: float = TIMEOUT):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 async def collect(engine: EngineCoreClient, prompt, params: SamplingParams, stream: bool):
@@ -226,7 +226,9 @@ def test_a_burst_larger_than_the_socket_buffers(checkpoint: Path, offline, monke
             return await asyncio.gather(*(collect(engine, {"prompt_token_ids": p}, params, stream=True)
                                           for p in prompts))
 
-        got = run(main())
+        # (a hang detector: 9 s alone on a 2-core VM, but ~190 s when a second run competes for the cores; every
+        # message crosses 4 KB buffers in many thread hand-offs)
+        got = run(main(), timeout=300.0)
         assert [g[0][0] for g in got] == want
     finally:
         engine.shutdown(timeout=TIMEOUT)
