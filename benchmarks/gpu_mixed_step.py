@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
 from gpu_decode import random_llm  # noqa: E402
+from gpu_step_phases import ms_per_call  # noqa: E402
 
 STEPS = 60
 PHASES = {"engine": ["add_request", "_step_batch", "_launch", "_finish", "_release", "_commit"],
@@ -113,13 +114,8 @@ def per_step_us(fn: Callable[[], None], spent: dict[str, float]) -> tuple[float,
     """``fn``'s wall time (µs per call, device synced at both ends) and each phase's µs per call."""
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
     spent.clear()
-    t = time.perf_counter()
-    for _ in range(STEPS):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / STEPS * 1e6
+    wall = ms_per_call(fn, STEPS) * 1e3
     return wall, {k: v / STEPS * 1e6 for k, v in spent.items()}
 
 
