@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.engine.engine import STEP_SECONDS_BUCKETS
 from hybridkv.engine.request import PENDING_TOKEN, RequestStatus
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model
@@ -145,6 +146,19 @@ def test_outputs_lag_one_step_and_stream_in_order(model) -> None:
     assert seen == list(sync[0].outputs[0].token_ids)
     assert engine.stats().steps == 3             # the last token is never fed back: no fourth step
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_step_intervals_count_busy_steps_only(model, mode: bool) -> None:
+    """``EngineStats.step_seconds`` counts the time between two steps' starts while the engine stays busy: a
+    three-step request adds two intervals, and the idle time before the next request adds none."""
+    llm = make_llm(model, async_scheduling=mode)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for runs in (1, 2):
+        llm.generate([[3, 4, 5]], params, use_tqdm=False)
+        stats = llm.stats()
+        assert len(stats.step_seconds) == len(STEP_SECONDS_BUCKETS) + 1
+        assert sum(stats.step_seconds) == 2 * runs and stats.step_seconds_sum > 0
 
 
 def test_streamed_prompt_logprobs_arrive_with_their_step(model) -> None:

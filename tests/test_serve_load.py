@@ -68,3 +68,34 @@ def test_kept_up_is_the_arrival_span_over_the_time_past_one_unqueued_latency(rat
 
     got = kept_up(rate, last, wall, done)
     assert got == want if want is None else got == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.parametrize(("before", "after", "q", "want"), [
+    ({0.001: 0, 0.002: 0, math.inf: 0}, {0.001: 50, 0.002: 100, math.inf: 100}, 50, 0.001),
+    ({0.001: 0, 0.002: 0, math.inf: 0}, {0.001: 50, 0.002: 100, math.inf: 100}, 99, 0.00198),   # within its bucket
+    ({0.001: 10, 0.002: 10, math.inf: 10}, {0.001: 10, 0.002: 110, math.inf: 110}, 50, 0.0015),  # the gain only
+    ({}, {0.001: 0, 0.002: 1, math.inf: 2}, 99, 0.002),              # past the last bound: that bound
+    ({0.001: 5, math.inf: 5}, {0.001: 5, math.inf: 5}, 50, None),    # nothing gained
+])
+def test_histogram_quantile_interpolates_within_the_bucket(before, after, q, want) -> None:
+    from serve_load import histogram_quantile
+
+    got = histogram_quantile(before, after, q)
+    assert got == want if want is None else got == pytest.approx(want)
+
+
+def test_a_point_merges_its_load_generators() -> None:
+    """Each client process sends its share of one schedule; the point's figures are over all of them."""
+    from serve_load import summarize
+
+    def req(ttft: float, gaps: list[float]) -> dict:
+        return {"ok": True, "ttft": ttft, "gaps": gaps, "tokens": len(gaps) + 1, "e2e": ttft + sum(gaps),
+                "error": None}
+
+    shards = [{"results": [req(0.1, [0.01, 0.01])], "wall_s": 2.0, "last_arrival": 1.5, "cpu_s": 0.5},
+              {"results": [req(0.3, [0.03]), {"ok": False, "error": "HTTP 503: busy"}], "wall_s": 2.5,
+               "last_arrival": 1.5, "cpu_s": 1.0}]
+    p = summarize(10.0, 4, shards)
+    assert (p["failed"], p["errors"], p["wall_s"], p["client_processes"]) == (2, ["HTTP 503: busy"], 2.5, 2)
+    assert p["output_tok_s"] == pytest.approx(5 / 2.5) and p["client_busy"] == pytest.approx(1.5 / 2.5 / 2)
+    assert p["itl_p50"] == pytest.approx(0.01) and p["ttft_p99"] is None      # (two never came back: infinitely late)

@@ -86,6 +86,7 @@ def test_models_health_version_metrics(server: ServerProcess, client: openai.Ope
     groups = {k for k in m if k.startswith("hybridkv:kv_cache_usage_perc")}
     assert len(groups) == 3 and any('kind="mamba"' in g for g in groups)
     assert any(k.startswith("hybridkv:prefix_cache_hits_total") for k in m)
+    assert 'hybridkv:engine_step_seconds_bucket{le="+Inf"}' in m and "hybridkv:engine_step_seconds_sum" in m
 
 
 def test_completions_equal_the_offline_api(server: ServerProcess, client: openai.OpenAI, offline) -> None:

@@ -19,6 +19,7 @@ with nothing to do holds nothing.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -68,9 +69,20 @@ ENGINE_FATAL: tuple[type[BaseException], ...] = (TensorParallelError, torch.Acce
 """Step failures after which the engine cannot run anything: they propagate (the step's requests failed)."""
 
 
+STEP_SECONDS_BUCKETS = (*(round(0.00025 * i, 5) for i in range(1, 41)), 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1,
+                        0.25, 0.5, 1.0)
+"""Upper bounds of the step-interval histogram (``EngineStats.step_seconds``): 0.25 ms apart up to 10 ms, where
+the inter-token latency targets of a serving engine lie."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
     steps: int
+    # The time from one step's start to the next's while the engine stays busy: what a decoding request waits
+    # between tokens before the API side. Counts per ``STEP_SECONDS_BUCKETS`` bound (value <= bound), the last
+    # past every bound; and their sum.
+    step_seconds: tuple[int, ...]
+    step_seconds_sum: float
     prompt_tokens: int
     generated_tokens: int
     preemptions: int
@@ -162,6 +174,9 @@ class LLMEngine:
         self._num_processed_requests = 0           # ... that need logits processing (bias, min_tokens, penalties)
         self._num_penalty_requests = 0             # ... that use penalties (a token history on the device)
         self._steps = self._prompt_tokens = self._generated = 0
+        self._step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)
+        self._step_seconds_sum = 0.0
+        self._last_step_start: float | None = None     # None: the engine was idle before this step
         # Largest request the pool can ever hold next to the per-step reserve.
         self._capacity_blocks = plan.num_blocks - 1 - plan.reserved_step_blocks
         self._arange = np.arange(max_num_seqs, dtype=np.int64)     # a decode step's logits rows are 0..n-1
@@ -308,6 +323,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
+            self._last_step_start = None
             if prev is not None:            # what is left waits for its last tokens: drain
                 return outputs + self._finish_or_fail(prev, only_finished=only_finished)[0]
             if self.scheduler.running:
@@ -319,6 +335,7 @@ class LLMEngine:
                                                        "scheduled")
             return outputs
         self._steps += 1
+        self._time_step()
         try:
             src, dst = self.coordinator.take_state_copies()
             self.runner.copy_states(list(zip(src.tolist(), dst.tolist(), strict=True)))
@@ -350,7 +367,18 @@ class LLMEngine:
             involved = [*(prev.batch.requests if prev is not None else ()), *batch.requests]
             outputs += self._fail_requests(involved, _step_error(exc, len(involved)), exc)
             return self._deliver_or_raise(outputs, exc)
+        if not self.has_unfinished:
+            self._last_step_start = None
         return outputs
+
+    def _time_step(self) -> None:
+        """Count the time since the last step's start (``EngineStats.step_seconds``) unless the engine was idle."""
+        now = time.perf_counter()
+        if self._last_step_start is not None:
+            seconds = now - self._last_step_start
+            self._step_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+            self._step_seconds_sum += seconds
+        self._last_step_start = now
 
     def _deliver_or_raise(self, outputs: list[RequestOutput], exc: BaseException) -> list[RequestOutput]:
         """An ``Exception`` is contained: the outputs (failed requests included) are returned. Anything else
@@ -899,12 +927,15 @@ class LLMEngine:
     def reset_counters(self) -> None:
         """Zero the counters ``stats`` reports (after the start-up warm-up)."""
         self._steps = self._prompt_tokens = self._generated = 0
+        self._step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)
+        self._step_seconds_sum = 0.0
         self.scheduler.num_preemptions = 0
         self.coordinator.reset_stats()
 
     def stats(self) -> EngineStats:
         s = self.coordinator.stats
-        return EngineStats(steps=self._steps, prompt_tokens=self._prompt_tokens,
+        return EngineStats(steps=self._steps, step_seconds=tuple(self._step_counts),
+                           step_seconds_sum=self._step_seconds_sum, prompt_tokens=self._prompt_tokens,
                            generated_tokens=self._generated, preemptions=self.scheduler.num_preemptions,
                            prefix_hit_tokens=s.hit_tokens, prefix_query_tokens=s.query_tokens)
 

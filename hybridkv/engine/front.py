@@ -66,6 +66,8 @@ class EngineSnapshot:
     running: int
     waiting: int                                   # queued in the engine or in the inbox, preempted included
     steps: int
+    step_seconds: tuple[int, ...]                  # per ``STEP_SECONDS_BUCKETS`` bound (``EngineStats``)
+    step_seconds_sum: float
     prompt_tokens: int                             # prompt tokens computed (recomputation included)
     generated_tokens: int
     preemptions: int
@@ -327,6 +329,7 @@ def _snapshot(engine: LLMEngine) -> EngineSnapshot:
     per_group = coord.group_stats()
     return EngineSnapshot(
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), steps=stats.steps,
+        step_seconds=stats.step_seconds, step_seconds_sum=stats.step_seconds_sum,
         prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens, preemptions=stats.preemptions,
         prefix_query_tokens=stats.prefix_query_tokens, prefix_hit_tokens=stats.prefix_hit_tokens,
         kv_usage=coord.usage(), group_kinds={g.group_id: g.spec.kind for g in groups},

@@ -12,14 +12,16 @@ in files of ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any process adds them a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from hybridkv.engine.async_llm import RequestStream
+from hybridkv.engine.engine import STEP_SECONDS_BUCKETS
 from hybridkv.engine.front import EngineSnapshot
 from hybridkv.envs import prometheus_multiproc_dir
 
@@ -27,8 +29,8 @@ logger = logging.getLogger("hybridkv.server")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (0.001, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.006, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+                  0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
 class _EngineCollector:
@@ -62,6 +64,12 @@ class _EngineCollector:
         yield CounterMetricFamily("hybridkv:num_preemptions", "Requests preempted (to be recomputed).",
                                   value=s.preemptions)
         yield CounterMetricFamily("hybridkv:engine_steps", "Engine steps run.", value=s.steps)
+        cumulative = list(itertools.accumulate(s.step_seconds))
+        yield HistogramMetricFamily(
+            "hybridkv:engine_step_seconds", "Time from one engine step's start to the next's while the engine "
+            "stays busy: the engine's share of the inter-token latency.",
+            buckets=[*zip(map(str, (*STEP_SECONDS_BUCKETS, "+Inf")), cumulative, strict=True)],
+            sum_value=s.step_seconds_sum)
         yield CounterMetricFamily("hybridkv:prompt_tokens_computed", "Prompt tokens computed by the model "
                                   "(recomputation after preemption included, prefix-cache hits excluded).",
                                   value=s.prompt_tokens)
