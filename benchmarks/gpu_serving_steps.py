@@ -1,0 +1,189 @@
+"""The engine's steps under serving traffic, without HTTP: what its share of the inter-token latency is made of.
+
+    python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate 204] [--seconds 8] [--prompt 260]
+                                           [--output 64] [--tiny]
+
+The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) on
+``serve_load.py``'s engine settings (``max_num_seqs`` 256, 24 GiB of KV cache, prefix caching off), driven in this
+process as ``hybridkv serve``'s engine loop drives it: before each step, the requests whose Poisson arrival
+(``--rate`` per second) has come are added (``--prompt`` random tokens, ``--output`` new ones, greedy, streamed
+outputs), then ``LLMEngine.step`` runs. After a warm-up of 2 s at the same rate, ``--seconds`` of arrivals are timed.
+
+A step's interval (its start to the next step's start, idle gaps left out) is what a decoding request waits between
+two tokens before any API work: ``serve_load.py``'s engine step histogram measures the same in the server. Per step
+it records the tokens scheduled, the decodes among them, and ``wait``: the host blocked on the tokens of the step in
+flight (the engine queues step N+1 before it reads step N), so a step's host work is its ``step()`` time less
+``wait``. Steps are grouped by the prompt tokens of the step or of the one in flight (the larger), since the one in
+flight's GPU time shows up in this step's wait. Prints interval percentiles overall and per group, host work and
+wait per group, and the slowest steps. ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of
+this script; its numbers mean nothing. Writes ``gpu_serving_steps.json`` (``_results.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import add_output_args, commit, write_json  # noqa: E402
+
+GROUPS = ((0, 0), (1, 300), (301, 600), (601, 1 << 30))       # prompt tokens in the step or the one in flight
+
+
+@dataclass(frozen=True)
+class Step:
+    start: float          # perf_counter at the step's start
+    tokens: int           # tokens scheduled
+    decodes: int          # ... of which one-token continuations
+    host: float           # seconds in ``step()`` less ``wait``
+    wait: float           # seconds blocked on the step in flight's tokens
+    after_idle: bool      # the engine had nothing to do before this step (no request waited through that gap)
+
+
+def instrument(eng) -> dict:
+    """Wrap the scheduler's ``schedule`` and the in-flight step's ``tokens_on_host`` to record the batch and the
+    wait of the step that runs; the returned dict holds the current step's figures."""
+    import hybridkv.engine.engine as engine_module
+
+    cur: dict = {}
+    schedule = eng.scheduler.schedule
+
+    def scheduled():
+        batch = schedule()
+        cur["tokens"] = batch.num_tokens
+        cur["decodes"] = int((batch.num_new_tokens == 1).sum()) if batch.num_reqs else 0
+        return batch
+
+    eng.scheduler.schedule = scheduled
+    tokens_on_host = engine_module._Launched.tokens_on_host
+
+    def waited(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return tokens_on_host(self, *args, **kwargs)
+        finally:
+            cur["wait"] = cur.get("wait", 0.0) + time.perf_counter() - t
+
+    engine_module._Launched.tokens_on_host = waited
+    return cur
+
+
+def replay(eng, cur: dict, *, rate: float, seconds: float, prompt: int, output: int, rng: np.random.Generator,
+           tag: str) -> list[Step]:
+    """Poisson arrivals for ``seconds`` (then until every request finished); one ``Step`` per step run."""
+    from hybridkv import SamplingParams
+    from hybridkv.engine.request import OutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    vocab = min(30000, eng.vocab_size)
+    arrivals = np.cumsum(rng.exponential(1 / rate, max(1, int(rate * seconds))))
+    steps, n, t0, idle = [], 0, time.perf_counter(), False
+    while n < len(arrivals) or eng.has_unfinished:
+        now = time.perf_counter() - t0
+        while n < len(arrivals) and arrivals[n] <= now:
+            eng.add_request(f"{tag}{n}", rng.integers(3, vocab, prompt).tolist(), params,
+                            output_kind=OutputKind.DELTA)
+            n += 1
+        if not eng.has_unfinished:
+            time.sleep(max(0.0, arrivals[n] - now))
+            idle = True
+            continue
+        cur.clear()
+        start = time.perf_counter()
+        eng.step()
+        spent = time.perf_counter() - start
+        steps.append(Step(start=start, tokens=cur.get("tokens", 0), decodes=cur.get("decodes", 0),
+                          host=spent - cur.get("wait", 0.0), wait=cur.get("wait", 0.0), after_idle=idle))
+        idle = False
+    return steps
+
+
+def summarize(steps: list[Step]) -> dict:
+    """Interval percentiles (ms) overall and per ``GROUPS`` entry, with the mean host work and wait (ms)."""
+    rows = []                                   # (interval, prompt tokens here or in flight, step)
+    for i in range(len(steps) - 1):
+        if steps[i + 1].after_idle:
+            continue
+        interval = steps[i + 1].start - steps[i].start
+        prompt = steps[i].tokens - steps[i].decodes
+        if i:
+            prompt = max(prompt, steps[i - 1].tokens - steps[i - 1].decodes)
+        rows.append((interval, prompt, steps[i]))
+
+    def pct(values: list[float]) -> dict:
+        a = 1e3 * np.asarray(values)
+        return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
+
+    out = {"steps": len(rows), "interval_ms": pct([r[0] for r in rows]), "groups": {}, "slowest": []}
+    for lo, hi in GROUPS:
+        group = [r for r in rows if lo <= r[1] <= hi]
+        if group:
+            out["groups"][f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}"] = {
+                "share": len(group) / len(rows), "interval_ms": pct([r[0] for r in group]),
+                "host_ms": 1e3 * float(np.mean([r[2].host for r in group])),
+                "wait_ms": 1e3 * float(np.mean([r[2].wait for r in group])),
+                "decodes": float(np.mean([r[2].decodes for r in group]))}
+    for interval, prompt, step in sorted(rows, key=lambda r: -r[0])[:8]:
+        out["slowest"].append({"interval_ms": 1e3 * interval, "prompt_tokens_here_or_in_flight": prompt,
+                               "tokens": step.tokens, "decodes": step.decodes, "host_ms": 1e3 * step.host,
+                               "wait_ms": 1e3 * step.wait})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="gemma3")
+    ap.add_argument("--rate", type=float, default=204.0, help="requests per second (default: half the rate the "
+                    "Gemma-3-like server kept up with in serve_load.py)")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--prompt", type=int, default=260)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
+    add_output_args(ap, "gpu_serving_steps")
+    args = ap.parse_args()
+    if args.tiny:
+        from hybridkv import LLM
+        from hybridkv.models import MLP, Attention, HybridConfig, Layer
+
+        config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=1024, dtype="float32",
+                              layers=(Layer(mixer=Attention(num_heads=2, num_kv_heads=1, head_dim=16),
+                                            ffn=MLP(intermediate_size=32)),))
+        llm = LLM(config, device="cpu", max_num_seqs=64, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+        args.rate, args.seconds, args.prompt, args.output = min(args.rate, 50.0), min(args.seconds, 1.0), \
+            min(args.prompt, 32), min(args.output, 8)
+    elif not torch.cuda.is_available():
+        raise SystemExit("gpu_serving_steps.py needs a CUDA device (or --tiny)")
+    else:
+        from gpu_decode import random_llm
+
+        llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False)
+    eng = llm.engine
+    cur = instrument(eng)
+    rng = np.random.default_rng(0)
+    kw = dict(rate=args.rate, prompt=args.prompt, output=args.output, rng=rng)
+    replay(eng, cur, seconds=min(2.0, args.seconds), tag="w", **kw)
+    result = summarize(replay(eng, cur, seconds=args.seconds, tag="r", **kw))
+    i = result["interval_ms"]
+    print(f"{args.family}: {args.rate:g} req/s, {args.prompt}-token prompts, {args.output} new: "
+          f"{result['steps']} steps, interval p50 / p90 / p99 {i['p50']:.2f} / {i['p90']:.2f} / {i['p99']:.2f} ms")
+    print(f"  {'prompt tokens here or in flight':32s} {'share':>6s} {'p50':>6s} {'p99':>6s} {'host':>6s} {'wait':>6s} "
+          f"{'decodes':>7s}   (ms)")
+    for name, g in result["groups"].items():
+        print(f"  {name:32s} {100 * g['share']:5.1f}% {g['interval_ms']['p50']:6.2f} {g['interval_ms']['p99']:6.2f} "
+              f"{g['host_ms']:6.2f} {g['wait_ms']:6.2f} {g['decodes']:7.0f}")
+    print("  slowest: " + "; ".join(f"{s['interval_ms']:.2f} ms ({s['tokens']} tokens, {s['decodes']} decodes, host "
+                                    f"{s['host_ms']:.2f}, wait {s['wait_ms']:.2f})" for s in result["slowest"][:4]))
+    write_json(args, "gpu_serving_steps", {
+        "meta": {"device": torch.cuda.get_device_name(0) if not args.tiny else "cpu", "commit": commit(),
+                 "command": " ".join(sys.argv), "torch": torch.__version__, "rate": args.rate,
+                 "seconds": args.seconds, "prompt": args.prompt, "output": args.output}, **result})
+
+
+if __name__ == "__main__":
+    main()
