@@ -1,6 +1,6 @@
 """The engine's steps under serving traffic, without HTTP: what its share of the inter-token latency is made of.
 
-    python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate 204] [--seconds 8] [--prompt 260]
+    python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate 257] [--seconds 8] [--prompt 260]
                                            [--output 64] [--tiny]
 
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) on
@@ -10,13 +10,15 @@ process as ``hybridkv serve``'s engine loop drives it: before each step, the req
 outputs), then ``LLMEngine.step`` runs. After a warm-up of 2 s at the same rate, ``--seconds`` of arrivals are timed.
 
 A step's interval (its start to the next step's start, idle gaps left out) is what a decoding request waits between
-two tokens before any API work: ``serve_load.py``'s engine step histogram measures the same in the server. Per step
-it records the tokens scheduled, the decodes among them, and ``wait``: the host blocked on the tokens of the step in
-flight (the engine queues step N+1 before it reads step N), so a step's host work is its ``step()`` time less
-``wait``. Steps are grouped by the prompt tokens of the step or of the one in flight (the larger), since the one in
-flight's GPU time shows up in this step's wait. Prints interval percentiles overall and per group, host work and
-wait per group, and the slowest steps. ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of
-this script; its numbers mean nothing. Writes ``gpu_serving_steps.json`` (``_results.py``).
+two tokens before any API work, as the engine's step histogram counts it in the server (``serve_load.py`` reads it
+there; here no API process's or reader thread's work shares the host). Per step it records the tokens scheduled,
+the decodes among them, and ``wait``: the host blocked on the tokens of the step in flight (the engine queues step
+N+1 before it reads step N), so a step's host work is its ``step()`` time less ``wait``. Steps are grouped by the
+prompt tokens of the step or of the one in flight (the larger), since the one in flight's GPU time shows up in this
+step's wait; the steps that only read back the last tokens count among the decode-only ones. Prints interval
+percentiles overall and per group, host work and wait per group, and the slowest steps. ``--tiny``: a tiny model
+on the CPU (synchronous steps), a smoke test of this script; its numbers mean nothing. Writes
+``gpu_serving_steps.json`` (``_results.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import LLMEngine
 
 GROUPS = ((0, 0), (1, 300), (301, 600), (601, 1 << 30))       # prompt tokens in the step or the one in flight
 
@@ -43,15 +49,15 @@ class Step:
     decodes: int          # ... of which one-token continuations
     host: float           # seconds in ``step()`` less ``wait``
     wait: float           # seconds blocked on the step in flight's tokens
-    after_idle: bool      # the engine had nothing to do before this step (no request waited through that gap)
+    after_idle: bool      # the engine had nothing left after the step before (no request waited through that gap)
 
 
-def instrument(eng) -> dict:
+def instrument(eng: LLMEngine) -> dict[str, Any]:
     """Wrap the scheduler's ``schedule`` and the in-flight step's ``tokens_on_host`` to record the batch and the
     wait of the step that runs; the returned dict holds the current step's figures."""
     import hybridkv.engine.engine as engine_module
 
-    cur: dict = {}
+    cur: dict[str, Any] = {}
     schedule = eng.scheduler.schedule
 
     def scheduled():
@@ -74,8 +80,8 @@ def instrument(eng) -> dict:
     return cur
 
 
-def replay(eng, cur: dict, *, rate: float, seconds: float, prompt: int, output: int, rng: np.random.Generator,
-           tag: str) -> list[Step]:
+def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, prompt: int, output: int,
+           rng: np.random.Generator, tag: str) -> list[Step]:
     """Poisson arrivals for ``seconds`` (then until every request finished); one ``Step`` per step run."""
     from hybridkv import SamplingParams
     from hybridkv.engine.request import OutputKind
@@ -83,7 +89,7 @@ def replay(eng, cur: dict, *, rate: float, seconds: float, prompt: int, output: 
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     vocab = min(30000, eng.vocab_size)
     arrivals = np.cumsum(rng.exponential(1 / rate, max(1, int(rate * seconds))))
-    steps, n, t0, idle = [], 0, time.perf_counter(), False
+    steps, n, t0, idle = [], 0, time.perf_counter(), True
     while n < len(arrivals) or eng.has_unfinished:
         now = time.perf_counter() - t0
         while n < len(arrivals) and arrivals[n] <= now:
@@ -92,7 +98,6 @@ def replay(eng, cur: dict, *, rate: float, seconds: float, prompt: int, output: 
             n += 1
         if not eng.has_unfinished:
             time.sleep(max(0.0, arrivals[n] - now))
-            idle = True
             continue
         cur.clear()
         start = time.perf_counter()
@@ -100,11 +105,11 @@ def replay(eng, cur: dict, *, rate: float, seconds: float, prompt: int, output: 
         spent = time.perf_counter() - start
         steps.append(Step(start=start, tokens=cur.get("tokens", 0), decodes=cur.get("decodes", 0),
                           host=spent - cur.get("wait", 0.0), wait=cur.get("wait", 0.0), after_idle=idle))
-        idle = False
+        idle = not eng.has_unfinished         # (as the engine's own histogram counts: ``LLMEngine.add_request``)
     return steps
 
 
-def summarize(steps: list[Step]) -> dict:
+def summarize(steps: list[Step]) -> dict[str, Any]:
     """Interval percentiles (ms) overall and per ``GROUPS`` entry, with the mean host work and wait (ms)."""
     rows = []                                   # (interval, prompt tokens here or in flight, step)
     for i in range(len(steps) - 1):
@@ -116,7 +121,7 @@ def summarize(steps: list[Step]) -> dict:
             prompt = max(prompt, steps[i - 1].tokens - steps[i - 1].decodes)
         rows.append((interval, prompt, steps[i]))
 
-    def pct(values: list[float]) -> dict:
+    def pct(values: list[float]) -> dict[str, float]:
         a = 1e3 * np.asarray(values)
         return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
 
@@ -139,8 +144,8 @@ def summarize(steps: list[Step]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gemma3")
-    ap.add_argument("--rate", type=float, default=204.0, help="requests per second (default: half the rate the "
-                    "Gemma-3-like server kept up with in serve_load.py)")
+    ap.add_argument("--rate", type=float, default=257.0, help="requests per second (default: half the best rate "
+                    "of the Gemma-3-like server in benchmarks/results/serve_load.json)")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--prompt", type=int, default=260)
     ap.add_argument("--output", type=int, default=64)

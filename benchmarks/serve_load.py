@@ -178,8 +178,8 @@ async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
         results[i] = await _one(spec["url"], {**body, "messages": spec["conversations"][i % len(
             spec["conversations"])]})
 
-    await asyncio.sleep(max(0.0, start - time.time()))
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() + (start - time.time())      # the schedule's origin, the same in every process
+    await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
     tasks, at = [], 0.0               # at: the last arrival, seconds after the start
     for i in range(n):
         if math.isfinite(rate):
@@ -241,31 +241,37 @@ def run_load(url: str, model: str, conversations: list, *, rate: float, num_requ
     spec = {"url": url, "model": model, "conversations": conversations, "rate": rate, "num_requests": num_requests,
             "output_len": output_len, "extra": extra or {}, "stream": stream, "seed": 0, "shards": processes,
             "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout}
-    files, procs = [], []
+    files, procs, errs, stack = [], [], [], contextlib.ExitStack()
     try:
         for shard in range(processes):
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump({**spec, "shard": shard}, f)
             files.append(f.name)
+            # (stderr to a file: a pipe nobody reads while another process is waited on could fill and stall it)
+            errs.append(stack.enter_context(tempfile.TemporaryFile("w+")))  # noqa: SIM115 (the stack closes it)
             procs.append(subprocess.Popen([sys.executable, __file__, "--client", f.name], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        for proc in procs:
+                                          stdout=subprocess.PIPE, stderr=errs[-1], text=True))
+        for proc, err in zip(procs, errs, strict=True):
             if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a load generator failed to start:\n{proc.communicate()[1][-3000:]}")
+                proc.wait(timeout=60)
+                err.seek(0)
+                raise RuntimeError(f"a load generator failed to start:\n{err.read()[-3000:]}")
         start = time.time() + 0.05
         for proc in procs:
             proc.stdin.write(f"{start}\n")
             proc.stdin.flush()
         shards = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=spec["drain_timeout"] + 120)
+        for proc, err in zip(procs, errs, strict=True):
+            out, _ = proc.communicate(timeout=spec["drain_timeout"] + 120)
             if proc.returncode != 0:
-                raise RuntimeError(f"the load generator failed:\n{err[-3000:]}")
+                err.seek(0)
+                raise RuntimeError(f"the load generator failed:\n{err.read()[-3000:]}")
             shards.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+        stack.close()
         for name in files:
             os.unlink(name)
     return summarize(rate, num_requests, shards)
@@ -484,8 +490,8 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 def run_profiled(url: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``run_load`` plus what the server did meanwhile: engine steps, mean step time, prompt tokens per step (the
     profile of a step's length under that load: prefill chunks ride in decode steps), and the p50 / p99 of the
-    engine's step intervals and of the API side's inter-token gaps (from their histograms), against which the
-    client's ITL splits into the engine's share, the API side's and the HTTP path's."""
+    engine's step intervals and of the API side's inter-token gaps (from their histograms), to set beside the
+    client's ITL: where along the way the gaps grow (percentiles of the stages do not add up)."""
     before = _scrape(url)
     point = run_load(url, *args, **kwargs)
     after = _scrape(url)

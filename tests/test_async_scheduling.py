@@ -7,6 +7,8 @@ the order of host work (schedule, launch, read back the step before, commit) is 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -151,14 +153,29 @@ def test_outputs_lag_one_step_and_stream_in_order(model) -> None:
 @pytest.mark.parametrize("mode", [False, True])
 def test_step_intervals_count_busy_steps_only(model, mode: bool) -> None:
     """``EngineStats.step_seconds`` counts the time between two steps' starts while the engine stays busy: a
-    three-step request adds two intervals, and the idle time before the next request adds none."""
+    three-token request adds two intervals (three with asynchronous scheduling, whose last step only reads the
+    last token back); the idle time before the next request adds none, nor does the gap after an abort."""
     llm = make_llm(model, async_scheduling=mode)
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    per_run = 3 if mode else 2
     for runs in (1, 2):
         llm.generate([[3, 4, 5]], params, use_tqdm=False)
         stats = llm.stats()
         assert len(stats.step_seconds) == len(STEP_SECONDS_BUCKETS) + 1
-        assert sum(stats.step_seconds) == 2 * runs and stats.step_seconds_sum > 0
+        assert sum(stats.step_seconds) == per_run * runs and stats.step_seconds_sum > 0
+    engine.add_request("gone", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort("gone")
+    while engine.has_unfinished:
+        engine.step()
+    before = llm.stats()
+    time.sleep(1.1)                 # idle: a gap past the last bound (1 s)
+    llm.generate([[3, 4, 5]], params, use_tqdm=False)
+    after = llm.stats()
+    assert after.step_seconds[-1] == before.step_seconds[-1]
+    assert sum(after.step_seconds) - sum(before.step_seconds) == per_run
 
 
 def test_streamed_prompt_logprobs_arrive_with_their_step(model) -> None:

@@ -86,7 +86,11 @@ def test_models_health_version_metrics(server: ServerProcess, client: openai.Ope
     groups = {k for k in m if k.startswith("hybridkv:kv_cache_usage_perc")}
     assert len(groups) == 3 and any('kind="mamba"' in g for g in groups)
     assert any(k.startswith("hybridkv:prefix_cache_hits_total") for k in m)
-    assert 'hybridkv:engine_step_seconds_bucket{le="+Inf"}' in m and "hybridkv:engine_step_seconds_sum" in m
+    steps = sorted((float(k.split('le="')[1].split('"')[0]), v) for k, v in m.items()
+                   if k.startswith("hybridkv:engine_step_seconds_bucket"))
+    counts = [v for _, v in steps]              # cumulative, the last (+Inf) the count
+    assert steps[-1][0] == float("inf") and counts == sorted(counts)
+    assert counts[-1] == m["hybridkv:engine_step_seconds_count"] and "hybridkv:engine_step_seconds_sum" in m
 
 
 def test_completions_equal_the_offline_api(server: ServerProcess, client: openai.OpenAI, offline) -> None:

@@ -78,9 +78,9 @@ the inter-token latency targets of a serving engine lie."""
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
     steps: int
-    # The time from one step's start to the next's while the engine stays busy: what a decoding request waits
-    # between tokens before the API side. Counts per ``STEP_SECONDS_BUCKETS`` bound (value <= bound), the last
-    # past every bound; and their sum.
+    # The time from one step's start to the next's while the engine stays busy (the steps that only read back the
+    # last tokens included): what a decoding request waits between tokens before the API side. Counts per
+    # ``STEP_SECONDS_BUCKETS`` bound (value <= bound), the last past every bound; and their sum.
     step_seconds: tuple[int, ...]
     step_seconds_sum: float
     prompt_tokens: int
@@ -229,6 +229,8 @@ class LLMEngine:
         seed = effective_seed(params.seed) if params.seed is not None else int(self._seeds.integers(0, 2**62))
         req = Request(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params, seed=seed,
                       arrival=next(self._arrivals), prompt=prompt, output_kind=OutputKind(output_kind))
+        if not self.has_unfinished:             # idle until now: no request waited through that gap
+            self._last_step_start = None
         self._requests[request_id] = req
         self._count(req, +1)
         self.scheduler.add(req)
@@ -323,8 +325,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
-            self._last_step_start = None
             if prev is not None:            # what is left waits for its last tokens: drain
+                self._time_step()
                 return outputs + self._finish_or_fail(prev, only_finished=only_finished)[0]
             if self.scheduler.running:
                 raise RuntimeError("the scheduler made no progress with requests running")
@@ -367,12 +369,11 @@ class LLMEngine:
             involved = [*(prev.batch.requests if prev is not None else ()), *batch.requests]
             outputs += self._fail_requests(involved, _step_error(exc, len(involved)), exc)
             return self._deliver_or_raise(outputs, exc)
-        if not self.has_unfinished:
-            self._last_step_start = None
         return outputs
 
     def _time_step(self) -> None:
-        """Count the time since the last step's start (``EngineStats.step_seconds``) unless the engine was idle."""
+        """Count the time since the last step's start (``EngineStats.step_seconds``) unless the engine was idle
+        (``add_request`` on an idle engine forgets that start)."""
         now = time.perf_counter()
         if self._last_step_start is not None:
             seconds = now - self._last_step_start
