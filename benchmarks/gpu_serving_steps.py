@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
+from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridkv.engine.engine import LLMEngine
@@ -53,11 +54,9 @@ class Step:
 
 
 def instrument(eng: LLMEngine) -> dict[str, Any]:
-    """Wrap the scheduler's ``schedule`` and the in-flight step's ``tokens_on_host`` to record the batch and the
-    wait of the step that runs; the returned dict holds the current step's figures."""
-    import hybridkv.engine.engine as engine_module
-
-    cur: dict[str, Any] = {}
+    """``gpu_mixed_step.time_phases`` (its ``wait``: the in-flight step's tokens awaited), and the scheduler's
+    ``schedule`` wrapped to record the batch: the returned dict holds the running step's figures."""
+    cur = time_phases(eng)
     schedule = eng.scheduler.schedule
 
     def scheduled():
@@ -67,16 +66,6 @@ def instrument(eng: LLMEngine) -> dict[str, Any]:
         return batch
 
     eng.scheduler.schedule = scheduled
-    tokens_on_host = engine_module._Launched.tokens_on_host
-
-    def waited(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return tokens_on_host(self, *args, **kwargs)
-        finally:
-            cur["wait"] = cur.get("wait", 0.0) + time.perf_counter() - t
-
-    engine_module._Launched.tokens_on_host = waited
     return cur
 
 
@@ -104,7 +93,7 @@ def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, 
         eng.step()
         spent = time.perf_counter() - start
         steps.append(Step(start=start, tokens=cur.get("tokens", 0), decodes=cur.get("decodes", 0),
-                          host=spent - cur.get("wait", 0.0), wait=cur.get("wait", 0.0), after_idle=idle))
+                          host=spent - cur.get(WAIT, 0.0), wait=cur.get(WAIT, 0.0), after_idle=idle))
         idle = not eng.has_unfinished         # (as the engine's own histogram counts: ``LLMEngine.add_request``)
     return steps
 

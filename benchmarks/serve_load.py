@@ -241,39 +241,36 @@ def run_load(url: str, model: str, conversations: list, *, rate: float, num_requ
     spec = {"url": url, "model": model, "conversations": conversations, "rate": rate, "num_requests": num_requests,
             "output_len": output_len, "extra": extra or {}, "stream": stream, "seed": 0, "shards": processes,
             "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout}
-    files, procs, errs, stack = [], [], [], contextlib.ExitStack()
-    try:
-        for shard in range(processes):
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                json.dump({**spec, "shard": shard}, f)
-            files.append(f.name)
-            # (stderr to a file: a pipe nobody reads while another process is waited on could fill and stall it)
-            errs.append(stack.enter_context(tempfile.TemporaryFile("w+")))  # noqa: SIM115 (the stack closes it)
-            procs.append(subprocess.Popen([sys.executable, __file__, "--client", f.name], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=errs[-1], text=True))
-        for proc, err in zip(procs, errs, strict=True):
-            if proc.stdout.readline().strip() != "ready":
-                proc.wait(timeout=60)
-                err.seek(0)
-                raise RuntimeError(f"a load generator failed to start:\n{err.read()[-3000:]}")
-        start = time.time() + 0.05
-        for proc in procs:
-            proc.stdin.write(f"{start}\n")
-            proc.stdin.flush()
-        shards = []
-        for proc, err in zip(procs, errs, strict=True):
-            out, _ = proc.communicate(timeout=spec["drain_timeout"] + 120)
-            if proc.returncode != 0:
-                err.seek(0)
-                raise RuntimeError(f"the load generator failed:\n{err.read()[-3000:]}")
-            shards.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        stack.close()
-        for name in files:
-            os.unlink(name)
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for shard in range(processes):
+                spec_file = Path(tmp) / f"spec{shard}.json"
+                spec_file.write_text(json.dumps({**spec, "shard": shard}))
+                # (stderr to a file: a pipe nobody reads while another process is waited on could fill, stalling it)
+                with open(Path(tmp) / f"err{shard}", "w") as err:
+                    procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(spec_file)],
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True))
+            for shard, proc in enumerate(procs):
+                if proc.stdout.readline().strip() != "ready":
+                    proc.wait(timeout=60)
+                    raise RuntimeError("a load generator failed to start:\n"
+                                       f"{(Path(tmp) / f'err{shard}').read_text()[-3000:]}")
+            start = time.time() + 0.05
+            for proc in procs:
+                proc.stdin.write(f"{start}\n")
+                proc.stdin.flush()
+            shards = []
+            for shard, proc in enumerate(procs):
+                out, _ = proc.communicate(timeout=spec["drain_timeout"] + 120)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"the load generator failed:\n{(Path(tmp) / f'err{shard}').read_text()[-3000:]}")
+                shards.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return summarize(rate, num_requests, shards)
 
 

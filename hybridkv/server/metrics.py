@@ -63,11 +63,11 @@ class _EngineCollector:
         yield CounterMetricFamily("hybridkv:num_preemptions", "Requests preempted (to be recomputed).",
                                   value=s.preemptions)
         yield CounterMetricFamily("hybridkv:engine_steps", "Engine steps run.", value=s.steps)
-        cumulative = list(itertools.accumulate(s.step_seconds))
         yield HistogramMetricFamily(
             "hybridkv:engine_step_seconds", "Time from one engine step's start to the next's while the engine "
             "stays busy: the engine's share of the inter-token latency.",
-            buckets=[*zip(map(str, (*STEP_SECONDS_BUCKETS, "+Inf")), cumulative, strict=True)],
+            buckets=[*zip(map(str, (*STEP_SECONDS_BUCKETS, "+Inf")), itertools.accumulate(s.step_seconds),
+                          strict=True)],
             sum_value=s.step_seconds_sum)
         yield CounterMetricFamily("hybridkv:prompt_tokens_computed", "Prompt tokens computed by the model "
                                   "(recomputation after preemption included, prefix-cache hits excluded).",
