@@ -4,6 +4,7 @@ the 3 attention groups alone (``--no-mamba``).
 
     python benchmarks/engine_cpu.py [--requests 64 256] [--context 2048] [--steps 200] [--no-mamba]
     python benchmarks/engine_cpu.py --mixed [--steps 200]
+    python benchmarks/engine_cpu.py --streamed [--requests 64 256] [--steps 200]
 
 Requests are placed in the decode phase directly (their prompts registered with the coordinator
 without running the model), then each timed step does exactly what ``LLMEngine.step`` does on the
@@ -19,6 +20,13 @@ tokens, one 96-token prompt arriving each step and finishing in it) on a Gemma-3
 window 512 : 1 full: 13 groups), ``max_num_seqs`` 256: schedule, step batch, the step's inputs packed into the
 mixed graphs' static buffers (host arrays here) and copied (a CPU copy here, one per copy call on CUDA), and commit
 + freeing the finished prompt (scenario ``mixed``).
+
+``--streamed``: what ``LLMEngine.step`` costs the host while N requests stream (``OutputKind.DELTA``, as
+``hybridkv serve`` runs them), all of it but the model: a stub runner returns a constant greedy token. A new
+32-token prompt arrives whenever a request finishes (64 new tokens each), so the engine keeps N in flight, and
+a step reads back the last step's tokens, checks stops, builds each stream's output and admits and frees requests
+as they come and go (scenario ``streamed``; median of ``--steps`` steps after as many warm-up ones, the best of
+three runs).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -42,6 +51,8 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.engine.cuda_graphs import _Layout, pack_host
 from hybridkv.engine.mixed_graphs import mixed_buckets
 from hybridkv.engine.mixed_metadata import MixedStepBuffers
+from hybridkv.engine.model_runner import StepOutput
+from hybridkv.engine.request import OutputKind
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
 
@@ -157,6 +168,51 @@ def measure_mixed(steps: int, *, decodes: int = 40, context: int = 256, prompt: 
     return {key: statistics.median(values) for key, values in timings.items()}
 
 
+class _StubRunner:
+    """The model runner's place in ``--streamed``: every step returns token 7 for each row it samples."""
+
+    def __init__(self, runner) -> None:
+        self.device = runner.device
+
+    def execute(self, batch):
+        tokens = torch.full((len(batch.logits_indices),), 7, dtype=torch.int64)
+        return StepOutput(logits=None, greedy=tokens, report=tokens)
+
+    def copy_states(self, copies) -> None:
+        assert not copies
+
+
+def measure_streamed(num_requests: int, steps: int) -> float:
+    """Median µs per ``LLMEngine.step`` with ``num_requests`` DELTA streams in flight (``--streamed``)."""
+    attn = dict(num_heads=2, num_kv_heads=1, head_dim=16)
+    layers = tuple(Layer(mixer=Attention(**attn) if i % 6 == 5 else Attention(sliding_window=64, **attn),
+                         ffn=MLP(intermediate_size=16)) for i in range(12))
+    config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=1024, dtype="float32",
+                          layers=layers)
+    llm = LLM(config, device="cpu", max_num_seqs=256, kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.runner = _StubRunner(engine.runner)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    added = 0
+
+    def run(n: int) -> list[float]:
+        nonlocal added
+        times = []
+        for _ in range(n):
+            while engine.num_unfinished_requests < num_requests:
+                engine.add_request(f"r{added}", rng.integers(3, 250, 32).tolist(), params,
+                                   output_kind=OutputKind.DELTA)
+                added += 1
+            t0 = time.perf_counter_ns()
+            engine.step()
+            times.append((time.perf_counter_ns() - t0) / 1000)
+        return times
+
+    run(steps)
+    return min(statistics.median(run(steps)) for _ in range(3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
@@ -166,8 +222,21 @@ def main() -> None:
                         help="3 attention groups only: every decode block is hashed and registered for prefix "
                              "caching (with Mamba, only blocks up to the last state checkpoint are)")
     parser.add_argument("--mixed", action="store_true", help="a mixed step's host work instead (module docstring)")
+    parser.add_argument("--streamed", action="store_true",
+                        help="a step's host work with --requests DELTA streams in flight (module docstring)")
     add_output_args(parser, "engine_cpu")
     args = parser.parse_args()
+    if args.streamed:
+        us = {str(n): measure_streamed(n, args.steps) for n in args.requests}
+        table = Table(title=f"host cost per step with N streamed requests, model stubbed (µs, median of {args.steps})")
+        table.add_column("requests", justify="right")
+        table.add_column("µs per step", justify="right")
+        for n, v in us.items():
+            table.add_row(n, f"{v:.0f}")
+        Console().print(table)
+        write_json(args, "engine_cpu", {"cpu": platform.processor() or platform.machine(), "commit": commit(),
+                                         "command": " ".join(sys.argv), "us_per_step": us}, scenario="streamed")
+        return
     if args.mixed:
         row = measure_mixed(args.steps)
         table = Table(title=f"host cost per mixed step, Gemma-3-like plan, 13 groups (µs, median of {args.steps})")

@@ -143,6 +143,34 @@ def test_n_samples_and_stop_tokens(model, baseline):
     assert list(got.token_ids) == baseline[0][: baseline[0].index(stop_at) + 1]
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_request_stops_at_its_own_tokens(model, baseline, asynchronous: bool):
+    """The engine checks stops only where a token may end its request (a length limit, any live request's stop
+    token or EOS, stop strings): one request's stop token ends that request alone, and a stop id that arrives
+    with a later request is checked from then on. Each continuation equals the baseline cut at its own stop."""
+    llm = make_llm(model, async_scheduling=asynchronous)
+    ps, eng = prompts(), llm.engine
+    cases = {  # request: (prompt index, stop ids, max_tokens)
+        "a": (0, [baseline[0][3]], 10), "b": (0, [], 10), "c": (1, [baseline[0][3]], 10), "d": (2, [], 4)}
+    for rid, (i, stop, limit) in cases.items():
+        eng.add_request(rid, ps[i], SamplingParams(temperature=0.0, max_tokens=limit, stop_token_ids=stop,
+                                                   ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    late = baseline[3][5]
+    while eng.has_unfinished:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+                if out.request_id == "d":           # a stop id no live request had
+                    eng.add_request("e", ps[3], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[late],
+                                                               ignore_eos=True))
+    for rid, (i, stop, limit) in [*cases.items(), ("e", (3, [late], 10))]:
+        want = baseline[i][:limit]
+        cut = next((j for j, t in enumerate(want) if t in stop), None)
+        assert done[rid] == (want if cut is None else want[:cut + 1]), rid
+    eng.check_idle()
+
+
 def test_logprobs_match_the_reference(model):
     llm = make_llm(model)
     p = prompts()[1]

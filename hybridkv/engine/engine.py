@@ -20,6 +20,7 @@ with nothing to do holds nothing.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import time
@@ -173,6 +174,10 @@ class LLMEngine:
         self._num_prompt_logprob_requests = 0      # ... that want prompt logprobs
         self._num_processed_requests = 0           # ... that need logits processing (bias, min_tokens, penalties)
         self._num_penalty_requests = 0             # ... that use penalties (a token history on the device)
+        self._num_cumulative_requests = 0          # ... whose outputs are cumulative
+        self._num_stop_string_requests = 0         # ... with stop strings (checked on every token)
+        self._stop_token_counts: collections.Counter[int] = collections.Counter()   # their stop token ids
+        self._stop_token_array = np.array(sorted(self.eos_token_ids), np.int64)     # ... and EOS: may end a request
         self._steps = self._prompt_tokens = self._generated = 0
         self._step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)
         self._step_seconds_sum = 0.0
@@ -202,6 +207,7 @@ class LLMEngine:
         self._row_num_bias = np.zeros(R, np.int64)
         self._row_num_masked = np.zeros(R, np.int64)
         self._row_min_tokens = np.zeros(R, np.int64)
+        self._row_stop_strings = np.zeros(R, bool)
         self._history: torch.Tensor | None = None              # (R, cap) int32 token ids (penalties)
         self._bias_ids: torch.Tensor | None = None             # (R, K) int64
         self._bias_values: torch.Tensor | None = None          # (R, K) float32
@@ -241,6 +247,16 @@ class LLMEngine:
         self._num_prompt_logprob_requests += sign * (params.prompt_logprobs is not None)
         self._num_processed_requests += sign * self._needs_processing(params)
         self._num_penalty_requests += sign * params.has_penalties
+        self._num_cumulative_requests += sign * (req.output_kind is OutputKind.CUMULATIVE)
+        self._num_stop_string_requests += sign * self._has_stop_strings(params)
+        if params.stop_token_ids:
+            counts = self._stop_token_counts
+            counts.update({t: sign for t in set(params.stop_token_ids)})
+            ids = sorted(self.eos_token_ids.union(t for t, c in counts.items() if c > 0))
+            self._stop_token_array = np.array(ids, np.int64)
+
+    def _has_stop_strings(self, params: SamplingParams) -> bool:
+        return bool(params.stop) and self.tokenizer is not None
 
     def _min_tokens_ids(self, params: SamplingParams) -> list[int]:
         """What ``min_tokens`` keeps from being sampled: the stop token ids and EOS (unless ignored)."""
@@ -295,7 +311,8 @@ class LLMEngine:
         if self._undelivered:
             problems.append(f"{len(self._undelivered)} undelivered outputs")
         counts = (self._num_streamed_requests, self._num_prompt_logprob_requests, self._num_processed_requests,
-                  self._num_penalty_requests)
+                  self._num_penalty_requests, self._num_cumulative_requests, self._num_stop_string_requests,
+                  sum(self._stop_token_counts.values()))
         if any(counts):
             problems.append(f"request counters not zero: {counts}")
         coord = self.coordinator
@@ -438,9 +455,7 @@ class LLMEngine:
             ids = sched.row_last_token[rows]
             token_rows, positions = rows, computed
         else:
-            ids = np.fromiter(itertools.chain.from_iterable(
-                r.token_ids[c:c + k] for r, c, k in zip(reqs, computed.tolist(), new.tolist(), strict=True)),
-                np.int64, int(new.sum()))
+            ids = self._mixed_input_ids(reqs, rows, computed, new, seq_lens)
             owner, positions = token_ranges(computed, new)
             token_rows = rows[owner]
         tables = self._step_tables(rows, seq_lens, token_rows, positions)
@@ -467,12 +482,27 @@ class LLMEngine:
                              logits_indices=self._arange[:n], **extra)
         ends = np.cumsum(new)
         samples = seq_lens == sched.row_num_tokens[rows]
-        wants = np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
+        wants = (np.fromiter((r.params.prompt_logprobs is not None for r in reqs), bool, n)
+                 if self._num_prompt_logprob_requests else np.zeros(n, bool))
         lengths = np.where(wants, new, samples)
         starts = np.where(wants, ends - new, ends - 1)
         index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return StepBatch(input_ids=ids, query_lens=new, seq_lens=seq_lens, block_tables=tables,
                          logits_indices=index.astype(np.int64), **extra)
+
+    def _mixed_input_ids(self, reqs: Sequence[Request], rows: np.ndarray, computed: np.ndarray, new: np.ndarray,
+                         seq_lens: np.ndarray) -> np.ndarray:
+        """(T,) int64 input ids of a step that is not all decodes: a decoding request's one token from the
+        scheduler's row array, the others' from their token lists (a pending token's id is a placeholder
+        either way: ``input_sources`` replaces it)."""
+        ends = np.cumsum(new)
+        ids = np.empty(int(ends[-1]) if ends.size else 0, np.int64)
+        last = (new == 1) & (seq_lens == self.scheduler.row_num_tokens[rows])
+        ids[ends[last] - 1] = self.scheduler.row_last_token[rows[last]]
+        for i in np.flatnonzero(~last).tolist():
+            c, e = int(computed[i]), int(ends[i])
+            ids[e - int(new[i]):e] = reqs[i].token_ids[c:c + int(new[i])]
+        return ids
 
     def _note_admissions(self, batch: ScheduledBatch) -> None:
         """Requests that took a row since it was last looked at (admitted, or re-admitted after preemption):
@@ -501,6 +531,7 @@ class LLMEngine:
         masked = self._min_tokens_ids(p)
         self._row_processed[row] = processed = p.has_penalties or bool(p.logit_bias) or bool(masked)
         self._row_penalized[row] = p.has_penalties
+        self._row_stop_strings[row] = self._has_stop_strings(p)
         if not processed:
             return
         self._row_penalties[row] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
@@ -669,7 +700,10 @@ class LLMEngine:
 
     def _finish(self, launched: _Launched, *, only_finished: bool) -> tuple[list[RequestOutput], bool]:
         """Put a launched step's tokens in place, check stops, finish requests. Returns the outputs and
-        whether any request finished."""
+        whether any request finished.
+
+        One pass over the samplers does the per-request work (the token into its list, the stop check, a
+        streamed request's output); everything else is vectorised or left to the rare requests it concerns."""
         tokens = launched.tokens_on_host()
         toks = tokens.tolist()
         lp = None if launched.logprobs is None else [t.tolist() for t in launched.logprobs]
@@ -677,12 +711,27 @@ class LLMEngine:
         for chunk in launched.prompt_logprobs:
             if not chunk.request.finished:            # (aborted meanwhile)
                 self._record_prompt_logprobs(chunk)
-        sched = self.scheduler
         now = time.monotonic()
+        # The stop check runs where a token could end its request: a length limit reached, a token that is
+        # some request's stop or EOS, a request with stop strings (all rare in a step).
+        check = launched.positions + 1 >= self.scheduler.row_final[launched.rows]
+        stop_ids = self._stop_token_array
+        if stop_ids.size > 8:
+            check |= np.isin(tokens, stop_ids)
+        else:
+            for t in stop_ids.tolist():     # (a few ids: np.isin's own setup costs more)
+                check |= tokens == t
+        if self._num_stop_string_requests:
+            check |= self._row_stop_strings[launched.rows]
+        check = check.tolist()
         stopped: list[Request] = []
         gone = []                           # samplers whose row is no longer theirs (or who failed)
+        outputs: list[RequestOutput] = []
+        stream = not only_finished
+        finished, delta = RequestStatus.FINISHED, OutputKind.DELTA
+        rows = launched.rows.tolist()
         for i, (r, p, tok) in enumerate(zip(launched.samplers, launched.positions.tolist(), toks, strict=True)):
-            if r.finished:                  # stopped a step earlier, or aborted: the token is dropped
+            if r.status is finished:        # stopped a step earlier, or aborted: the token is dropped
                 gone.append(i)
                 continue
             if tok == NONFINITE or (failed and r in failed):
@@ -692,7 +741,6 @@ class LLMEngine:
                 continue
             r.token_ids[p] = tok
             r.num_pending -= 1
-            self._generated += 1
             if r.first_token_time is None:
                 r.first_token_time = now
             r.last_token_time = now
@@ -702,12 +750,16 @@ class LLMEngine:
                                                top=tuple(zip(lp[2][i][:k], lp[1][i][:k], strict=True))))
             if r.kv_row < 0:                # preempted while its token was on its way
                 gone.append(i)
-            if self._stops(r, tok, p + 1):
+            if (check[i] or r.kv_row != rows[i]) and self._stops(r, tok, p + 1):    # (its row changed: checked)
                 stopped.append(r)
+            elif stream and r.output_kind is delta:
+                outputs.append(self._delta_output(r))
+        self._generated += len(toks) - len(gone)
         for r, message in failed.items():   # a prompt chunk whose logprobs failed (no token this step)
             if not r.finished and r.finish_reason is None:
                 r.error, r.finish_reason = message, "error"
                 stopped.append(r)
+        sched = self.scheduler
         if gone:
             keep = np.ones(len(toks), bool)
             keep[gone] = False
@@ -716,20 +768,14 @@ class LLMEngine:
             sched.set_last_tokens(launched.rows, tokens)
         for r in stopped:
             self._release(r, now)
+        finals = [self.make_output(r) for r in stopped]
         if only_finished:
-            return [self.make_output(r) for r in stopped], bool(stopped)
-        done = set(stopped)                 # (all of them requests of this step)
-        outputs = []
-        for r in launched.batch.requests:
-            if r in done:
-                outputs.append(self.make_output(r))
-            elif r.finished or r.output_kind is OutputKind.FINAL:
-                continue
-            elif r.output_kind is OutputKind.CUMULATIVE:
-                outputs.append(self.make_output(r))
-            elif r.num_known_tokens - r.num_prompt_tokens > r.num_delivered:       # DELTA with new tokens
-                outputs.append(self._delta_output(r))
-        return outputs, bool(stopped)
+            return finals, bool(stopped)
+        if self._num_cumulative_requests:
+            done = set(stopped)
+            outputs += [self.make_output(r) for r in launched.batch.requests
+                        if r.output_kind is OutputKind.CUMULATIVE and not r.finished and r not in done]
+        return outputs + finals, bool(stopped)
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor | None, greedy: torch.Tensor | None,
                 greedy_report: torch.Tensor | None = None
@@ -915,9 +961,9 @@ class LLMEngine:
     def _delta_output(self, r: Request) -> RequestOutput:
         """A DELTA request's output tokens (and logprobs) since its last output; no text, no metrics (the
         final output has them: built for every streamed request every step, they cost engine-thread time)."""
-        start, end = r.num_delivered, r.num_output_tokens
+        first, start = r.num_prompt_tokens, r.num_delivered
+        end = len(r.token_ids) - r.num_pending - first          # (``num_output_tokens``, inlined: a hot path)
         r.num_delivered = end
-        first = r.num_prompt_tokens
         completion = CompletionOutput(index=0, token_ids=tuple(r.token_ids[first + start:first + end]), text=None,
                                       finish_reason=None,
                                       logprobs=tuple(r.logprobs[start:end]) if r.params.logprobs is not None

@@ -40,7 +40,9 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()    # (token id, logprob), best first
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+# The outputs are plain (not frozen) dataclasses: the engine builds one per streamed request per step, and a
+# frozen one's __init__ costs ~3x as much (each field through object.__setattr__).
+@dataclass(kw_only=True, slots=True)
 class CompletionOutput:
     index: int
     token_ids: tuple[int, ...]
@@ -66,7 +68,7 @@ class RequestMetrics:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
