@@ -248,15 +248,13 @@ class LLMEngine:
         self._num_processed_requests += sign * self._needs_processing(params)
         self._num_penalty_requests += sign * params.has_penalties
         self._num_cumulative_requests += sign * (req.output_kind is OutputKind.CUMULATIVE)
-        self._num_stop_string_requests += sign * self._has_stop_strings(params)
+        self._num_stop_string_requests += sign * bool(params.stop)
         if params.stop_token_ids:
             counts = self._stop_token_counts
             counts.update({t: sign for t in set(params.stop_token_ids)})
-            ids = sorted(self.eos_token_ids.union(t for t, c in counts.items() if c > 0))
-            self._stop_token_array = np.array(ids, np.int64)
-
-    def _has_stop_strings(self, params: SamplingParams) -> bool:
-        return bool(params.stop) and self.tokenizer is not None
+            for t in [t for t, c in counts.items() if c <= 0]:
+                del counts[t]
+            self._stop_token_array = np.array(sorted(self.eos_token_ids.union(counts)), np.int64)
 
     def _min_tokens_ids(self, params: SamplingParams) -> list[int]:
         """What ``min_tokens`` keeps from being sampled: the stop token ids and EOS (unless ignored)."""
@@ -531,7 +529,7 @@ class LLMEngine:
         masked = self._min_tokens_ids(p)
         self._row_processed[row] = processed = p.has_penalties or bool(p.logit_bias) or bool(masked)
         self._row_penalized[row] = p.has_penalties
-        self._row_stop_strings[row] = self._has_stop_strings(p)
+        self._row_stop_strings[row] = bool(p.stop)          # (checked with or without a tokenizer: a superset)
         if not processed:
             return
         self._row_penalties[row] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
@@ -726,6 +724,7 @@ class LLMEngine:
         check = check.tolist()
         stopped: list[Request] = []
         gone = []                           # samplers whose row is no longer theirs (or who failed)
+        dropped = 0                         # ... of which the tokens were not kept
         outputs: list[RequestOutput] = []
         stream = not only_finished
         finished, delta = RequestStatus.FINISHED, OutputKind.DELTA
@@ -733,11 +732,13 @@ class LLMEngine:
         for i, (r, p, tok) in enumerate(zip(launched.samplers, launched.positions.tolist(), toks, strict=True)):
             if r.status is finished:        # stopped a step earlier, or aborted: the token is dropped
                 gone.append(i)
+                dropped += 1
                 continue
             if tok == NONFINITE or (failed and r in failed):
                 r.error, r.finish_reason = failed.get(r, NONFINITE_ERROR), "error"
                 stopped.append(r)
                 gone.append(i)
+                dropped += 1
                 continue
             r.token_ids[p] = tok
             r.num_pending -= 1
@@ -754,7 +755,7 @@ class LLMEngine:
                 stopped.append(r)
             elif stream and r.output_kind is delta:
                 outputs.append(self._delta_output(r))
-        self._generated += len(toks) - len(gone)
+        self._generated += len(toks) - dropped
         for r, message in failed.items():   # a prompt chunk whose logprobs failed (no token this step)
             if not r.finished and r.finish_reason is None:
                 r.error, r.finish_reason = message, "error"
