@@ -22,11 +22,11 @@ mixed graphs' static buffers (host arrays here) and copied (a CPU copy here, one
 + freeing the finished prompt (scenario ``mixed``).
 
 ``--streamed``: what ``LLMEngine.step`` costs the host while N requests stream (``OutputKind.DELTA``, as
-``hybridkv serve`` runs them), all of it but the model: a stub runner returns a constant greedy token. A new
-32-token prompt arrives whenever a request finishes (64 new tokens each), so the engine keeps N in flight, and
-a step reads back the last step's tokens, checks stops, builds each stream's output and admits and frees requests
-as they come and go (scenario ``streamed``; median of ``--steps`` steps after as many warm-up ones, the best of
-three runs).
+``hybridkv serve`` runs them), all of it but the model (``_sleep_engine.SleepRunner``, with no sleep, stands in for
+it). A new 32-token prompt arrives whenever a request finishes (64 new tokens each), so the engine keeps N in
+flight, and a step reads back the last step's tokens, checks stops, builds each stream's output and admits and
+frees requests as they come and go (scenario ``streamed``; median of ``--steps`` steps after as many warm-up ones,
+the best of three runs).
 """
 
 from __future__ import annotations
@@ -40,18 +40,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
+from _sleep_engine import SleepRunner  # noqa: E402
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.cuda_graphs import _Layout, pack_host
 from hybridkv.engine.mixed_graphs import mixed_buckets
 from hybridkv.engine.mixed_metadata import MixedStepBuffers
-from hybridkv.engine.model_runner import StepOutput
 from hybridkv.engine.request import OutputKind
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
@@ -168,20 +167,6 @@ def measure_mixed(steps: int, *, decodes: int = 40, context: int = 256, prompt: 
     return {key: statistics.median(values) for key, values in timings.items()}
 
 
-class _StubRunner:
-    """The model runner's place in ``--streamed``: every step returns token 7 for each row it samples."""
-
-    def __init__(self, runner) -> None:
-        self.device = runner.device
-
-    def execute(self, batch):
-        tokens = torch.full((len(batch.logits_indices),), 7, dtype=torch.int64)
-        return StepOutput(logits=None, greedy=tokens, report=tokens)
-
-    def copy_states(self, copies) -> None:
-        assert not copies
-
-
 def measure_streamed(num_requests: int, steps: int) -> float:
     """Median µs per ``LLMEngine.step`` with ``num_requests`` DELTA streams in flight (``--streamed``)."""
     attn = dict(num_heads=2, num_kv_heads=1, head_dim=16)
@@ -191,7 +176,7 @@ def measure_streamed(num_requests: int, steps: int) -> float:
                           layers=layers)
     llm = LLM(config, device="cpu", max_num_seqs=256, kv_cache_memory=256 << 20, enable_prefix_caching=False)
     engine = llm.engine
-    engine.runner = _StubRunner(engine.runner)
+    engine.runner = SleepRunner(llm.plan, engine.vocab_size, step_s=0.0, token_s=0.0, first=3)   # (no model)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rng = np.random.default_rng(0)
     added = 0
