@@ -25,6 +25,9 @@ from hybridkv.transforms import (
 )
 
 ta = kernel_module("hybridkv.backends.triton_attention")
+find_request = ta.find_request
+import triton  # noqa: E402  (after kernel_module: it skips this module without triton)
+import triton.language as tl  # noqa: E402
 
 
 def _random_spec(rng: np.random.Generator, max_reqs: int, max_len: int) -> tuple[list[int], list[int]]:
@@ -664,3 +667,25 @@ def test_unsupported_head_dim_raises_explicitly_and_falls_back_under_auto(monkey
 ])
 def test_split_segments(programs: int, max_seq_len: int, tile: int, want: int, case: str) -> None:
     assert ta.split_segments(programs=programs, sms=132, max_seq_len=max_seq_len, tile=tile) == want, case
+
+
+@triton.jit
+def _find_request_kernel(out_ptr, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, find_request(qsl_ptr, num_reqs, pid, BLOCK_Q))
+
+
+@pytest.mark.parametrize(("q_lens", "block_q", "case"), [
+    ([5], 4, "one request"),
+    ([1] * 40 + [260, 27] + [0] * 215, 32, "a mixed graph's layout: decodes, a prompt, the padding request"),
+    ([0, 3, 0, 0, 17, 1] * 50, 8, "empty requests between the others, 300 requests"),
+    ([129] + [1] * 127 + [0] * 2, 16, "the answer at a 128-request boundary"),
+])
+def test_find_request_matches_brute_force(q_lens: list[int], block_q: int, case: str) -> None:
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    key = qsl[:-1] // block_q + np.arange(len(q_lens))
+    grid = int(qsl[-1]) // block_q + len(q_lens)
+    out = torch.full((grid,), -7, dtype=torch.int32, device=DEVICE)
+    _find_request_kernel[(grid,)](out, torch.from_numpy(qsl).to(DEVICE), len(q_lens), BLOCK_Q=block_q)
+    want = np.searchsorted(key, np.arange(grid), side="right") - 1
+    np.testing.assert_array_equal(out.cpu().numpy(), want, err_msg=case)

@@ -9,7 +9,7 @@ Kernel design:
 - ``_conv1d_varlen_kernel`` (prefill, chunked prefill, any packed mix): grid = (token blocks, channel
   blocks). A token block is ``BLOCK_T`` consecutive tokens of ONE request, aligned to the request's first
   token; request r owns token blocks ``qsl[r] // BLOCK_T + r ..`` (the monotone index of
-  ``triton_attention``, found by binary search over ``query_start_loc`` inside the kernel), so the grid
+  ``triton_attention``, found by its ``find_request`` over ``query_start_loc`` in the kernel), so the grid
   depends on (num_tokens, num_reqs) only: no host work per request, no device->host sync, graph-safe.
   Each output is ``sum_k w[:, k] * in[t - width + 1 + k]`` in fp32, where inputs before the request's first
   token come from its state slot (``has_initial_state``) or are zeros (the slot is then never read).
