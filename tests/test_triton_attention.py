@@ -681,8 +681,9 @@ def _find_request_kernel(out_ptr, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
     ([0, 3, 0, 0, 17, 1] * 50, 8, "empty requests between the others, 300 requests"),
     ([129] + [1] * 127 + [0] * 2, 16, "the answer at a 128-request boundary"),
 ])
-def test_find_request_matches_brute_force(q_lens: list[int], block_q: int, case: str) -> None:
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_find_request_matches_brute_force(q_lens: list[int], block_q: int, case: str, dtype: type) -> None:
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(dtype)
     key = qsl[:-1] // block_q + np.arange(len(q_lens))
     grid = int(qsl[-1]) // block_q + len(q_lens)
     out = torch.full((grid,), -7, dtype=torch.int32, device=DEVICE)

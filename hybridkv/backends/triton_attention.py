@@ -71,9 +71,8 @@ _MAX_SEGMENTS = 128
 def find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     """Largest r with qsl[r] // BLOCK_Q + r <= pid: the request whose BLOCK_Q-token blocks program ``pid`` of a
     packed-varlen grid works on (also used by the conv1d kernel). The key rises strictly from 0, so r + 1 is the
-    number of keys <= pid, counted 128 at a time: one load per 128 requests up to r. (A binary search made
-    ~log2(requests) dependent loads, 9 in a mixed graph's 257-request layout, in each program of the grid: the
-    Mamba2 conv of a mixed step, 26k programs, took 44 µs on an H200 where it takes 36.)"""
+    number of keys <= pid, counted 128 at a time: one load per 128 requests up to r, fewer dependent loads than a
+    binary search's ~log2(requests) below ~1200 requests (a mixed graph's layouts: ``docs/design.md``)."""
     count = pid * 0
     start = pid * 0
     more = num_reqs > 0
