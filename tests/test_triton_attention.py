@@ -7,6 +7,8 @@ Skipped with a reason when triton is not importable.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -445,7 +447,8 @@ CONFIGS = [
     ((128, 4, 64, 2), (64, 16, 64, 4, 2)),
     ((64, 8, 64, 2), (128, 16, 128, 4, 2)),
     ((256, 4, 1, 2), (16, 4, 16, 4, 4)),
-    ((256, 4, 64, 2), (128, 32, 64, 8, 2)),
+    ((256, 4, 64, 2), (64, 16, 64, 8, 2)),       # a small step (<= SMALL_STEP_TOKENS)
+    ((256, 4, 1024, 2), (128, 32, 64, 8, 2)),
     ((256, 4, 64, 4), (64, 16, 32, 8, 2)),
     ((512, 8, 1, 2), (16, 2, 16, 4, 4)),
     ((512, 8, 1, 4), (16, 2, 16, 4, 2)),
@@ -461,6 +464,57 @@ def test_launch_config_table(args, want):
     d, group, mql, elem = args
     cfg = ta.launch_config(head_dim=d, group=group, max_query_len=mql, elem_bytes=elem)
     assert (cfg["BLOCK_M"], cfg["BLOCK_Q"], cfg["TILE"], cfg["num_warps"], cfg["num_stages"]) == want
+
+
+# graph_min_segments per (head_dim, max_query_len, elem_bytes): 2 only for small steps with prompts at d = 256, bf16
+@pytest.mark.parametrize(("d", "mql", "elem", "want"), [
+    (256, 260, 2, 2), (256, 512, 2, 2), (200, 2, 2, 2),
+    (256, 1, 2, 1), (256, 513, 2, 1), (256, 260, 4, 1), (128, 260, 2, 1), (512, 260, 2, 1),
+])
+def test_graph_min_segments(d: int, mql: int, elem: int, want: int) -> None:
+    assert ta.graph_min_segments(head_dim=d, max_query_len=mql, elem_bytes=elem) == want
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_captured_small_mixed_step_at_head_dim_256(monkeypatch):
+    """A mixed step's layout (decodes, a prompt, empty request rows after them, as the mixed graphs' buffers hold)
+    at d = 256 in bf16, captured in a CUDA graph: it splits (``graph_min_segments``) and its replay is within 2x
+    of bf16 torch's error, with a sliding window and without."""
+    launches = []
+    forms = ta._reduce_segments_kernel
+    monkeypatch.setattr(ta, "_reduce_segments_kernel",
+                        type("Spy", (), {"pick": lambda self, t: launches.append(t) or forms.pick(t)})())
+    q_lens = [1] * 6 + [70] + [0] * 9
+    s_lens = [90, 130, 40, 300, 7, 61] + [70] + [0] * 9
+    b = make_batch(q_lens, s_lens, 16, 3, num_heads=4, num_kv_heads=1, head_dim=256)
+    b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
+                v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
+                v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+    kc, vc = poison_unreferenced(b, b.cam)
+    k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
+    q, cam = _to(b.q, torch.bfloat16), _cam_to(b.cam)
+    for window in (None, 50):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+        run = functools.partial(ta.paged_attention_triton, q, k16, v16, cam, scale=b.scale, sliding_window=window,
+                                out=out)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()                                       # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        launches.clear()
+        with torch.cuda.graph(graph):
+            run()
+        assert launches, "the captured step did not split"
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref32 = dense_attention(b, window=window).to(DEVICE)
+        err = (out.float() - ref32).norm() / ref32.norm()
+        err_base = (_eager_bf16(b, window, None) - ref32).norm() / ref32.norm()
+        assert not torch.isnan(out).any() and err <= 2 * err_base, (window, float(err), float(err_base))
 
 
 @pytest.mark.parametrize("elem", [2, 4])
