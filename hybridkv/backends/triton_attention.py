@@ -467,9 +467,10 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: 
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192), but 64 rows when the step holds at most ``SMALL_STEP_TOKENS``
-    (a mixed step's few decodes and a prompt chunk: a decode's one query fills 4 of a q-block's rows, and the
-    128-row blocks spill 2.6 KiB of registers, 1.5 at 64 rows, as ptxas compiles them for sm_90a; measured in a
-    Gemma-3-like model's mixed graph with ``graph_min_segments``: ``gpu_mixed_step.py``, ``docs/performance.md``);
+    (a mixed step's few decodes and a prompt chunk: a decode's one query fills 4 of a q-block's rows, and
+    128-row blocks spill 2.3 KiB of registers a thread, 64-row ones 1.1-1.5, ``benchmarks/sm90_registers.py``;
+    measured in a Gemma-3-like model's mixed graph with ``graph_min_segments``: ``gpu_mixed_step.py``,
+    ``docs/performance.md``);
     each with the same error against fp32 SDPA as the shape it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256
     with prefills: 64 rows x 32 keys, as 128 x 64
     needs 288 KiB of shared memory (an H100 / H200 SM has 227 KiB).
@@ -513,8 +514,7 @@ def graph_min_segments(*, head_dim: int, max_query_len: int, elem_bytes: int) ->
     """The least split-KV factor of a step captured in a graph. A captured mixed step's request rows are its
     buffers' capacity (``max_num_seqs`` + 1), not its work, so ``split_segments`` sees enough programs never to
     split, while the real ones (one per decode, a few per prompt chunk) may fill a third of the SMs. At d = 256
-    with bf16 caches and at most ``SMALL_STEP_TOKENS`` tokens: 2, the best fixed split measured there
-    (``launch_config``; 4 and 8 cost more in the reduction than they gain); elsewhere 1 (not measured)."""
+    with bf16 caches and at most ``SMALL_STEP_TOKENS`` tokens: 2 (``docs/design.md``); elsewhere 1 (not measured)."""
     small = 1 < max_query_len <= SMALL_STEP_TOKENS and elem_bytes <= 2
     return 2 if small and max(16, _next_pow2(head_dim)) == 256 else 1
 
