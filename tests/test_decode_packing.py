@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,10 +97,14 @@ def lagging(tables: StepTables, rng: np.random.Generator) -> StepTables:
     return dataclasses.replace(tables, tables=out_tables, starts=out_starts)
 
 
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), bs=st.sampled_from([2, 4, 8]), windows=st.tuples(st.integers(2, 13), st.integers(2, 40)),
-       chunks=st.integers(1, 4), budget=st.integers(1, 40), seqs=st.integers(1, 8), caching=st.booleans(),
-       tight=st.booleans(), asynchronous=st.booleans())
+PACKING_CASES = dict(data=st.data(), bs=st.sampled_from([2, 4, 8]),
+                     windows=st.tuples(st.integers(2, 13), st.integers(2, 40)), chunks=st.integers(1, 4),
+                     budget=st.integers(1, 40), seqs=st.integers(1, 8), caching=st.booleans(), tight=st.booleans(),
+                     asynchronous=st.booleans())
+
+
+@settings(max_examples=10, deadline=None)   # the quick tier's share; the rest below
+@given(**PACKING_CASES)
 def test_step_table_packing_equals_the_cam_packing(data: st.DataObject, bs: int, windows: tuple[int, int],
                                                    chunks: int, budget: int, seqs: int, caching: bool,
                                                    tight: bool, asynchronous: bool) -> None:
@@ -138,6 +143,10 @@ def test_step_table_packing_equals_the_cam_packing(data: st.DataObject, bs: int,
     while engine.has_unfinished:
         engine.step(only_finished=True)
     assert engine.coordinator.num_requests == 0
+
+
+test_step_table_packing_equals_the_cam_packing_more_runs = pytest.mark.slow(settings(max_examples=30, deadline=None)(
+    given(**PACKING_CASES)(test_step_table_packing_equals_the_cam_packing.hypothesis.inner_test)))
 
 
 def test_packing_example() -> None:

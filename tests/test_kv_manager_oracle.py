@@ -352,10 +352,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.o.finish_all()
 
 
-KVCacheMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
-TestKVCacheOracle = KVCacheMachine.TestCase
+def _oracle_settings(examples: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=50, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.data_too_large])
+
+
+class TestKVCacheOracle(KVCacheMachine.TestCase):       # the quick tier's share of the 250 runs
+    settings = _oracle_settings(60)
+
+
+@pytest.mark.slow
+class TestKVCacheOracleMoreRuns(KVCacheMachine.TestCase):
+    settings = _oracle_settings(190)
 
 
 @pytest.mark.parametrize("chunk", range(8))
