@@ -6,8 +6,8 @@ Each case is compiled by Triton for an sm_90a target (its PTX), then assembled b
 ``-v``, which reports the registers per thread, the stack frame and the bytes spilled to local memory. A spill
 is a store and a load through the L1 on every trip of the loop that holds it, so on the latency-bound small
 steps of serving it is time. The cases: the paged attention's prefill form at d = 256 (Gemma-3's heads) at the
-shape ``launch_config`` picks for a small step (64 rows) and for a long prefill (128 rows), with and without a
-sliding window, split in two as a captured mixed step is; the Mamba2 scan at ``ssd_launch_config``'s shape for
+shape ``launch_config`` picks for a small step (64 rows, split in two as a captured mixed step is) and for a long
+prefill (128 rows, unsplit), with and without a sliding window; the Mamba2 scan at ``ssd_launch_config``'s shape for
 64 heads x 64 channels, state 128 (the NemotronH-like model of ``gpu_decode.py``).
 """
 
@@ -22,11 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import triton
-from rich.console import Console
-from rich.table import Table
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+os.environ.pop("TRITON_INTERPRET", None)      # (triton.jit decides at decoration time: before the kernels' import)
+
+import triton  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, write_json  # noqa: E402
@@ -87,10 +89,11 @@ def attention_case(rows: int, window: bool) -> tuple[str, object, dict, dict]:
     assert cfg["BLOCK_M"] == rows, cfg
     consts = dict(HEAD_DIM=256, HEAD_DIM_P=256, GROUP=4, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
                   TILE=cfg["TILE"], BLOCK_SIZE=16, IS_CAUSAL=True, USE_WINDOW=window, USE_SOFTCAP=False,
-                  HAS_SINKS=False, SPLIT=True, SEGS=2, PRECISION="tf32", DECODE=False, PREP=False, ROT_DIM=0,
-                  INTERLEAVED=False, QK_NORM=False, POST_NORM=False, GEMMA=False, TEMPERATURE=False, PDL=True)
+                  HAS_SINKS=False, SPLIT=rows == 64, SEGS=2 if rows == 64 else 0, PRECISION="tf32", DECODE=False,
+                  PREP=False, ROT_DIM=0, INTERLEAVED=False, QK_NORM=False, POST_NORM=False, GEMMA=False,
+                  TEMPERATURE=False, PDL=True)
     name = (f"attention prefill d=256, {cfg['BLOCK_M']} x {cfg['TILE']}, {cfg['num_warps']} warps"
-            f"{', window' if window else ''}")
+            f"{', window' if window else ''}{', 2 segments (captured)' if rows == 64 else ', unsplit'}")
     return name, ta._paged_attention_kernel.graph, consts, cfg
 
 
@@ -106,7 +109,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_output_args(ap, "sm90_registers")
     args = ap.parse_args()
-    os.environ.pop("TRITON_INTERPRET", None)
     cases = [attention_case(64, False), attention_case(64, True), attention_case(128, False),
              attention_case(128, True), ssd_case()]
     rows = []

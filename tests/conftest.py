@@ -26,16 +26,28 @@ if not torch.cuda.is_available():
 # Under pytest-xdist (``-n``, in ``pyproject.toml``'s addopts) each worker gets its share of the cores for torch's
 # intra-op threads, and so do the processes its tests start (servers, tensor-parallel ranks): two workers of two
 # threads each on a 2-core machine ran no faster than one process, two of one thread each ran 1.5x faster.
-if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
-    _threads = max(1, (os.cpu_count() or 1) // _workers)
-    os.environ["OMP_NUM_THREADS"] = str(_threads)
-    torch.set_num_threads(_threads)
-
 MAX_WORKERS = 8     # ``-n auto``: past this many, each worker's imports and fixtures cost more than they save
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    _threads = max(1, _cores() // _workers)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        _threads = min(_threads, max(1, int(os.environ["OMP_NUM_THREADS"])))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: the cores this process may use, at most ``MAX_WORKERS``; ``PYTEST_XDIST_AUTO_NUM_WORKERS``
+    (xdist's own setting) wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return max(1, min(MAX_WORKERS, _cores()))
+
 
 _ENGINES: list = []          # engines built since the last test's teardown (held until it: a test's locals are gone)
 

@@ -448,7 +448,8 @@ CONFIGS = [
     ((64, 8, 64, 2), (128, 16, 128, 4, 2)),
     ((256, 4, 1, 2), (16, 4, 16, 4, 4)),
     ((256, 4, 64, 2), (64, 16, 64, 8, 2)),       # a small step (<= SMALL_STEP_TOKENS)
-    ((256, 4, 1024, 2), (128, 32, 64, 8, 2)),
+    ((256, 4, 512, 2), (64, 16, 64, 8, 2)),
+    ((256, 4, 513, 2), (128, 32, 64, 8, 2)),
     ((256, 4, 64, 4), (64, 16, 32, 8, 2)),
     ((512, 8, 1, 2), (16, 2, 16, 4, 4)),
     ((512, 8, 1, 4), (16, 2, 16, 4, 2)),
@@ -466,13 +467,28 @@ def test_launch_config_table(args, want):
     assert (cfg["BLOCK_M"], cfg["BLOCK_Q"], cfg["TILE"], cfg["num_warps"], cfg["num_stages"]) == want
 
 
-# graph_min_segments per (head_dim, max_query_len, elem_bytes): 2 only for small steps with prompts at d = 256, bf16
-@pytest.mark.parametrize(("d", "mql", "elem", "want"), [
-    (256, 260, 2, 2), (256, 512, 2, 2), (200, 2, 2, 2),
-    (256, 1, 2, 1), (256, 513, 2, 1), (256, 260, 4, 1), (128, 260, 2, 1), (512, 260, 2, 1),
+# graph_min_segments per (head_dim, kv heads, max_query_len, elem_bytes): 2 only for small steps with prompts at
+# d = 256 with one KV head, bf16
+@pytest.mark.parametrize(("d", "kvh", "mql", "elem", "want"), [
+    (256, 1, 260, 2, 2), (256, 1, 512, 2, 2), (200, 1, 2, 2, 2),
+    (256, 1, 1, 2, 1), (256, 1, 513, 2, 1), (256, 1, 260, 4, 1), (256, 4, 260, 2, 1), (128, 1, 260, 2, 1),
+    (512, 1, 260, 2, 1),
 ])
-def test_graph_min_segments(d: int, mql: int, elem: int, want: int) -> None:
-    assert ta.graph_min_segments(head_dim=d, max_query_len=mql, elem_bytes=elem) == want
+def test_graph_min_segments(d: int, kvh: int, mql: int, elem: int, want: int) -> None:
+    assert ta.graph_min_segments(head_dim=d, num_kv_heads=kvh, max_query_len=mql, elem_bytes=elem) == want
+
+
+def test_long_step_shape_at_head_dim_256(monkeypatch):
+    """The 128-row d = 256 prefill shape (queries longer than ``SMALL_STEP_TOKENS``), made to run at test size,
+    against the reference and the oracle, with a window."""
+    monkeypatch.setattr(ta, "SMALL_STEP_TOKENS", 1)
+    assert ta.launch_config(head_dim=256, group=2, max_query_len=30)["BLOCK_M"] == 128
+    b = make_batch([30, 1, 12], [30, 41, 20], 8, 11, num_heads=4, num_kv_heads=2, head_dim=256)
+    kc, vc = poison_unreferenced(b, b.cam)
+    ref = paged_attention_ref(b.q, kc, vc, b.cam, scale=b.scale, sliding_window=9)
+    out = _run(_to(b.q), *_strided_pool(kc, vc), b.cam, scale=b.scale, sliding_window=9)
+    _assert_close(out, ref)
+    _assert_close(out, dense_attention(b, window=9))
 
 
 @gpu
@@ -481,6 +497,7 @@ def test_gpu_captured_small_mixed_step_at_head_dim_256(monkeypatch):
     """A mixed step's layout (decodes, a prompt, empty request rows after them, as the mixed graphs' buffers hold)
     at d = 256 in bf16, captured in a CUDA graph: it splits (``graph_min_segments``) and its replay is within 2x
     of bf16 torch's error, with a sliding window and without."""
+    monkeypatch.setattr(ta, "_num_sms", lambda index: 8)     # the step's 20 programs: no split of its own
     launches = []
     forms = ta._reduce_segments_kernel
     monkeypatch.setattr(ta, "_reduce_segments_kernel",
@@ -500,9 +517,11 @@ def test_gpu_captured_small_mixed_step_at_head_dim_256(monkeypatch):
                                 out=out)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        launches.clear()
         with torch.cuda.stream(stream):
-            run()                                       # compile outside the capture
+            run()                                       # the eager form (the graph's compiles at capture)
         torch.cuda.current_stream().wait_stream(stream)
+        assert not launches, "the eager step split: the capture's minimum is not what is tested"
         graph = torch.cuda.CUDAGraph()
         launches.clear()
         with torch.cuda.graph(graph):
@@ -523,7 +542,7 @@ def test_launch_config_fits_shared_memory(d, elem):
     """Every shape launch_config picks (decode and prefill, GQA groups 1-16) has a shared-memory bound within an
     H100 / H200 block's 227 KiB; the bound catches the fp32 d = 256 prefill shape that asked for 288 KiB."""
     for group in (1, 2, 3, 4, 5, 8, 16):
-        for mql in (1, 2, 512):
+        for mql in (1, 2, 512, 513, 4096):
             cfg = ta.launch_config(head_dim=d, group=group, max_query_len=mql, elem_bytes=elem)
             assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
             need = ta.shared_memory_bound(cfg, head_dim=d, elem_bytes=elem)

@@ -466,13 +466,13 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: 
     equal at B = 1); ``paged_attention_triton`` widens them to 128 when d <= 128 and no split
     is needed); batches with prefills get 64 rows x 64 keys with 4 warps at d = 128 (8 warps ran 1.9x
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
-    8 warps (4.4x faster than 32 x 32 at S = 8192), but 64 rows when the step holds at most ``SMALL_STEP_TOKENS``
-    (a mixed step's few decodes and a prompt chunk: a decode's one query fills 4 of a q-block's rows, and
-    128-row blocks spill 2.3 KiB of registers a thread, 64-row ones 1.1-1.5, ``benchmarks/sm90_registers.py``;
-    measured in a Gemma-3-like model's mixed graph with ``graph_min_segments``: ``gpu_mixed_step.py``,
-    ``docs/performance.md``);
-    each with the same error against fp32 SDPA as the shape it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256
-    with prefills: 64 rows x 32 keys, as 128 x 64
+    8 warps (4.4x faster than 32 x 32 at S = 8192), but 64 rows when no query is longer than
+    ``SMALL_STEP_TOKENS`` (a captured mixed step's bucket, its few decodes and a prompt chunk: a decode's one token
+    fills a q-block's first GQA-group rows, 4 of 128 at Gemma-3's group, and 128-row blocks spill 2.3 KiB of
+    registers a thread, 64-row ones 1.1-1.5: ``benchmarks/sm90_registers.py``; timed in a Gemma-3-like model's
+    mixed graph with ``graph_min_segments``: ``gpu_mixed_step.py``, ``docs/performance.md``); each with the same
+    error against fp32 SDPA as the shape it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256 with prefills:
+    64 rows x 32 keys, as 128 x 64
     needs 288 KiB of shared memory (an H100 / H200 SM has 227 KiB).
 
     d = 512 (Gemma-4's global layers) is sized by what sm_90a code compiled from it holds, not yet by timings:
@@ -505,17 +505,18 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: 
             "num_stages": stages}
 
 
-# Steps with prompts of at most this many tokens (a captured mixed step's bucket: a few decodes and a prompt chunk)
-# take the d = 256 prefill shape with 64 rows (``launch_config``).
+# Steps whose longest query is at most this many tokens (a captured mixed step's is its bucket: a few decodes and a
+# prompt chunk) take the d = 256 prefill shape with 64 rows (``launch_config``).
 SMALL_STEP_TOKENS = 512
 
 
-def graph_min_segments(*, head_dim: int, max_query_len: int, elem_bytes: int) -> int:
+def graph_min_segments(*, head_dim: int, num_kv_heads: int, max_query_len: int, elem_bytes: int) -> int:
     """The least split-KV factor of a step captured in a graph. A captured mixed step's request rows are its
     buffers' capacity (``max_num_seqs`` + 1), not its work, so ``split_segments`` sees enough programs never to
-    split, while the real ones (one per decode, a few per prompt chunk) may fill a third of the SMs. At d = 256
-    with bf16 caches and at most ``SMALL_STEP_TOKENS`` tokens: 2 (``docs/design.md``); elsewhere 1 (not measured)."""
-    small = 1 < max_query_len <= SMALL_STEP_TOKENS and elem_bytes <= 2
+    split, while the real ones (one per decode, a few per prompt chunk, per KV head) may fill a third of the SMs.
+    Where that was measured, d = 256 with one KV head and bf16 caches, queries of at most ``SMALL_STEP_TOKENS``: 2
+    (``docs/design.md``); elsewhere 1 (more KV heads make more programs; not measured)."""
+    small = 1 < max_query_len <= SMALL_STEP_TOKENS and elem_bytes <= 2 and num_kv_heads == 1
     return 2 if small and max(16, _next_pow2(head_dim)) == 256 else 1
 
 
@@ -649,8 +650,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cam: 
             num_segments = split_segments(programs=n_qblocks * num_kv_heads, sms=sms, max_seq_len=cam.max_seq_len,
                                           tile=cfg["TILE"])
             if capturing(q):
-                num_segments = max(num_segments, graph_min_segments(head_dim=head_dim, max_query_len=cam.max_query_len,
-                                                                    elem_bytes=k_cache.element_size()))
+                num_segments = max(num_segments, graph_min_segments(
+                    head_dim=head_dim, num_kv_heads=num_kv_heads, max_query_len=cam.max_query_len,
+                    elem_bytes=k_cache.element_size()))
     num_segments = _next_pow2(max(1, int(num_segments)))
     if cam.max_query_len <= 1 and num_segments == 1 and hd_p <= 128:
         cfg["TILE"] = 128   # long decode rows, no split: wider tiles, fewer loop trips (~5% at B=32, 8k)
