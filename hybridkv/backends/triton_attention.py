@@ -468,7 +468,7 @@ def launch_config(*, head_dim: int, group: int, max_query_len: int, elem_bytes: 
     slower); at d <= 64, 128 x 128 (19% faster at S = 8192, 6% at 2048); at d = 256, 128 rows x 64 keys with
     8 warps (4.4x faster than 32 x 32 at S = 8192), but 64 rows when no query is longer than
     ``SMALL_STEP_TOKENS`` (a captured mixed step's bucket, its few decodes and a prompt chunk: a decode's one token
-    fills a q-block's first GQA-group rows, 4 of 128 at Gemma-3's group, and 128-row blocks spill 2.3 KiB of
+    fills a q-block's first GQA-group rows, 4 of 128 at Gemma-3's group, and 128-row blocks spill 1.8-2.9 KiB of
     registers a thread, 64-row ones 1.1-1.5: ``benchmarks/sm90_registers.py``; timed in a Gemma-3-like model's
     mixed graph with ``graph_min_segments``: ``gpu_mixed_step.py``, ``docs/performance.md``); each with the same
     error against fp32 SDPA as the shape it replaced. ``elem_bytes`` 4 (fp32 caches) at d = 256 with prefills:
