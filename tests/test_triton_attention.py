@@ -505,9 +505,7 @@ def test_gpu_captured_small_mixed_step_at_head_dim_256(monkeypatch):
     q_lens = [1] * 6 + [70] + [0] * 9
     s_lens = [90, 130, 40, 300, 7, 61] + [70] + [0] * 9
     b = make_batch(q_lens, s_lens, 16, 3, num_heads=4, num_kv_heads=1, head_dim=256)
-    b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
-                v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
-                v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+    b = _rounded_to_bf16(b)
     kc, vc = poison_unreferenced(b, b.cam)
     k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
     q, cam = _to(b.q, torch.bfloat16), _cam_to(b.cam)
@@ -656,13 +654,19 @@ def _eager_bf16(b, window, softcap, sinks=None) -> torch.Tensor:
     return torch.cat(outs).float()
 
 
+def _rounded_to_bf16(b):
+    """``b`` with its inputs rounded to bf16 once (kept in fp32): the fp32 reference and a bf16 run then see the same
+    numbers."""
+    return type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
+                   v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
+                   v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+
+
 def _check_bf16_within_2x_of_torch(b, window, softcap, sinks) -> None:
     """The kernel in bf16 against the fp32 dense oracle: no NaN (unreferenced blocks are NaN-poisoned), and an
     error at most 2x that of bf16 torch. The inputs are rounded to bf16 once: the fp32 reference and the baseline
     then see the same numbers."""
-    b = type(b)(cam=b.cam, q=b.q.bfloat16().float(), k_dense=[k.bfloat16().float() for k in b.k_dense],
-                v_dense=[v.bfloat16().float() for v in b.v_dense], k_cache=b.k_cache.bfloat16().float(),
-                v_cache=b.v_cache.bfloat16().float(), scale=b.scale)
+    b = _rounded_to_bf16(b)
     cam = trim_sliding_window(b.cam, window) if window is not None else b.cam
     kc, vc = poison_unreferenced(b, cam)
     k16, v16 = _strided_pool(kc.bfloat16(), vc.bfloat16())
