@@ -150,8 +150,9 @@ def measure_mixed(steps: int, *, decodes: int = 40, context: int = 256, prompt: 
         t1 = time.perf_counter_ns()
         step = engine._step_batch(batch)
         t2 = time.perf_counter_ns()
-        arrays = [np.asarray(step.input_ids, np.int64), step.positions(), np.asarray(step.logits_indices, np.int64)]
-        runner.build_context(step, arrays, static)
+        static.pack_step(np.asarray(step.input_ids, np.int64), step.positions(), step.input_sources,
+                         np.asarray(step.logits_indices, np.int64))
+        runner.build_context(step, (), static)
         t3 = time.perf_counter_ns()
         for req in batch.requests:
             req.token_ids.append(1)

@@ -213,11 +213,11 @@ def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch:
         assert (runner.mixed_graphs is not None) == graphs and runner.graphs is None
         replays = []
         if graphs:
-            def counted(ids, positions, run=runner.mixed_graphs.run, replays=replays):
-                replays.append(ids.shape[0])
-                return run(ids, positions)
+            def counted(n, prev, replay=runner.mixed_graphs.replay_static, replays=replays):
+                replays.append(n)
+                return replay(n, prev)
 
-            runner.mixed_graphs.run = counted
+            runner.mixed_graphs.replay_static = counted
         runs.append(_staggered(llm, prompts, params, every=3))
         if graphs:
             assert len(replays) > 5 and max(replays) > 8

@@ -291,6 +291,14 @@ class _Replay:
     def bucket_for(self, num_tokens: int) -> int | None:
         return self.bucket if num_tokens <= self.bucket else None
 
+    def replay_static(self, n: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        from hybridkv.engine.sampler import take_pending
+
+        if prev_tokens is not None:
+            self.static.take_prev(prev_tokens)
+        ids, positions, _ = self.static.step_views(n, 0)
+        return self.run(take_pending(ids, self.static.d_src[:n], self.static.d_prev), positions)
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         import dataclasses
 

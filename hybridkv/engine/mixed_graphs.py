@@ -11,7 +11,8 @@ per token-count bucket the forward is captured as a chain of graphs broken at th
 the calls run eagerly in between on the step's real tokens (vLLM's piecewise graphs, with the breaks where
 the layers say instead of a compiler's graph split):
 
-    ids, positions -> the static inputs (padded rows keep earlier, valid values)
+    ids, positions -> the static inputs (padded rows keep earlier, valid values; with ``MixedStepBuffers`` they are
+                      its views, packed with the rest of the step, and graph 0 takes the pending ids itself)
     graph 0 | op 0 (eager: n real tokens) -> break buffer | graph 1 | op 1 -> break buffer | ... | graph L
     -> hidden (bucket rows); the caller takes the first n, and the head runs eagerly on those it needs
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from hybridkv.backends.registry import KernelBackend
 from hybridkv.engine.mixed_metadata import MixedStepBuffers
+from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.models.hybrid import HybridModel
 
@@ -217,9 +219,9 @@ class MixedStepGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
-            ids, positions = self._ids[:b], self._positions[:b]
             if self.static is not None:     # the warm-up's static ops see a step of padding only (finite rows)
                 self.static.pad(b)
+            ids, positions = self._step_inputs(b)
             with forward_context(self._context(_Recorder(self, None), b)):
                 self.model(ids, positions)                 # compile and warm up outside the capture
             torch.cuda.synchronize(self.device)
@@ -229,6 +231,7 @@ class MixedStepGraphs:
             with torch.cuda.stream(stream), forward_context(context):
                 recorder.start()
                 try:
+                    ids, positions = self._step_inputs(b)      # (the pending ids taken inside the graph)
                     hidden = self.model(ids, positions)
                 finally:
                     recorder.stop()         # (after a failure too: the stream leaves capture mode)
@@ -279,6 +282,14 @@ class MixedStepGraphs:
         inputs = self.static.inputs(bucket) if self.static is not None else {}
         return ForwardContext(inputs=inputs, backend=self.backend, graph_breaks=recorder)
 
+    def _step_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's (bucket,) ids and positions: the static step's (pending ids taken from ``d_prev``), else
+        this object's own buffers (``run`` copies a step's there)."""
+        static = self.static
+        if static is None:
+            return self._ids[:bucket], self._positions[:bucket]
+        return take_pending(static.d_ids[:bucket], static.d_src[:bucket], static.d_prev), static.d_pos[:bucket]
+
     def bucket_for(self, num_tokens: int) -> int | None:
         for b in self.buckets:
             if b >= num_tokens:
@@ -288,12 +299,24 @@ class MixedStepGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states (n, hidden_size) of a step's (n,) ``ids`` at ``positions`` (both on the device), run
         under the step's forward context (the breaks read its inputs); valid until the next run."""
+        assert self.static is None, "graphs over static step inputs replay with replay_static"
         n = int(ids.shape[0])
+        self._ids[:n].copy_(ids)
+        self._positions[:n].copy_(positions)
+        return self._replay(n)
+
+    def replay_static(self, num_tokens: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """``run`` for a step packed into the static buffers (``MixedStepBuffers.pack_step``, ``pack``, ``upload``):
+        its pending ids come from ``prev_tokens`` (the step in flight's sampled tokens; None: none pending)."""
+        assert self.static is not None
+        if prev_tokens is not None:
+            self.static.take_prev(prev_tokens)
+        return self._replay(num_tokens)
+
+    def _replay(self, n: int) -> torch.Tensor:
         b = self.bucket_for(n)
         assert b is not None, f"{n} tokens: more than the largest bucket ({self.buckets[-1]})"
         graphs, breaks, hidden = self._captured[b]
-        self._ids[:n].copy_(ids)
-        self._positions[:n].copy_(positions)
         for graph, brk in zip(graphs, [*breaks, None], strict=True):
             graph.replay()
             if brk is not None:

@@ -23,8 +23,20 @@ W_a is the widest row the group's step can read: the model's length in blocks fo
 window the window plus the largest bucket (the engine's rows start at their first live block, ``StepTables``). A
 step whose tables are wider runs eagerly, padded to the bucket.
 
-One copy moves the slots, offsets, lengths and the first n rows of the tables (every group's: n x sum of W_a x 4
-bytes; the rows' stride is fixed at capture, so a narrower step still moves whole rows).
+The step's own inputs ride in the same buffers, so a step that replays the graphs makes no other host-to-device
+copy (a second packed copy and the eager take of the pending ids cost a Gemma-3-like mixed step ~0.25 ms of host
+time):
+
+    int64: input ids, positions (T_max,)                          tokens n_tok.. : stale, valid values
+           sources of pending input ids (T_max,)                  tokens n_tok.. : -1
+           the logits head's row indices (max(T_max, R_max),)    rows past the head's: stale, never read
+    device only: the pending ids' source (max(T_max, R_max) + 1,)  the step in flight's sampled tokens, copied there
+
+The graph takes the pending ids itself (``take_pending`` on the device, captured), so the sampled tokens of the
+step in flight never visit the host.
+
+One copy moves the step's inputs, the slots, offsets, lengths and the first n rows of the tables (every group's: n x
+sum of W_a x 4 bytes; the rows' stride is fixed at capture, so a narrower step still moves whole rows).
 
 Groups of state slots whose layers say so (``static_slots``: Mamba2) are captured the same way. Their Triton conv
 and scan kernels read the offsets, slots and flags on the device, with grids from shapes; captured, every request
@@ -97,13 +109,16 @@ class MixedStepBuffers:
         self.widths = tuple(static_table_width(s, max_model_len=plan.max_model_len, max_tokens=max_tokens)
                             for s in specs)
         a, m, t, r = len(self.groups), len(self.state_groups), max_tokens, max_reqs + 1   # + the padded tokens' request
-        # byte offsets: slots and state slots (int64), then qsl and seq_lens (int32), the initial-state flags (bool),
-        # then the tables, row-interleaved (request r's row of every group, then r + 1's): the first n requests' rows
-        # of all groups are one span, so a step's fields go over in one copy; every group's field from a 16-byte
-        # boundary (Triton specializes on a pointer's alignment: one compile serves every group)
+        # byte offsets: the step's ids, positions, sources and head rows, slots and state slots (int64), then qsl and
+        # seq_lens (int32), the initial-state flags (bool), then the tables, row-interleaved (request r's row of every
+        # group, then r + 1's): the first n requests' rows of all groups are one span, so a step's fields go over in
+        # one copy; every group's field from a 16-byte boundary (Triton specializes on a pointer's alignment: one
+        # compile serves every group)
         self._slot_stride, self._idx_stride, self._seq_stride, self._init_stride = (
             _aligned(t, 2), _aligned(r, 2), _aligned(r, 4), _aligned(r, 16))
-        self._idx_at = 8 * a * self._slot_stride
+        self._rows_stride = _aligned(max(t, max_reqs), 2)        # the head's rows (and the pending ids' source)
+        self._slots_at = 8 * (3 * self._slot_stride + self._rows_stride)
+        self._idx_at = self._slots_at + 8 * a * self._slot_stride
         self._qsl_at = self._idx_at + 8 * m * self._idx_stride
         self._seq_at = self._qsl_at + _aligned(4 * (r + 1))
         self._init_at = _aligned(self._seq_at + 4 * a * self._seq_stride)
@@ -113,27 +128,33 @@ class MixedStepBuffers:
         nbytes = self._tables_at + r * self._row_bytes
         self.host = torch.zeros(max(nbytes, 16), dtype=torch.uint8, pin_memory=pin)
         self.dev = torch.zeros_like(self.host, device=device)
-        self.h_slots, self.h_idx, self.h_qsl, self.h_seq, self.h_init, self.h_tables = self._views(self.host.numpy())
-        self.d_slots, self.d_idx, self.d_qsl, self.d_seq, self.d_init, self.d_tables = self._views(self.dev)
+        (self.h_ids, self.h_pos, self.h_src, self.h_rows, self.h_slots, self.h_idx, self.h_qsl, self.h_seq,
+         self.h_init, self.h_tables) = self._views(self.host.numpy())
+        (self.d_ids, self.d_pos, self.d_src, self.d_rows, self.d_slots, self.d_idx, self.d_qsl, self.d_seq,
+         self.d_init, self.d_tables) = self._views(self.dev)
+        self.d_prev = torch.zeros(self._rows_stride + 1, dtype=torch.int64, device=device)   # the pending ids' source
         self._copied = torch.cuda.Event() if self.dev.is_cuda else None
         self._rows = r                  # rows of the last packing (those past it are padding already)
         self.pad()
 
     def _views(self, buf: np.ndarray | torch.Tensor) -> tuple:
-        """(slots (groups, T), state slots (state groups, R + 1), qsl (R + 2,), seq_lens (groups, R + 1),
-        has_initial_state (state groups, R + 1), [table (R + 1, W_a), rows strided by every group's columns]) over
-        ``buf``."""
+        """(ids, positions, sources (T,), the head's rows (max(T, R),), slots (groups, T), state slots (state groups,
+        R + 1), qsl (R + 2,), seq_lens (groups, R + 1), has_initial_state (state groups, R + 1), [table (R + 1, W_a),
+        rows strided by every group's columns]) over ``buf``."""
         a, m, r = len(self.groups), len(self.state_groups), self.max_reqs + 1
         i64, i32, b8 = ((torch.int64, torch.int32, torch.bool) if isinstance(buf, torch.Tensor)
                         else (np.int64, np.int32, np.bool_))
-        slots = buf[:self._idx_at].view(i64).reshape(a, self._slot_stride)
+        step = buf[:self._slots_at].view(i64)
+        t = self._slot_stride
+        ids, pos, src, rows_ = step[:t], step[t:2 * t], step[2 * t:3 * t], step[3 * t:]
+        slots = buf[self._slots_at:self._idx_at].view(i64).reshape(a, self._slot_stride)
         idx = buf[self._idx_at:self._qsl_at].view(i64).reshape(m, self._idx_stride)
         qsl = buf[self._qsl_at:self._qsl_at + 4 * (r + 1)].view(i32)
         seq = buf[self._seq_at:self._seq_at + 4 * a * self._seq_stride].view(i32).reshape(a, self._seq_stride)
         init = buf[self._init_at:self._init_at + m * self._init_stride].view(b8).reshape(m, self._init_stride)
         rows = buf[self._tables_at:self._tables_at + r * self._row_bytes].view(i32).reshape(r, self._columns[-1])
         tables = [rows[:, c:c + w] for c, w in zip(self._columns[:-1], self.widths, strict=True)]
-        return slots, idx, qsl, seq, init, tables
+        return ids, pos, src, rows_, slots, idx, qsl, seq, init, tables
 
     # -- capture --------------------------------------------------------------------------------
     def inputs(self, bucket: int) -> dict[str, AttentionInputs | MambaInputs]:
@@ -170,6 +191,10 @@ class MixedStepBuffers:
         capture's warm-up: finite rows, no KV writes, and no state writes from the Triton kernels, which never
         dereference slot -1)."""
         self._wait()
+        self.h_ids[:] = 0
+        self.h_pos[:] = 0
+        self.h_src[:] = -1
+        self.h_rows[:] = 0
         self.h_qsl[0] = 0
         self.h_qsl[1:] = bucket
         self.h_seq[:] = 0
@@ -183,6 +208,29 @@ class MixedStepBuffers:
     def fits(self, num_reqs: int, widths: Sequence[int]) -> bool:
         """Whether a step of ``num_reqs`` requests whose static groups' tables have ``widths`` columns fits."""
         return num_reqs <= self.max_reqs and all(w <= cap for w, cap in zip(widths, self.widths, strict=True))
+
+    def pack_step(self, ids: np.ndarray, positions: np.ndarray, sources: np.ndarray | None,
+                  head_rows: np.ndarray) -> None:
+        """The step's own inputs, host side (before ``pack``): (n_tok,) int64 ids and positions, the (n_tok,) sources
+        of pending ids (>= 0: the step in flight's sampled token there; None: none pending) and the (k,) int64 rows
+        the logits head reads."""
+        self._wait()
+        n = int(ids.shape[0])
+        self.h_ids[:n] = ids
+        self.h_pos[:n] = positions
+        self.h_src[:n] = -1 if sources is None else sources
+        self.h_src[n:] = -1
+        self.h_rows[:head_rows.shape[0]] = head_rows
+
+    def step_views(self, num_tokens: int, num_head_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device views of the step's (n_tok,) ids (as packed: pending ones not yet taken), (n_tok,) positions
+        and (k,) head rows."""
+        return self.d_ids[:num_tokens], self.d_pos[:num_tokens], self.d_rows[:num_head_rows]
+
+    def take_prev(self, prev_tokens: torch.Tensor) -> None:
+        """The step in flight's sampled tokens (r,) where the captured ``take_pending`` reads them (a device copy,
+        in stream order: the graph that reads them runs after it)."""
+        self.d_prev[:prev_tokens.shape[0]].copy_(prev_tokens)
 
     def pack(self, qsl: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], *,
              bucket: int, states: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> None:

@@ -397,6 +397,8 @@ class ModelRunner:
                 raise RuntimeError(f"static step inputs for a {num_tokens}-token step that no mixed graph runs")
             static.pack(qsl, packed, bucket=bucket, states=packed_states)
             static.upload()
+            if not extra and all(row == "static" for row in rows):      # nothing else goes over
+                return [None] * len(rows), []
         dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
             qsl_dev, zeros_dev = dev[batch_twins[0]], dev[batch_twins[1]]
@@ -460,15 +462,24 @@ class ModelRunner:
         rows = len(index)
         if self.mixed_graphs is not None:   # the head's GEMM at a few row counts (mixed_graphs.HEAD_GRANULE)
             index = np.pad(index, (0, padded_rows(rows, self.max_num_seqs) - rows), mode="edge")
-        arrays = [np.asarray(batch.input_ids, dtype=np.int64), batch.positions(), index]
-        if batch.input_sources is not None:
-            arrays.append(batch.input_sources)
+        ids, positions = np.asarray(batch.input_ids, dtype=np.int64), batch.positions()
         static = self._static_inputs(batch)
-        context, (ids, positions, index, *sources) = self.build_context(batch, arrays, static)   # one host-to-device
-        if sources:                                                                             # copy (and static's)
-            assert batch.prev_tokens is not None
-            ids = take_pending(ids, sources[0], batch.prev_tokens)
-        hidden = self._hidden(ids, positions, context, static).index_select(0, index)
+        if static is not None:              # the step's inputs ride in the static buffers' one copy
+            assert self.mixed_graphs is not None
+            static.pack_step(ids, positions, batch.input_sources, index)
+            context, _ = self.build_context(batch, (), static)
+            index_dev = static.step_views(len(ids), len(index))[2]
+            with forward_context(context):  # (the graph breaks' ops read it)
+                hidden = self.mixed_graphs.replay_static(
+                    len(ids), batch.prev_tokens if batch.input_sources is not None else None)
+        else:
+            arrays = [ids, positions, index, *(() if batch.input_sources is None else (batch.input_sources,))]
+            context, (ids_dev, pos_dev, index_dev, *sources) = self.build_context(batch, arrays)   # one copy
+            if sources:
+                assert batch.prev_tokens is not None
+                ids_dev = take_pending(ids_dev, sources[0], batch.prev_tokens)
+            hidden = self._hidden(ids_dev, pos_dev, context)
+        hidden = hidden.index_select(0, index_dev)
         with forward_context(context):      # the head too runs on the step's backend
             if batch.greedy:
                 # the report comes from the argmax's own reduction (a separate finite check: three more launches)
@@ -483,26 +494,28 @@ class ModelRunner:
         return None if logits is None else StepOutput(logits=logits[:rows])
 
     def _static_inputs(self, batch: StepBatch) -> MixedStepBuffers | None:
-        """The mixed graphs' static step inputs when this step replays them: a bucket holds its tokens and the
-        static groups' tables fit (``MixedStepBuffers.fits``); else None (the step runs eagerly)."""
+        """The mixed graphs' static step inputs when this step replays them: a bucket holds its tokens, the static
+        groups' tables fit (``MixedStepBuffers.fits``) and so do the step in flight's tokens; else None (the step
+        runs eagerly)."""
         mixed = self.mixed_graphs
         if mixed is None or mixed.static is None or mixed.bucket_for(int(batch.input_ids.shape[0])) is None:
             return None
+        if batch.prev_tokens is not None and batch.prev_tokens.shape[0] > mixed.static.d_prev.shape[0]:
+            return None                     # (after a step of prompt logprobs past the largest bucket)
         tables = batch.block_tables.tables if isinstance(batch.block_tables, StepTables) else batch.block_tables
         widths = [tables[g].shape[1] for g in mixed.static.groups]
         return mixed.static if mixed.static.fits(batch.num_reqs, widths) else None
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
-                static: MixedStepBuffers | None = None) -> torch.Tensor:
-        """The forward of a step that no decode graph runs: in pieces of graphs up to their largest bucket (the
-        ``static`` inputs packed when the graphs hold attention), past it eagerly at a padded size
-        (``MixedStepGraphs.run_eager``; also at the bucket's size when a step's tables do not fit the static ones,
-        rare: a sliding window's rows wider than the window and the largest bucket), or plainly where there are no
-        mixed graphs."""
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """The forward of a step that neither a decode graph nor the mixed graphs over static inputs run: in pieces
+        of graphs up to their largest bucket where they hold no static inputs, past it eagerly at a padded size
+        (``MixedStepGraphs.run_eager``; also at the bucket's size when the graphs hold static inputs that the step
+        does not fit, rare: a sliding window's rows wider than the window and the largest bucket), or plainly where
+        there are no mixed graphs."""
         mixed = self.mixed_graphs
         if mixed is not None and mixed.bucket_for(int(ids.shape[0])) is None:
             return mixed.run_eager(ids, positions, context)
-        if mixed is not None and mixed.static is not None and static is None:   # tables wider than the static ones:
+        if mixed is not None and mixed.static is not None:      # the step does not fit the static inputs
             return mixed.run_eager(ids, positions, context, size=mixed.bucket_for(int(ids.shape[0])))  # (GEMMs met)
         with forward_context(context):
             return self.model(ids, positions) if mixed is None else mixed.run(ids, positions)
