@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--prompt", type=int, default=260)
     ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="the step's token budget (default 2048, the engine's; hybridkv serve's flag of that name)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")
     args = ap.parse_args()
@@ -148,7 +150,8 @@ def main() -> None:
         config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=1024, dtype="float32",
                               layers=(Layer(mixer=Attention(num_heads=2, num_kv_heads=1, head_dim=16),
                                             ffn=MLP(intermediate_size=32)),))
-        llm = LLM(config, device="cpu", max_num_seqs=64, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+        llm = LLM(config, device="cpu", max_num_seqs=64, kv_cache_memory=64 << 20, enable_prefix_caching=False,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
         args.rate, args.seconds, args.prompt, args.output = min(args.rate, 50.0), min(args.seconds, 1.0), \
             min(args.prompt, 32), min(args.output, 8)
     elif not torch.cuda.is_available():
@@ -156,7 +159,8 @@ def main() -> None:
     else:
         from gpu_decode import random_llm
 
-        llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False)
+        llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
     cur = instrument(eng)
     rng = np.random.default_rng(0)
@@ -176,7 +180,8 @@ def main() -> None:
     write_json(args, "gpu_serving_steps", {
         "meta": {"device": torch.cuda.get_device_name(0) if not args.tiny else "cpu", "commit": commit(),
                  "command": " ".join(sys.argv), "torch": torch.__version__, "rate": args.rate,
-                 "seconds": args.seconds, "prompt": args.prompt, "output": args.output}, **result})
+                 "seconds": args.seconds, "prompt": args.prompt, "output": args.output,
+                 "max_num_batched_tokens": args.max_num_batched_tokens}, **result})
 
 
 if __name__ == "__main__":
