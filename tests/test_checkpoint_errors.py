@@ -153,6 +153,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow          # ~3 s: a fresh interpreter per config
 def test_huge_configs_are_refused_before_anything_is_built(hf_checkpoint: Path, tmp_path: Path) -> None:
     """In a fresh process (so its peak RSS is this test's): each refused in well under 2 s, the process never
     grows past what importing torch and hybridkv takes."""

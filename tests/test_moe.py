@@ -130,7 +130,7 @@ def test_skewed_and_empty_routing(impl: str) -> None:
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("top_k", [1, pytest.param(2, marks=pytest.mark.slow)])       # (quick: one expert a token)
 @pytest.mark.parametrize("impl", ("ref",) + FAST)
 def test_addend_is_added_to_the_rounded_sum(impl: str, top_k: int, gated: bool) -> None:
     """``run_experts(..., addend=a)`` == ``run_experts(...) + a`` and with a gate logit g, ``+ a * sigmoid(g)``

@@ -242,6 +242,7 @@ def test_errors_are_openai_shaped(server: ServerProcess) -> None:
     assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
 
 
+@pytest.mark.slow          # ~7 s: a server process of its own, a queue filled and drained
 def test_api_key_and_the_waiting_queue_bound(checkpoint: Path, tmp_path: Path) -> None:
     with ServerProcess(checkpoint, tmp_path / "server.log", "--api-key", "secret", "--max-waiting", "1",
                        "--max-num-seqs", "1", "--served-model-name", MODEL) as server:
