@@ -127,6 +127,47 @@ def test_a_step_goes_to_the_device_in_one_copy(monkeypatch: pytest.MonkeyPatch, 
     assert buffers.d_idx[0, :3].tolist() == [1, 2, 3]
 
 
+def test_pending_ids_are_taken_from_the_step_in_flight_on_the_device() -> None:
+    """The step's ids, positions and the sources of its pending ids ride in the one copy; what graph 0 computes
+    (``MixedStepGraphs._step_inputs``) takes each pending id from the step in flight's tokens, and a later, smaller
+    step's padded rows keep valid ids (>= 0, not a pending id's placeholder) with no source."""
+    from hybridkv.engine.mixed_graphs import MixedStepGraphs
+
+    buffers = MixedStepBuffers(_plan(), max_tokens=16, max_reqs=4, device="cpu", pin=False, state_groups=(1,))
+    graph = SimpleNamespace(static=buffers)
+
+    def step(ids: list[int], sources: list[int] | None, prev: list[int] | None) -> torch.Tensor:
+        n = len(ids)
+        buffers.pack_step(np.array(ids, np.int64), np.arange(n), None if sources is None else np.array(sources),
+                          np.array([n - 1]))
+        buffers.pack(np.array([0, n], np.int32), [(np.ones(1, np.int32), np.zeros((1, 1), np.int32), np.arange(n))] * 2,
+                     bucket=16, states=[(np.array([1]), np.ones(1, bool))])
+        buffers.upload()
+        if prev is not None:
+            buffers.take_prev(torch.tensor(prev))
+        ids_in, positions = MixedStepGraphs._step_inputs(graph, 16)
+        assert positions[:n].tolist() == list(range(n)) and buffers.head_rows(1).tolist() == [n - 1]
+        return ids_in
+
+    assert step([5, 6, -1, 7, -1], [-1, -1, 1, -1, 0], [40, 41])[:5].tolist() == [5, 6, 41, 7, 40]
+    ids = step([9, 8], None, None)                               # fewer tokens, nothing pending
+    assert ids[:2].tolist() == [9, 8] and (buffers.d_src[2:] == -1).all() and (ids >= 0).all()
+
+
+@pytest.mark.parametrize("budget", [100, 160, 192, 2048])
+def test_a_steps_padded_head_rows_fit_the_static_buffers(budget: int) -> None:
+    """Every row count a step of the largest bucket can want logits for, padded as the head pads it (``padded_rows``,
+    ``max_num_seqs`` 256), fits the head rows region, whatever the budget (not only multiples of 64)."""
+    from hybridkv.engine.mixed_graphs import HEAD_GRANULE, mixed_buckets, padded_rows
+    from hybridkv.engine.mixed_metadata import HEAD_ROWS_UNIT
+
+    assert HEAD_GRANULE == HEAD_ROWS_UNIT
+    top = mixed_buckets(budget)[-1]
+    buffers = MixedStepBuffers(_plan(), max_tokens=top, max_reqs=min(top, 256), device="cpu", pin=False)
+    assert max(padded_rows(r, 256) for r in range(1, top + 1)) <= buffers.h_rows.shape[0]
+    assert buffers.d_prev.shape[0] > min(top, 256)              # one sampled token per request of the step in flight
+
+
 @pytest.mark.parametrize(("seed", "bucket"), [(0, 48), *(pytest.param(s, b, marks=pytest.mark.slow)    # (quick: seed 0)
                                                for s, b in ((1, 48), (2, 48), (3, 256)))])
 @pytest.mark.parametrize("window", [None, 5])
@@ -281,8 +322,10 @@ def test_a_step_wider_than_the_static_tables_runs_eagerly_at_its_bucket() -> Non
 
 
 class _Replay:
-    """The mixed graphs' replay without CUDA: a step's forward at its bucket, the static layers' ops over the packed
-    buffers on every row (as captured), the others on the real tokens, padded with zero rows (as the breaks run)."""
+    """The mixed graphs' replay without CUDA: a step's forward at its bucket over the static step inputs as the
+    capture reads them (``MixedStepGraphs._step_inputs``: the pending ids taken, padded rows as packed), the static
+    layers' ops over the packed buffers on every row (as captured), the others on the real tokens, padded with zero
+    rows (as the breaks run)."""
 
     eager = ()
 
@@ -293,31 +336,22 @@ class _Replay:
         return self.bucket if num_tokens <= self.bucket else None
 
     def replay_static(self, n: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        from hybridkv.engine.sampler import take_pending
+        import dataclasses
+
+        from hybridkv.engine.mixed_graphs import MixedStepGraphs, _Padded
+        from hybridkv.forward_context import forward_context, get_forward_context
 
         if prev_tokens is not None:
             self.static.take_prev(prev_tokens)
-        ids, positions, _ = self.static.step_views(n, 0)
-        return self.run(take_pending(ids, self.static.d_src[:n], self.static.d_prev), positions)
-
-    def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        import dataclasses
-
-        import torch.nn.functional as F
-
-        from hybridkv.engine.mixed_graphs import _Padded
-        from hybridkv.forward_context import forward_context, get_forward_context
-
-        n, ctx = int(ids.shape[0]), get_forward_context()
-        eager = _Padded(n)
+        ids, positions = MixedStepGraphs._step_inputs(self, self.bucket)       # (bucket,) each
+        eager, ctx = _Padded(n), get_forward_context()
 
         def ops(fn, tensors, shape, dtype, key=None):
             return fn(*tensors) if key in self.static.names else eager(fn, tensors, shape, dtype, key)
 
         step = dataclasses.replace(ctx, inputs={**ctx.inputs, **self.static.inputs(self.bucket)}, graph_breaks=ops)
-        pad = (0, self.bucket - n)
         with forward_context(step):
-            hidden = self.model(F.pad(ids, pad), F.pad(positions, pad))[:n]
+            hidden = self.model(ids, positions)[:n]
         self.replays += 1
         return hidden
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.backends.registry import KernelBackend
-from hybridkv.engine.mixed_metadata import MixedStepBuffers
+from hybridkv.engine.mixed_metadata import HEAD_ROWS_UNIT, MixedStepBuffers
 from hybridkv.engine.sampler import take_pending
 from hybridkv.forward_context import ForwardContext, forward_context
 from hybridkv.models.hybrid import HybridModel
@@ -60,7 +60,7 @@ H200 (``benchmarks/gpu_gemm_first_use.py``: the Gemma-3-like linears at 4097-337
 shapes first, 0.28 ms after), while the GPU waits. At exact token counts every eager step of a first pass met new
 shapes; padded, there are few sizes and the start-up meets each of them (``MixedStepGraphs.touch_eager_sizes``)."""
 
-HEAD_GRANULE = 64
+HEAD_GRANULE = HEAD_ROWS_UNIT
 """The logits head's rows past ``HEAD_MIN_ROWS`` are padded to a multiple of this, up to ``max_num_seqs``: the same
 first-use cost, for each number of rows that wants logits in a step."""
 
@@ -192,14 +192,16 @@ class MixedStepGraphs:
         self.device = next(model.parameters()).device
         self.buckets = tuple(sorted(set(buckets)))
         self.eager = tuple(sorted(set(eager)))
-        # the layers whose metadata op is captured over static inputs (the caller packs them before ``run``)
+        # the layers whose metadata op is captured over static inputs, the step's inputs among them (the caller packs
+        # them before ``replay_static``)
         self.static = static
         self.static_names = static.names if static is not None else frozenset()
         if static is not None and static.max_tokens < self.buckets[-1]:
             raise ValueError(f"static step inputs hold {static.max_tokens} tokens, the buckets {self.buckets[-1]}")
         top = self.buckets[-1]
-        self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
-        self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
+        if static is None:          # (else the forward reads the static step inputs)
+            self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
+            self._positions = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
         self._inputs: dict[int, Mapping[str, object]] = {}

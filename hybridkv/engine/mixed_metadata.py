@@ -27,10 +27,13 @@ The step's own inputs ride in the same buffers, so a step that replays the graph
 copy (a second packed copy and the eager take of the pending ids cost a Gemma-3-like mixed step ~0.25 ms of host
 time):
 
-    int64: input ids, positions (T_max,)                          tokens n_tok.. : stale, valid values
+    int64: input ids, positions (T_max,)                          tokens n_tok.. : stale, valid values (ids >= 0)
            sources of pending input ids (T_max,)                  tokens n_tok.. : -1
-           the logits head's row indices (max(T_max, R_max),)    rows past the head's: stale, never read
-    device only: the pending ids' source (max(T_max, R_max) + 1,)  the step in flight's sampled tokens, copied there
+           the logits head's row indices (H,)                     rows past the head's: stale, never read
+    device only: the pending ids' source (H + 1,)                  the step in flight's sampled tokens, copied there
+
+H is max(T_max, R_max) rounded up to the head's row granule (64), the most rows a step's padded head reads. The
+region goes over whole each step: 32 x T_max bytes or so, ~130 KB at 4096 tokens, a few µs of copy.
 
 The graph takes the pending ids itself (``take_pending`` on the device, captured), so the sampled tokens of the
 step in flight never visit the host.
@@ -88,6 +91,11 @@ def static_table_width(spec: KVCacheSpec, *, max_model_len: int, max_tokens: int
     return _aligned(blocks)
 
 
+HEAD_ROWS_UNIT = 64
+"""The logits head's row granule (``mixed_graphs.HEAD_GRANULE`` is this one): the head rows region is sized in its
+multiples, so a step's padded head rows always fit."""
+
+
 def _aligned(n: int, unit: int = 16) -> int:
     return -(-n // unit) * unit
 
@@ -116,7 +124,9 @@ class MixedStepBuffers:
         # compile serves every group)
         self._slot_stride, self._idx_stride, self._seq_stride, self._init_stride = (
             _aligned(t, 2), _aligned(r, 2), _aligned(r, 4), _aligned(r, 16))
-        self._rows_stride = _aligned(max(t, max_reqs), 2)        # the head's rows (and the pending ids' source)
+        # the head's rows (and the pending ids' source): a step's logits rows are at most its tokens, and the head pads
+        # them to a multiple of 64 (``mixed_graphs.HEAD_GRANULE``)
+        self._rows_stride = _aligned(max(t, max_reqs), HEAD_ROWS_UNIT)
         self._slots_at = 8 * (3 * self._slot_stride + self._rows_stride)
         self._idx_at = self._slots_at + 8 * a * self._slot_stride
         self._qsl_at = self._idx_at + 8 * m * self._idx_stride
@@ -216,16 +226,15 @@ class MixedStepBuffers:
         the logits head reads."""
         self._wait()
         n = int(ids.shape[0])
-        self.h_ids[:n] = ids
-        self.h_pos[:n] = positions
+        np.maximum(ids, 0, out=self.h_ids[:n])      # (a pending id's placeholder: taken on the device, but padded rows
+        self.h_pos[:n] = positions                 # of later steps keep it, and the embedding needs a valid id)
         self.h_src[:n] = -1 if sources is None else sources
         self.h_src[n:] = -1
         self.h_rows[:head_rows.shape[0]] = head_rows
 
-    def step_views(self, num_tokens: int, num_head_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The device views of the step's (n_tok,) ids (as packed: pending ones not yet taken), (n_tok,) positions
-        and (k,) head rows."""
-        return self.d_ids[:num_tokens], self.d_pos[:num_tokens], self.d_rows[:num_head_rows]
+    def head_rows(self, k: int) -> torch.Tensor:
+        """The device view of the step's (k,) head rows (``pack_step``)."""
+        return self.d_rows[:k]
 
     def take_prev(self, prev_tokens: torch.Tensor) -> None:
         """The step in flight's sampled tokens (r,) where the captured ``take_pending`` reads them (a device copy,
@@ -261,9 +270,9 @@ class MixedStepBuffers:
         self._rows = n + 1                 # (request n's row: no keys, so its table is never read)
 
     def upload(self) -> None:
-        """The packed step to the device (on the current stream) in one copy: slots, offsets, lengths, flags and the
-        step's table rows (a copy costs the host ~20 µs: one per group was a tenth of a Gemma-3-like mixed step). The
-        host side may be packed again once it has run."""
+        """The packed step to the device (on the current stream) in one copy: the step's inputs, slots, offsets,
+        lengths, flags and the step's table rows (a copy costs the host ~20 µs: one per group was a tenth of a
+        Gemma-3-like mixed step). The host side may be packed again once it has run."""
         end = self._tables_at + (self._rows - 1) * self._row_bytes
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:

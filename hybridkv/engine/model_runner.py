@@ -468,7 +468,7 @@ class ModelRunner:
             assert self.mixed_graphs is not None
             static.pack_step(ids, positions, batch.input_sources, index)
             context, _ = self.build_context(batch, (), static)
-            index_dev = static.step_views(len(ids), len(index))[2]
+            index_dev = static.head_rows(len(index))
             with forward_context(context):  # (the graph breaks' ops read it)
                 hidden = self.mixed_graphs.replay_static(
                     len(ids), batch.prev_tokens if batch.input_sources is not None else None)
@@ -501,7 +501,7 @@ class ModelRunner:
         if mixed is None or mixed.static is None or mixed.bucket_for(int(batch.input_ids.shape[0])) is None:
             return None
         if batch.prev_tokens is not None and batch.prev_tokens.shape[0] > mixed.static.d_prev.shape[0]:
-            return None                     # (after a step of prompt logprobs past the largest bucket)
+            return None     # (one token per request that sampled, at most max_num_seqs: a guard, not a case seen)
         tables = batch.block_tables.tables if isinstance(batch.block_tables, StepTables) else batch.block_tables
         widths = [tables[g].shape[1] for g in mixed.static.groups]
         return mixed.static if mixed.static.fits(batch.num_reqs, widths) else None
