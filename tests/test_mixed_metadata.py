@@ -66,7 +66,8 @@ def test_static_state_groups_are_those_whose_layers_all_take_static_slots() -> N
 
 def test_pack_pads_requests_and_tokens_and_clears_stale_rows() -> None:
     buffers = MixedStepBuffers(_plan(), max_tokens=32, max_reqs=6, device="cpu", pin=False, state_groups=(1,))
-    assert buffers.names == {"l0", "l1", "l2", "m3"} and buffers.widths == (16, 16)
+    assert buffers.names == {"l0", "l1", "l2", "m3"} and buffers.widths == (16, 16) and buffers.covers_plan
+    assert not MixedStepBuffers(_plan(), max_tokens=32, max_reqs=6, device="cpu", pin=False).covers_plan
     rng = np.random.default_rng(0)
 
     def step(q_lens: list[int]) -> np.ndarray:

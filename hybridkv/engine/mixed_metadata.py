@@ -113,6 +113,8 @@ class MixedStepBuffers:
         specs = [plan.groups[g].spec for g in self.groups]
         self.names = frozenset(name for g in (*self.groups, *self.state_groups)
                                for name in plan.groups[g].cache_names)
+        # every group of the plan is packed here: a step that replays the graphs needs no other copy
+        self.covers_plan = len(set(self.groups) | set(self.state_groups)) == len(plan.groups)
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.widths = tuple(static_table_width(s, max_model_len=plan.max_model_len, max_tokens=max_tokens)
                             for s in specs)

@@ -397,7 +397,7 @@ class ModelRunner:
                 raise RuntimeError(f"static step inputs for a {num_tokens}-token step that no mixed graph runs")
             static.pack(qsl, packed, bucket=bucket, states=packed_states)
             static.upload()
-            if not extra and all(row == "static" for row in rows):      # nothing else goes over
+            if not extra and static.covers_plan:        # nothing else goes over
                 return [None] * len(rows), []
         dev = host_to_device_many([*uploads, *extra], device)
         if batch_twins is not None:
