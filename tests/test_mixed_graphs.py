@@ -251,6 +251,41 @@ def test_attention_and_mamba2_run_inside_the_mixed_graphs(other: str) -> None:
     _assert_same(*runs)
 
 
+@gpu
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_the_logits_head_of_a_mixed_step_runs_as_a_graph(sampling: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step over the static inputs that wants logits for at most ``HEAD_MIN_ROWS`` rows (4 here) replays the
+    head's graph, counted; the others run the head eagerly. Greedy steps whose caller reads only the tokens (the graph
+    leaves the logits unwritten) and seeded sampling (the logits written) give an eager run's tokens (fp32)."""
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.engine import mixed_graphs
+
+    monkeypatch.setattr(mixed_graphs, "HEAD_MIN_ROWS", 4)
+    layers = tuple(Layer(mixer=_KINDS["sliding" if i % 3 else "full"][0], ffn=MLP(intermediate_size=96))
+                   for i in range(4))
+    config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 90, 12)]
+    params = (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) if sampling == "greedy" else
+              SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True))
+    runs, heads = [], []
+    for graphs in (False, True):
+        llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=64, cuda_graphs=graphs, seed=0)
+        mixed = llm.engine.runner.mixed_graphs
+        if graphs:
+            assert mixed is not None and mixed.head_rows == 4
+
+            def counted(run=mixed.run_head):
+                heads.append(1)
+                return run()
+
+            mixed.run_head = counted
+        runs.append({rid: out.token_ids for rid, out in _staggered(llm, prompts, params, every=2).items()})
+    assert len(heads) > 5
+    assert runs[1] == runs[0]
+
+
 def test_padded_eager_steps_equal_exact_ones() -> None:
     """Steps past the graphs run at a padded size (the metadata ops on the real tokens, zero rows after them) and the
     head at padded row counts: greedy tokens and logprobs equal a plain run's, every layer kind (CPU, fp32; the

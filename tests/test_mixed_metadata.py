@@ -12,7 +12,13 @@ import torch
 from _cam_helpers import make_batch
 from _triton import DEVICE, kernel_module
 
-from hybridkv.engine.mixed_metadata import MixedStepBuffers, static_groups, static_state_groups, static_table_width
+from hybridkv.engine.mixed_metadata import (
+    HEAD_ROWS_UNIT,
+    MixedStepBuffers,
+    static_groups,
+    static_state_groups,
+    static_table_width,
+)
 from hybridkv.kv_groups.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -155,12 +161,26 @@ def test_pending_ids_are_taken_from_the_step_in_flight_on_the_device() -> None:
     assert ids[:2].tolist() == [9, 8] and (buffers.d_src[2:] == -1).all() and (ids >= 0).all()
 
 
+def test_the_head_graphs_rows_and_flag_ride_in_the_copy() -> None:
+    """Every bucket's graph gathers the first ``HEAD_ROWS_UNIT`` head rows for the head graph, so a step with fewer
+    logits rows packs them padded with its last row (row 0 with none: never a stale row past the step's tokens), and
+    the flag that says whether the head graph writes its logits."""
+    buffers = MixedStepBuffers(_plan(), max_tokens=16, max_reqs=4, device="cpu", pin=False)
+    ids = np.arange(12, dtype=np.int64)
+    for rows, write, expected in (([3, 11], False, [3, 11] + [11] * (HEAD_ROWS_UNIT - 2)), ([], True, [0] * 64)):
+        buffers.pack_step(ids, ids, None, np.array(rows, np.int64), write_logits=write)
+        buffers.pack(np.array([0, 12], np.int32), [(np.ones(1, np.int32), np.zeros((1, 1), np.int32), ids)] * 2,
+                     bucket=16)
+        buffers.upload()
+        assert buffers.head_rows(HEAD_ROWS_UNIT).tolist() == expected and buffers.d_flag.tolist() == [int(write)]
+    assert buffers.d_flag.data_ptr() % 16 == 0 and buffers.d_slots.data_ptr() % 16 == 0
+
+
 @pytest.mark.parametrize("budget", [100, 160, 192, 2048])
 def test_a_steps_padded_head_rows_fit_the_static_buffers(budget: int) -> None:
     """Every row count a step of the largest bucket can want logits for, padded as the head pads it (``padded_rows``,
     ``max_num_seqs`` 256), fits the head rows region, whatever the budget (not only multiples of 64)."""
     from hybridkv.engine.mixed_graphs import HEAD_GRANULE, mixed_buckets, padded_rows
-    from hybridkv.engine.mixed_metadata import HEAD_ROWS_UNIT
 
     assert HEAD_GRANULE == HEAD_ROWS_UNIT
     top = mixed_buckets(budget)[-1]
@@ -329,9 +349,12 @@ class _Replay:
     rows (as the breaks run)."""
 
     eager = ()
+    head_rows = HEAD_ROWS_UNIT      # (``MixedStepGraphs.head_rows``: steps with at most this many logits rows)
 
     def __init__(self, model, static: MixedStepBuffers, bucket: int) -> None:
-        self.model, self.static, self.bucket, self.replays = model, static, bucket, 0
+        self.model, self.static, self.bucket, self.replays, self.heads = model, static, bucket, 0, 0
+        self._head_in = torch.zeros(HEAD_ROWS_UNIT, model.config.hidden_size, dtype=model.lm_head.weight.dtype,
+                                    device=static.dev.device)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return self.bucket if num_tokens <= self.bucket else None
@@ -352,9 +375,23 @@ class _Replay:
 
         step = dataclasses.replace(ctx, inputs={**ctx.inputs, **self.static.inputs(self.bucket)}, graph_breaks=ops)
         with forward_context(step):
-            hidden = self.model(ids, positions)[:n]
+            hidden = self.model(ids, positions)
+            MixedStepGraphs._gather_head_rows(self, hidden)
+        self.backend = ctx.backend
         self.replays += 1
-        return hidden
+        return hidden[:n]
+
+    def run_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head graph's work on the gathered rows, eagerly (its flag read as the graph reads it)."""
+        from hybridkv.forward_context import ForwardContext, forward_context
+
+        tokens = torch.zeros(HEAD_ROWS_UNIT, dtype=torch.int64, device=self._head_in.device)
+        report = torch.zeros_like(tokens)
+        with forward_context(ForwardContext(inputs={}, backend=self.backend)):
+            logits, _ = self.model.compute_logits_and_greedy(self._head_in, out=tokens, report=report,
+                                                             write_logits=self.static.d_flag)
+        self.heads += 1
+        return logits, tokens, report
 
 
 @pytest.mark.slow          # ~40 s: every Mamba2 and attention kernel interpreted, ~40 steps twice
@@ -396,7 +433,7 @@ def test_mamba2_scans_over_the_static_slots_match_the_eager_step() -> None:
                                       state_groups=groups)
             runner.mixed_graphs = stand_in = _Replay(runner.model, static, 16)
         runs.append(_staggered(llm, prompts, params, every=2))
-    assert stand_in.replays > 10
+    assert stand_in.replays > 10 and stand_in.heads > 10
     _assert_same(*runs)
 
 

@@ -14,7 +14,10 @@ the layers say instead of a compiler's graph split):
     ids, positions -> the static inputs (padded rows keep earlier, valid values; with ``MixedStepBuffers`` they are
                       its views, packed with the rest of the step, and graph 0 takes the pending ids itself)
     graph 0 | op 0 (eager: n real tokens) -> break buffer | graph 1 | op 1 -> break buffer | ... | graph L
-    -> hidden (bucket rows); the caller takes the first n, and the head runs eagerly on those it needs
+    -> hidden (bucket rows); the caller takes the first n
+    (with ``MixedStepBuffers``: the last graph also gathers the first 64 head rows' hidden states into the head graph's
+    input, and a step that wants logits for at most 64 rows replays that graph, ``run_head``; else the head runs
+    eagerly on the rows it needs)
 
 Full and sliding-window attention and Mamba2 break nothing: their op reads static inputs that the step packs before
 the replay (``mixed_metadata.py``), so it is captured with the rest, and a Gemma-3-like model's mixed step is one
@@ -66,7 +69,9 @@ first-use cost, for each number of rows that wants logits in a step."""
 
 HEAD_MIN_ROWS = 64
 """Rows up to which a vocabulary-wide head runs as the Triton GEMV (``triton_linear.SMALL_MAX_ROWS``): no cuBLAS
-shape to meet."""
+shape to meet. With static step inputs a step with at most this many logits rows runs the head as one graph of
+this many rows (the GEMV reads the weight once for up to 64 rows): the head's launches through Python, ~0.2 ms of
+host time a step on an H200's host, where under a small step budget the host sets the pace."""
 
 
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -205,6 +210,11 @@ class MixedStepGraphs:
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
         self._inputs: dict[int, Mapping[str, object]] = {}
+        # the head graph's input: the hidden states of the step's first HEAD_MIN_ROWS head rows, gathered by every
+        # bucket's last graph (static inputs only: the rows' indices ride in them)
+        self._head_in = (torch.zeros(HEAD_MIN_ROWS, model.config.hidden_size, dtype=model.lm_head.weight.dtype,
+                                     device=self.device) if static is not None else None)
+        self._head: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
         """A ``shape`` view of break buffer ``turn`` (0 or 1) of ``dtype``, sized by the largest bucket (captured
@@ -225,7 +235,7 @@ class MixedStepGraphs:
                 self.static.pad(b)
             ids, positions = self._step_inputs(b)
             with forward_context(self._context(_Recorder(self, None), b)):
-                self.model(ids, positions)                 # compile and warm up outside the capture
+                self._gather_head_rows(self.model(ids, positions))     # compile and warm up outside the capture
             torch.cuda.synchronize(self.device)
             recorder = _Recorder(self, pool)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -235,15 +245,71 @@ class MixedStepGraphs:
                 try:
                     ids, positions = self._step_inputs(b)      # (the pending ids taken inside the graph)
                     hidden = self.model(ids, positions)
+                    self._gather_head_rows(hidden)
                 finally:
                     recorder.stop()         # (after a failure too: the stream leaves capture mode)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._captured[b] = (recorder.graphs, recorder.breaks, hidden)
             self._inputs[b] = context.inputs    # what the captured attention may read stays alive (no cycle)
+        if self._head_in is not None:
+            self._capture_head(pool, stream)
         torch.cuda.synchronize(self.device)
         breaks = len(self._captured[self.buckets[-1]][1])
-        logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each) "
-                    "in %.1f s", self.buckets[-1], len(self.buckets), breaks, time.perf_counter() - t0)
+        logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each; the "
+                    "logits head of up to %d rows: %s) in %.1f s", self.buckets[-1], len(self.buckets), breaks,
+                    HEAD_MIN_ROWS, "a graph" if self._head is not None else "eager", time.perf_counter() - t0)
+
+    def _gather_head_rows(self, hidden: torch.Tensor) -> None:
+        """(captured at the end of every bucket) The first ``HEAD_MIN_ROWS`` head rows' hidden states -> the head
+        graph's input."""
+        if self._head_in is not None:
+            assert self.static is not None
+            torch.index_select(hidden, 0, self.static.head_rows(HEAD_MIN_ROWS), out=self._head_in)
+
+    def _capture_head(self, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
+        """The logits head over ``_head_in`` as one graph: fp32 logits (written where the static flag says), their
+        argmax and its report, into buffers of its own. Failing (out of memory: the logits are 64 x vocabulary x 4
+        bytes), the head stays eager."""
+        assert self._head_in is not None and self.static is not None
+        tokens = torch.zeros(HEAD_MIN_ROWS, dtype=torch.int64, device=self.device)
+        report = torch.zeros_like(tokens)
+
+        def head() -> tuple[torch.Tensor, torch.Tensor] | None:
+            return self.model.compute_logits_and_greedy(self._head_in, out=tokens, report=report,
+                                                        write_logits=self.static.d_flag)
+
+        try:
+            with forward_context(ForwardContext(inputs={}, backend=self.backend)):
+                head()                                      # warm up outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=pool)
+                    try:
+                        out = head()
+                    finally:
+                        graph.capture_end()
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+        except RuntimeError as e:      # (torch.OutOfMemoryError among them)
+            logger.warning("the mixed steps' logits head stays eager: capturing it failed (%s)", str(e).splitlines()[0])
+            return
+        assert out is not None          # (None only on tensor-parallel ranks, which capture no mixed graphs)
+        self._head = (graph, out[0], tokens, report)
+
+    @property
+    def head_rows(self) -> int:
+        """The most logits rows ``run_head`` serves (0: none, the head runs eagerly)."""
+        return HEAD_MIN_ROWS if self._head is not None else 0
+
+    def run_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After ``replay_static``: the logits head on the step's first ``head_rows`` head rows (``pack_step``), as one
+        graph: fp32 logits (head_rows, vocab_size) (written only where ``pack_step`` asked), their argmax and its report
+        (head_rows,) int64; views of buffers the next ``run_head`` overwrites (in stream order)."""
+        assert self._head is not None
+        graph, logits, tokens, report = self._head
+        graph.replay()
+        return logits, tokens, report
 
     def touch_eager_sizes(self, head: Callable[[torch.Tensor], object], head_rows: Sequence[int]) -> None:
         """Meet every GEMM shape a padded eager step or the logits head can run (cuBLAS's first use of a shape,

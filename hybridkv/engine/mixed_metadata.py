@@ -29,14 +29,17 @@ time on an H200's host, ``benchmarks/gpu_mixed_step.py``):
 
     int64: input ids, positions (T_max,)                          tokens n_tok.. : stale, valid values (ids >= 0)
            sources of pending input ids (T_max,)                  tokens n_tok.. : -1
-           the logits head's row indices (H,)                     rows past the head's: stale, never read
+           the logits head's row indices (H,)                     rows k..64: row k - 1 again (0 if none); past
+                                                                    them stale, never read
+           write the logits? (1,)                                 the head graph's flag
     device only: the pending ids' source (H + 1,)                  the step in flight's sampled tokens, copied there
 
 H is max(T_max, R_max) rounded up to the head's row granule (64), the most rows a step's padded head reads. The
 region goes over whole each step: 32 x T_max bytes or so, ~130 KB at 4096 tokens, a few µs of copy.
 
 The graph takes the pending ids itself (``take_pending`` on the device, captured), so the sampled tokens of the
-step in flight never visit the host.
+step in flight never visit the host. Every bucket's graph ends by gathering the hidden states of the first 64 head
+rows for the head's own graph (``MixedStepGraphs.run_head``), so those 64 are always valid rows of the step.
 
 One copy moves the step's inputs, the slots, offsets, lengths and the first n rows of the tables (every group's: n x
 sum of W_a x 4 bytes; the rows' stride is fixed at capture, so a narrower step still moves whole rows).
@@ -129,7 +132,7 @@ class MixedStepBuffers:
         # the head's rows (and the pending ids' source): a step's logits rows are at most its tokens, and the head pads
         # them to a multiple of 64 (``mixed_graphs.HEAD_GRANULE``)
         self._rows_stride = _aligned(max(t, max_reqs), HEAD_ROWS_UNIT)
-        self._slots_at = 8 * (3 * self._slot_stride + self._rows_stride)
+        self._slots_at = 8 * (3 * self._slot_stride + self._rows_stride + 2)     # (+ the flag, 16-byte aligned)
         self._idx_at = self._slots_at + 8 * a * self._slot_stride
         self._qsl_at = self._idx_at + 8 * m * self._idx_stride
         self._seq_at = self._qsl_at + _aligned(4 * (r + 1))
@@ -140,25 +143,27 @@ class MixedStepBuffers:
         nbytes = self._tables_at + r * self._row_bytes
         self.host = torch.zeros(max(nbytes, 16), dtype=torch.uint8, pin_memory=pin)
         self.dev = torch.zeros_like(self.host, device=device)
-        (self.h_ids, self.h_pos, self.h_src, self.h_rows, self.h_slots, self.h_idx, self.h_qsl, self.h_seq,
-         self.h_init, self.h_tables) = self._views(self.host.numpy())
-        (self.d_ids, self.d_pos, self.d_src, self.d_rows, self.d_slots, self.d_idx, self.d_qsl, self.d_seq,
-         self.d_init, self.d_tables) = self._views(self.dev)
+        (self.h_ids, self.h_pos, self.h_src, self.h_rows, self.h_flag, self.h_slots, self.h_idx, self.h_qsl,
+         self.h_seq, self.h_init, self.h_tables) = self._views(self.host.numpy())
+        (self.d_ids, self.d_pos, self.d_src, self.d_rows, self.d_flag, self.d_slots, self.d_idx, self.d_qsl,
+         self.d_seq, self.d_init, self.d_tables) = self._views(self.dev)
         self.d_prev = torch.zeros(self._rows_stride + 1, dtype=torch.int64, device=device)   # the pending ids' source
         self._copied = torch.cuda.Event() if self.dev.is_cuda else None
         self._rows = r                  # rows of the last packing (those past it are padding already)
+        self._tokens = t                # tokens of the last packing (slots past it are -1 already)
         self.pad()
 
     def _views(self, buf: np.ndarray | torch.Tensor) -> tuple:
-        """(ids, positions, sources (T,), the head's rows (max(T, R),), slots (groups, T), state slots (state groups,
-        R + 1), qsl (R + 2,), seq_lens (groups, R + 1), has_initial_state (state groups, R + 1), [table (R + 1, W_a),
-        rows strided by every group's columns]) over ``buf``."""
+        """(ids, positions, sources (T,), the head's rows (max(T, R),), the write-logits flag (1,), slots (groups, T),
+        state slots (state groups, R + 1), qsl (R + 2,), seq_lens (groups, R + 1), has_initial_state (state groups,
+        R + 1), [table (R + 1, W_a), rows strided by every group's columns]) over ``buf``."""
         a, m, r = len(self.groups), len(self.state_groups), self.max_reqs + 1
         i64, i32, b8 = ((torch.int64, torch.int32, torch.bool) if isinstance(buf, torch.Tensor)
                         else (np.int64, np.int32, np.bool_))
         step = buf[:self._slots_at].view(i64)
         t = self._slot_stride
-        ids, pos, src, rows_ = step[:t], step[t:2 * t], step[2 * t:3 * t], step[3 * t:]
+        h = 3 * t + self._rows_stride
+        ids, pos, src, rows_, flag = step[:t], step[t:2 * t], step[2 * t:3 * t], step[3 * t:h], step[h:h + 1]
         slots = buf[self._slots_at:self._idx_at].view(i64).reshape(a, self._slot_stride)
         idx = buf[self._idx_at:self._qsl_at].view(i64).reshape(m, self._idx_stride)
         qsl = buf[self._qsl_at:self._qsl_at + 4 * (r + 1)].view(i32)
@@ -166,7 +171,7 @@ class MixedStepBuffers:
         init = buf[self._init_at:self._init_at + m * self._init_stride].view(b8).reshape(m, self._init_stride)
         rows = buf[self._tables_at:self._tables_at + r * self._row_bytes].view(i32).reshape(r, self._columns[-1])
         tables = [rows[:, c:c + w] for c, w in zip(self._columns[:-1], self.widths, strict=True)]
-        return ids, pos, src, rows_, slots, idx, qsl, seq, init, tables
+        return ids, pos, src, rows_, flag, slots, idx, qsl, seq, init, tables
 
     # -- capture --------------------------------------------------------------------------------
     def inputs(self, bucket: int) -> dict[str, AttentionInputs | MambaInputs]:
@@ -207,13 +212,14 @@ class MixedStepBuffers:
         self.h_pos[:] = 0
         self.h_src[:] = -1
         self.h_rows[:] = 0
+        self.h_flag[:] = 1
         self.h_qsl[0] = 0
         self.h_qsl[1:] = bucket
         self.h_seq[:] = 0
         self.h_slots[:] = -1
         self.h_idx[:] = -1
         self.h_init[:] = False
-        self._rows = self.max_reqs + 1
+        self._rows, self._tokens = self.max_reqs + 1, 0
         self.dev.copy_(self.host)
 
     # -- a step ---------------------------------------------------------------------------------
@@ -222,10 +228,11 @@ class MixedStepBuffers:
         return num_reqs <= self.max_reqs and all(w <= cap for w, cap in zip(widths, self.widths, strict=True))
 
     def pack_step(self, ids: np.ndarray, positions: np.ndarray, sources: np.ndarray | None,
-                  head_rows: np.ndarray) -> None:
+                  head_rows: np.ndarray, *, write_logits: bool = True) -> None:
         """The step's own inputs, host side (before ``pack``): (n_tok,) int64 ids and positions, the (n_tok,) sources
-        of pending ids (>= 0: the step in flight's sampled token there; None: none pending) and the (k,) int64 rows
-        the logits head reads."""
+        of pending ids (>= 0: the step in flight's sampled token there; None: none pending), the (k,) int64 rows
+        the logits head reads (the first ``HEAD_ROWS_UNIT`` always valid rows: the last one repeated, or row 0),
+        and whether the head graph writes its logits."""
         self._wait()
         n = int(ids.shape[0])
         # a pending id's placeholder is replaced on the device, but later, shorter steps keep it in their padded rows,
@@ -234,7 +241,10 @@ class MixedStepBuffers:
         self.h_pos[:n] = positions
         self.h_src[:n] = -1 if sources is None else sources
         self.h_src[n:] = -1
-        self.h_rows[:head_rows.shape[0]] = head_rows
+        k = int(head_rows.shape[0])
+        self.h_rows[:k] = head_rows
+        self.h_rows[k:HEAD_ROWS_UNIT] = head_rows[-1] if k else 0     # (every bucket's graph gathers these rows)
+        self.h_flag[0] = write_logits
 
     def head_rows(self, k: int) -> torch.Tensor:
         """The device view of the step's (k,) head rows (``pack_step``)."""
@@ -270,8 +280,9 @@ class MixedStepBuffers:
         self.h_seq[:, n:self._rows] = 0
         self.h_idx[:, n:self._rows] = -1
         self.h_init[:, n:self._rows] = False
-        self.h_slots[:, tokens:] = -1      # (and the stride's padding column: never read)
+        self.h_slots[:, tokens:self._tokens] = -1      # (past the last step's tokens: -1 already)
         self._rows = n + 1                 # (request n's row: no keys, so its table is never read)
+        self._tokens = tokens
 
     def upload(self) -> None:
         """The packed step to the device (on the current stream) in one copy: the step's inputs, slots, offsets,

@@ -465,13 +465,21 @@ class ModelRunner:
         ids, positions = np.asarray(batch.input_ids, dtype=np.int64), batch.positions()
         static = self._static_inputs(batch)
         if static is not None:              # the step's inputs ride in the static buffers' one copy
-            assert self.mixed_graphs is not None
-            static.pack_step(ids, positions, batch.input_sources, index)
+            mixed = self.mixed_graphs
+            assert mixed is not None
+            head_graph = 0 < rows <= mixed.head_rows
+            static.pack_step(ids, positions, batch.input_sources, index,
+                             write_logits=batch.needs_logits or not batch.greedy)
             context, _ = self.build_context(batch, (), static)
-            index_dev = static.head_rows(len(index))
             with forward_context(context):  # (the graph breaks' ops read it)
-                hidden = self.mixed_graphs.replay_static(
-                    len(ids), batch.prev_tokens if batch.input_sources is not None else None)
+                hidden = mixed.replay_static(len(ids), batch.prev_tokens if batch.input_sources is not None else None)
+            if head_graph:
+                logits, greedy, reported = mixed.run_head()
+                if not batch.greedy:
+                    return StepOutput(logits=logits[:rows])
+                return StepOutput(logits=logits[:rows] if batch.needs_logits else None, greedy=greedy[:rows],
+                                  report=reported[:rows])
+            index_dev = static.head_rows(len(index))
         else:
             arrays = [ids, positions, index, *(() if batch.input_sources is None else (batch.input_sources,))]
             context, (ids_dev, pos_dev, index_dev, *sources) = self.build_context(batch, arrays)   # one copy
