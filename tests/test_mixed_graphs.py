@@ -14,6 +14,7 @@ import torch
 
 from hybridkv.backends.registry import torch_backend
 from hybridkv.engine.mixed_graphs import (
+    HEAD_GRAPH_ROWS,
     HEAD_MIN_ROWS,
     MAX_GRAPHED_TOKENS,
     MixedStepGraphs,
@@ -23,6 +24,7 @@ from hybridkv.engine.mixed_graphs import (
     padded_rows,
     unsupported_for_mixed_graphs,
 )
+from hybridkv.engine.mixed_metadata import HEAD_ROWS_UNIT
 from hybridkv.forward_context import ForwardContext, forward_context, metadata_op
 from hybridkv.models import (
     MLP,
@@ -82,6 +84,7 @@ def test_head_rows_past_the_triton_gemv_are_cublas_ones() -> None:
     from hybridkv.backends import triton_linear
 
     assert HEAD_MIN_ROWS == triton_linear.SMALL_MAX_ROWS
+    assert HEAD_GRAPH_ROWS <= HEAD_ROWS_UNIT        # (the rows every step packs valid for the head graph's gather)
     for vocab, hidden in ((151936, 2048), (32000, 4096), (262144, 1152)):
         assert triton_linear.takes(HEAD_MIN_ROWS, vocab, hidden, gated=False)
         assert not triton_linear.takes(HEAD_MIN_ROWS + 1, vocab, hidden, gated=False)
@@ -252,22 +255,24 @@ def test_attention_and_mamba2_run_inside_the_mixed_graphs(other: str) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", ["greedy", "greedy_logprobs", "seeded"])
 def test_the_logits_head_of_a_mixed_step_runs_as_a_graph(sampling: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mixed step over the static inputs that wants logits for at most ``HEAD_MIN_ROWS`` rows (4 here) replays the
+    """A mixed step over the static inputs that wants logits for at most ``HEAD_GRAPH_ROWS`` rows (4 here) replays the
     head's graph, counted; the others run the head eagerly. Greedy steps whose caller reads only the tokens (the graph
-    leaves the logits unwritten) and seeded sampling (the logits written) give an eager run's tokens (fp32)."""
+    leaves the logits unwritten), greedy steps with logprobs and seeded sampling (the logits written) give an eager
+    run's tokens, and logprobs within fp32 reassociation (fp32)."""
     from hybridkv import LLM, SamplingParams
     from hybridkv.engine import mixed_graphs
 
-    monkeypatch.setattr(mixed_graphs, "HEAD_MIN_ROWS", 4)
+    monkeypatch.setattr(mixed_graphs, "HEAD_GRAPH_ROWS", 4)
     layers = tuple(Layer(mixer=_KINDS["sliding" if i % 3 else "full"][0], ffn=MLP(intermediate_size=96))
                    for i in range(4))
     config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 90, 12)]
-    params = (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) if sampling == "greedy" else
-              SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True))
+    params = {"greedy": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              "greedy_logprobs": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
+              "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True)}[sampling]
     runs, heads = [], []
     for graphs in (False, True):
         llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
@@ -281,8 +286,32 @@ def test_the_logits_head_of_a_mixed_step_runs_as_a_graph(sampling: str, monkeypa
                 return run()
 
             mixed.run_head = counted
-        runs.append({rid: out.token_ids for rid, out in _staggered(llm, prompts, params, every=2).items()})
-    assert heads and runs[1] == runs[0]
+        runs.append(_staggered(llm, prompts, params, every=2))
+    assert heads
+    if sampling == "greedy_logprobs":
+        _assert_same(*runs)
+    else:
+        assert {r: o.token_ids for r, o in runs[1].items()} == {r: o.token_ids for r, o in runs[0].items()}
+
+
+@gpu
+def test_the_head_graph_takes_an_fp32_residual_streams_hidden_states() -> None:
+    """A half-precision model whose residual stream is fp32 (``residual_in_fp32``, Mamba2's HF default) hands the head
+    fp32 hidden states: the head graph's input takes the forward's dtype, so the capture keeps its static inputs and
+    the head graph, and generation runs through them."""
+    from hybridkv import LLM, SamplingParams
+
+    layers = tuple(Layer(mixer=_KINDS["sliding" if i % 2 else "full"][0], ffn=MLP(intermediate_size=96))
+                   for i in range(2))
+    config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="bfloat16",
+                          residual_in_fp32=True, layers=layers)
+    llm = LLM(config, device="cuda", backend="triton", max_num_seqs=8, kv_cache_memory=64 << 20,
+              max_num_batched_tokens=64, seed=0)
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.static is not None and mixed.head_rows > 0
+    assert mixed._head_in is not None and mixed._head_in.dtype == torch.float32
+    outs = llm.generate([[1, 2, 3, 4, 5]] * 3, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
 def test_padded_eager_steps_equal_exact_ones() -> None:

@@ -167,7 +167,8 @@ def test_the_head_graphs_rows_and_flag_ride_in_the_copy() -> None:
     the flag that says whether the head graph writes its logits."""
     buffers = MixedStepBuffers(_plan(), max_tokens=16, max_reqs=4, device="cpu", pin=False)
     ids = np.arange(12, dtype=np.int64)
-    for rows, write, expected in (([3, 11], False, [3, 11] + [11] * (HEAD_ROWS_UNIT - 2)), ([], True, [0] * 64)):
+    for rows, write, expected in (([3, 11], False, [3, 11] + [11] * (HEAD_ROWS_UNIT - 2)),
+                                  ([], True, [0] * HEAD_ROWS_UNIT)):
         buffers.pack_step(ids, ids, None, np.array(rows, np.int64), write_logits=write)
         buffers.pack(np.array([0, 12], np.int32), [(np.ones(1, np.int32), np.zeros((1, 1), np.int32), ids)] * 2,
                      bucket=16)
@@ -353,8 +354,7 @@ class _Replay:
 
     def __init__(self, model, static: MixedStepBuffers, bucket: int) -> None:
         self.model, self.static, self.bucket, self.replays, self.heads = model, static, bucket, 0, 0
-        self._head_in = torch.zeros(HEAD_ROWS_UNIT, model.config.hidden_size, dtype=model.lm_head.weight.dtype,
-                                    device=static.dev.device)
+        self._head_in = None            # (``MixedStepGraphs._gather_head_rows`` makes it)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return self.bucket if num_tokens <= self.bucket else None

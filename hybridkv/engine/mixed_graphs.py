@@ -69,9 +69,13 @@ first-use cost, for each number of rows that wants logits in a step."""
 
 HEAD_MIN_ROWS = 64
 """Rows up to which a vocabulary-wide head runs as the Triton GEMV (``triton_linear.SMALL_MAX_ROWS``): no cuBLAS
-shape to meet. With static step inputs a step with at most this many logits rows runs the head as one graph of
-this many rows (the GEMV reads the weight once for up to 64 rows): the head's launches through Python, ~0.2 ms of
-host time a step on an H200's host, where under a small step budget the host sets the pace."""
+shape to meet."""
+
+HEAD_GRAPH_ROWS = HEAD_MIN_ROWS
+"""With static step inputs a step with at most this many logits rows runs the head as one graph of this many rows
+(the GEMV's row tile is 64 from 33 rows up, and it reads the weight once for all of them), instead of its launches
+through Python: ~0.2 ms of host time a mixed step on an H200's host (``benchmarks/gpu_mixed_step.py``). At most
+``HEAD_ROWS_UNIT``: ``MixedStepBuffers.pack_step`` keeps that many head rows valid for every bucket's gather."""
 
 
 def mixed_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -210,10 +214,12 @@ class MixedStepGraphs:
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Break], torch.Tensor]] = {}
         self._inputs: dict[int, Mapping[str, object]] = {}
-        # the head graph's input: the hidden states of the step's first HEAD_MIN_ROWS head rows, gathered by every
-        # bucket's last graph (static inputs only: the rows' indices ride in them)
-        self._head_in = (torch.zeros(HEAD_MIN_ROWS, model.config.hidden_size, dtype=model.lm_head.weight.dtype,
-                                     device=self.device) if static is not None else None)
+        # the head graph's input: the hidden states of the step's first HEAD_GRAPH_ROWS head rows, gathered by every
+        # bucket's last graph (static inputs only: the rows' indices ride in them); made by the first warm-up, in the
+        # forward's output dtype (fp32 where the residual stream is)
+        if static is not None and HEAD_GRAPH_ROWS > HEAD_ROWS_UNIT:
+            raise ValueError(f"the head graph's {HEAD_GRAPH_ROWS} rows: at most the {HEAD_ROWS_UNIT} packed valid")
+        self._head_in: torch.Tensor | None = None
         self._head: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def break_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, turn: int) -> torch.Tensor:
@@ -251,27 +257,29 @@ class MixedStepGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._captured[b] = (recorder.graphs, recorder.breaks, hidden)
             self._inputs[b] = context.inputs    # what the captured attention may read stays alive (no cycle)
-        if self._head_in is not None:
+        if self.static is not None:
             self._capture_head(pool, stream)
         torch.cuda.synchronize(self.device)
         breaks = len(self._captured[self.buckets[-1]][1])
         logger.info("CUDA graphs captured for mixed steps of up to %d tokens (%d buckets, %d graph breaks each; the "
                     "logits head of up to %d rows: %s) in %.1f s", self.buckets[-1], len(self.buckets), breaks,
-                    HEAD_MIN_ROWS, "a graph" if self._head is not None else "eager", time.perf_counter() - t0)
+                    HEAD_GRAPH_ROWS, "a graph" if self._head is not None else "eager", time.perf_counter() - t0)
 
     def _gather_head_rows(self, hidden: torch.Tensor) -> None:
-        """(captured at the end of every bucket) The first ``HEAD_MIN_ROWS`` head rows' hidden states -> the head
-        graph's input."""
-        if self._head_in is not None:
-            assert self.static is not None
-            torch.index_select(hidden, 0, self.static.head_rows(HEAD_MIN_ROWS), out=self._head_in)
+        """(captured at the end of every bucket) The first ``HEAD_GRAPH_ROWS`` head rows' hidden states -> the head
+        graph's input (made here on the first call, a warm-up outside any capture)."""
+        if self.static is None:
+            return
+        if self._head_in is None:
+            self._head_in = hidden.new_zeros(HEAD_GRAPH_ROWS, hidden.shape[1])
+        torch.index_select(hidden, 0, self.static.head_rows(HEAD_GRAPH_ROWS), out=self._head_in)
 
     def _capture_head(self, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
         """The logits head over ``_head_in`` as one graph: fp32 logits (written where the static flag says), their
         argmax and its report, into buffers of its own. Failing (out of memory: the logits are 64 x vocabulary x 4
         bytes), the head stays eager."""
         assert self._head_in is not None and self.static is not None
-        tokens = torch.zeros(HEAD_MIN_ROWS, dtype=torch.int64, device=self.device)
+        tokens = torch.zeros(HEAD_GRAPH_ROWS, dtype=torch.int64, device=self.device)
         report = torch.zeros_like(tokens)
 
         def head() -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -300,12 +308,13 @@ class MixedStepGraphs:
     @property
     def head_rows(self) -> int:
         """The most logits rows ``run_head`` serves (0: none, the head runs eagerly)."""
-        return HEAD_MIN_ROWS if self._head is not None else 0
+        return HEAD_GRAPH_ROWS if self._head is not None else 0
 
     def run_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After ``replay_static``: the logits head on the step's first ``head_rows`` head rows (``pack_step``), as one
         graph: fp32 logits (head_rows, vocab_size) (written only where ``pack_step`` asked), their argmax and its report
-        (head_rows,) int64; views of buffers the next ``run_head`` overwrites (in stream order)."""
+        (head_rows,) int64. Valid, in stream order, until the next replay: the logits sit in the graphs' shared pool,
+        where the buckets keep their temporaries."""
         assert self._head is not None
         graph, logits, tokens, report = self._head
         graph.replay()

@@ -243,7 +243,7 @@ class MixedStepBuffers:
         self.h_src[n:] = -1
         k = int(head_rows.shape[0])
         self.h_rows[:k] = head_rows
-        self.h_rows[k:HEAD_ROWS_UNIT] = head_rows[-1] if k else 0     # (every bucket's graph gathers these rows)
+        self.h_rows[k:HEAD_ROWS_UNIT] = head_rows[-1] if k else 0     # (every bucket's graph gathers up to these)
         self.h_flag[0] = write_logits
 
     def head_rows(self, k: int) -> torch.Tensor:
@@ -270,6 +270,7 @@ class MixedStepBuffers:
                              f"{len(self.groups)} and {len(self.state_groups)}")
         self.h_qsl[:n + 1] = qsl
         self.h_qsl[n + 1:] = bucket
+        self._tokens = max(self._tokens, tokens)      # (slots written up to here, should this packing fail midway)
         for a, (seq, table, slots) in enumerate(groups):
             self.h_seq[a, :n] = seq
             self.h_tables[a][:n, :table.shape[1]] = table
@@ -280,7 +281,7 @@ class MixedStepBuffers:
         self.h_seq[:, n:self._rows] = 0
         self.h_idx[:, n:self._rows] = -1
         self.h_init[:, n:self._rows] = False
-        self.h_slots[:, tokens:self._tokens] = -1      # (past the last step's tokens: -1 already)
+        self.h_slots[:, tokens:self._tokens] = -1      # (past the last packing's tokens: -1 already)
         self._rows = n + 1                 # (request n's row: no keys, so its table is never read)
         self._tokens = tokens
 

@@ -449,7 +449,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Run one step; returns fp32 logits (num_outputs, vocab_size) at ``batch.logits_indices`` (and their
-        argmax for a greedy batch; only the argmax for a greedy batch that ``needs_logits`` not). On a
+        argmax for a greedy batch; only the argmax for a greedy batch that ``needs_logits`` not), on the device and
+        valid in stream order until the next step runs (a graph's outputs are overwritten by its next replay). On a
         tensor-parallel rank other than 0 the logits go to rank 0 and this returns None."""
         if self._graph_eligible(batch):
             assert self.graphs is not None
