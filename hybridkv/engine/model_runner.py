@@ -475,11 +475,7 @@ class ModelRunner:
             with forward_context(context):  # (the graph breaks' ops read it)
                 hidden = mixed.replay_static(len(ids), batch.prev_tokens if batch.input_sources is not None else None)
             if head_graph:
-                logits, greedy, reported = mixed.run_head()
-                if not batch.greedy:
-                    return StepOutput(logits=logits[:rows])
-                return StepOutput(logits=logits[:rows] if batch.needs_logits else None, greedy=greedy[:rows],
-                                  report=reported[:rows])
+                return _head_output(batch, rows, *mixed.run_head())
             index_dev = static.head_rows(len(index))
         else:
             arrays = [ids, positions, index, *(() if batch.input_sources is None else (batch.input_sources,))]
@@ -494,13 +490,9 @@ class ModelRunner:
                 # the report comes from the argmax's own reduction (a separate finite check: three more launches)
                 reported = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
                 out = self.model.compute_logits_and_greedy(hidden, report=reported)
-                if out is None:
-                    return None
-                logits, greedy = out[0][:rows], out[1][:rows]     # (eager: the logits are always written)
-                return StepOutput(logits=logits if batch.needs_logits else None, greedy=greedy,
-                                  report=reported[:rows])
+                return None if out is None else _head_output(batch, rows, *out, reported)
             logits = self.model.compute_logits(hidden)
-        return None if logits is None else StepOutput(logits=logits[:rows])
+        return None if logits is None else _head_output(batch, rows, logits)
 
     def _static_inputs(self, batch: StepBatch) -> MixedStepBuffers | None:
         """The mixed graphs' static step inputs when this step replays them: a bucket holds its tokens, the static
@@ -559,6 +551,16 @@ class ModelRunner:
 
     def host_moves_available(self) -> int:
         return self.host_checkpoints.moves_available() if self.host_checkpoints is not None else 0
+
+
+def _head_output(batch: StepBatch, rows: int, logits: torch.Tensor, greedy: torch.Tensor | None = None,
+                 report: torch.Tensor | None = None) -> StepOutput:
+    """The step's output from the head's (padded rows, ...) results: its first ``rows``; a greedy batch's argmax and
+    report, and its logits only where ``needs_logits`` (a graph's may be unwritten otherwise)."""
+    if not batch.greedy:
+        return StepOutput(logits=logits[:rows])
+    assert greedy is not None and report is not None
+    return StepOutput(logits=logits[:rows] if batch.needs_logits else None, greedy=greedy[:rows], report=report[:rows])
 
 
 def _pad_columns(table: np.ndarray) -> np.ndarray:
