@@ -1,7 +1,8 @@
 """The engine's steps under serving traffic, without HTTP: what its share of the inter-token latency is made of.
 
     python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate 257] [--seconds 8] [--prompt 260]
-                                           [--output 64] [--tiny]
+                                           [--output 64] [--max-num-batched-tokens 2048]
+                                           [--prefill-spread 8 [1 ...]] [--tiny]
 
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) on
 ``serve_load.py``'s engine settings (``max_num_seqs`` 256, 24 GiB of KV cache, prefix caching off), driven in this
@@ -16,9 +17,11 @@ the decodes among them, and ``wait``: the host blocked on the tokens of the step
 N+1 before it reads step N), so a step's host work is its ``step()`` time less ``wait``. Steps are grouped by the
 prompt tokens of the step or of the one in flight (the larger), since the one in flight's GPU time shows up in this
 step's wait; the steps that only read back the last tokens count among the decode-only ones. Prints interval
-percentiles overall and per group, host work and wait per group, and the slowest steps. ``--tiny``: a tiny model
-on the CPU (synchronous steps), a smoke test of this script; its numbers mean nothing. Writes
-``gpu_serving_steps.json`` (``_results.py``).
+percentiles overall and per group, host work and wait per group, the slowest steps, and the time to first token
+(a request's arrival to the end of the step that returned its first token). Several ``--prefill-spread`` values
+run in turn on the same model and arrivals (the engine's setting, ``Scheduler._spread``), each after its own
+warm-up. ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of this script; its numbers mean
+nothing. Writes ``gpu_serving_steps.json`` (``_results.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +73,9 @@ def instrument(eng: LLMEngine) -> dict[str, Any]:
 
 
 def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, prompt: int, output: int,
-           rng: np.random.Generator, tag: str) -> list[Step]:
-    """Poisson arrivals for ``seconds`` (then until every request finished); one ``Step`` per step run."""
+           rng: np.random.Generator, tag: str) -> tuple[list[Step], list[float]]:
+    """Poisson arrivals for ``seconds`` (then until every request finished): one ``Step`` per step run, and each
+    request's time to first token (s)."""
     from hybridkv import SamplingParams
     from hybridkv.engine.request import OutputKind
 
@@ -79,27 +83,41 @@ def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, 
     vocab = min(30000, eng.vocab_size)
     arrivals = np.cumsum(rng.exponential(1 / rate, max(1, int(rate * seconds))))
     steps, n, t0, idle = [], 0, time.perf_counter(), True
+    waiting: dict[str, float] = {}                # request -> its arrival, until its first token
+    ttft: list[float] = []
     while n < len(arrivals) or eng.has_unfinished:
         now = time.perf_counter() - t0
         while n < len(arrivals) and arrivals[n] <= now:
             eng.add_request(f"{tag}{n}", rng.integers(3, vocab, prompt).tolist(), params,
                             output_kind=OutputKind.DELTA)
+            waiting[f"{tag}{n}"] = t0 + arrivals[n]
             n += 1
         if not eng.has_unfinished:
             time.sleep(max(0.0, arrivals[n] - now))
             continue
         cur.clear()
         start = time.perf_counter()
-        eng.step()
-        spent = time.perf_counter() - start
+        outputs = eng.step()
+        end = time.perf_counter()
+        spent = end - start
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids and out.request_id in waiting:
+                ttft.append(end - waiting.pop(out.request_id))
         steps.append(Step(start=start, tokens=cur.get("tokens", 0), decodes=cur.get("decodes", 0),
                           host=spent - cur.get(WAIT, 0.0), wait=cur.get(WAIT, 0.0), after_idle=idle))
         idle = not eng.has_unfinished         # (as the engine's own histogram counts: ``LLMEngine.add_request``)
-    return steps
+    return steps, ttft
 
 
-def summarize(steps: list[Step]) -> dict[str, Any]:
-    """Interval percentiles (ms) overall and per ``GROUPS`` entry, with the mean host work and wait (ms)."""
+def pct(values: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 and mean of ``values`` (s), in ms."""
+    a = 1e3 * np.asarray(values)
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
+
+
+def summarize(steps: list[Step], ttft: list[float] | None = None) -> dict[str, Any]:
+    """Interval percentiles (ms) overall and per ``GROUPS`` entry, with the mean host work and wait (ms); the
+    time to first token's (ms), when given."""
     rows = []                                   # (interval, prompt tokens here or in flight, step)
     for i in range(len(steps) - 1):
         if steps[i + 1].after_idle:
@@ -110,11 +128,9 @@ def summarize(steps: list[Step]) -> dict[str, Any]:
             prompt = max(prompt, steps[i - 1].tokens - steps[i - 1].decodes)
         rows.append((interval, prompt, steps[i]))
 
-    def pct(values: list[float]) -> dict[str, float]:
-        a = 1e3 * np.asarray(values)
-        return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
-
     out = {"steps": len(rows), "interval_ms": pct([r[0] for r in rows]), "groups": {}, "slowest": []}
+    if ttft:
+        out["ttft_ms"] = pct(ttft)
     for lo, hi in GROUPS:
         group = [r for r in rows if lo <= r[1] <= hi]
         if group:
@@ -140,6 +156,8 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="the step's token budget (default 2048, the engine's; hybridkv serve's flag of that name)")
+    ap.add_argument("--prefill-spread", type=int, nargs="+", default=[8],
+                    help="the engine's prefill_spread, one run per value (default 8, the engine's; 1: off)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")
     args = ap.parse_args()
@@ -163,25 +181,33 @@ def main() -> None:
                          max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
     cur = instrument(eng)
-    rng = np.random.default_rng(0)
-    kw = dict(rate=args.rate, prompt=args.prompt, output=args.output, rng=rng)
-    replay(eng, cur, seconds=min(2.0, args.seconds), tag="w", **kw)
-    result = summarize(replay(eng, cur, seconds=args.seconds, tag="r", **kw))
-    i = result["interval_ms"]
-    print(f"{args.family}: {args.rate:g} req/s, {args.prompt}-token prompts, {args.output} new: "
-          f"{result['steps']} steps, interval p50 / p90 / p99 {i['p50']:.2f} / {i['p90']:.2f} / {i['p99']:.2f} ms")
-    print(f"  {'prompt tokens here or in flight':32s} {'share':>6s} {'p50':>6s} {'p99':>6s} {'host':>6s} {'wait':>6s} "
-          f"{'decodes':>7s}   (ms)")
-    for name, g in result["groups"].items():
-        print(f"  {name:32s} {100 * g['share']:5.1f}% {g['interval_ms']['p50']:6.2f} {g['interval_ms']['p99']:6.2f} "
-              f"{g['host_ms']:6.2f} {g['wait_ms']:6.2f} {g['decodes']:7.0f}")
-    print("  slowest: " + "; ".join(f"{s['interval_ms']:.2f} ms ({s['tokens']} tokens, {s['decodes']} decodes, host "
-                                    f"{s['host_ms']:.2f}, wait {s['wait_ms']:.2f})" for s in result["slowest"][:4]))
+    runs = []
+    for spread in args.prefill_spread:
+        # (one model for every value: the scheduler reads its config each step)
+        eng.scheduler.config = replace(eng.scheduler.config, prefill_spread=spread)
+        rng = np.random.default_rng(0)
+        kw = dict(rate=args.rate, prompt=args.prompt, output=args.output, rng=rng)
+        replay(eng, cur, seconds=min(2.0, args.seconds), tag=f"w{spread}-", **kw)
+        result = {"prefill_spread": spread, **summarize(*replay(eng, cur, seconds=args.seconds, tag=f"r{spread}-",
+                                                                **kw))}
+        runs.append(result)
+        i, t = result["interval_ms"], result["ttft_ms"]
+        print(f"{args.family}: {args.rate:g} req/s, {args.prompt}-token prompts, {args.output} new, prefill_spread "
+              f"{spread}: {result['steps']} steps, interval p50 / p90 / p99 {i['p50']:.2f} / {i['p90']:.2f} / "
+              f"{i['p99']:.2f} ms, first token p50 / p99 {t['p50']:.1f} / {t['p99']:.1f} ms")
+        print(f"  {'prompt tokens here or in flight':32s} {'share':>6s} {'p50':>6s} {'p99':>6s} {'host':>6s} "
+              f"{'wait':>6s} {'decodes':>7s}   (ms)")
+        for name, g in result["groups"].items():
+            print(f"  {name:32s} {100 * g['share']:5.1f}% {g['interval_ms']['p50']:6.2f} "
+                  f"{g['interval_ms']['p99']:6.2f} {g['host_ms']:6.2f} {g['wait_ms']:6.2f} {g['decodes']:7.0f}")
+        print("  slowest: " + "; ".join(f"{s['interval_ms']:.2f} ms ({s['tokens']} tokens, {s['decodes']} decodes, "
+                                        f"host {s['host_ms']:.2f}, wait {s['wait_ms']:.2f})"
+                                        for s in result["slowest"][:4]))
     write_json(args, "gpu_serving_steps", {
         "meta": {"device": torch.cuda.get_device_name(0) if not args.tiny else "cpu", "commit": commit(),
                  "command": " ".join(sys.argv), "torch": torch.__version__, "rate": args.rate,
                  "seconds": args.seconds, "prompt": args.prompt, "output": args.output,
-                 "max_num_batched_tokens": args.max_num_batched_tokens}, **result})
+                 "max_num_batched_tokens": args.max_num_batched_tokens}, "runs": runs})
 
 
 if __name__ == "__main__":

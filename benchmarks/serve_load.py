@@ -22,7 +22,8 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    (bounded). A point meets the target when no request failed, p99 TTFT <= 2 s and the server kept up (it was
    done within 1/0.9 of the arrival span past one unqueued request's latency, ``kept_up``: a short run can hide a
    growing backlog under the TTFT target). The half-rate point runs again on a server started with
-   ``--itl-server-flags`` (default ``--max-num-batched-tokens 256``: shorter steps while prefills run).
+   ``--itl-server-flags`` (default ``--prefill-spread 1``: each step takes every waiting prompt its token budget
+   holds, as before the engine spread bursts of prompts over steps: what the spreading buys).
 3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
    (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
    best rate (up while it keeps p99 TTFT <= 2 s, else down once).
@@ -629,8 +630,8 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                 server.stop()
         best = result.get("best_rate")
         if best is not None and args.itl_server_flags:
-            # the same half-rate load on a server started with --itl-server-flags (by default at most 256 tokens a
-            # step: shorter steps while prefills run, so decoding requests wait less between tokens; TTFT pays)
+            # the same half-rate load on a server started with --itl-server-flags (by default --prefill-spread 1:
+            # without spreading bursts of prompts over steps, the comparison for what it buys)
             server = CLIServer(ckpt, name, [*flags, "--api-server-count", str(args.api_server_counts[-1]),
                                             *shlex.split(args.itl_server_flags)], log=log)
             try:
@@ -796,9 +797,9 @@ def main() -> None:
     ap.add_argument("--api-server-counts", default="1,4",
                     help="hybridkv serve --api-server-count values, comma-separated: each gets the all-at-once "
                     "throughput runs; the last also gets the rate points (default 1,4)")
-    ap.add_argument("--itl-server-flags", default="--max-num-batched-tokens 256",
+    ap.add_argument("--itl-server-flags", default="--prefill-spread 1",
                     help="also run the half-rate point on a server started with these extra flags (default: "
-                    "--max-num-batched-tokens 256; empty: skip)")
+                    "--prefill-spread 1; empty: skip)")
     ap.add_argument("--max-requests-per-rate", type=int, default=2048,
                     help="at most this many requests per rate point (the conversations are reused in turn)")
     ap.add_argument("--peer-points", type=int, default=3, help="rate points for transformers serve (default 3)")

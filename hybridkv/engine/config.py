@@ -46,7 +46,10 @@ class EngineConfig:
     device's checkpoint slots move what they evict there, and a hit copies it back (0: none; only with prefix
     caching and recurrent layers; per rank with tensor parallelism, as the KV budget). ``block_size`` None: 16,
     or what every chunked layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
-    ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step.
+    ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step. ``prefill_spread``:
+    while requests decode, a step's prompt tokens are capped at the pending ones / this (at least 192; 1: no
+    cap), so a burst of arrivals spreads over several steps instead of stretching the decodes' next token
+    (``Scheduler._spread``).
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
     ``tensor_parallel_size`` > 1 shards the model (docs/parallelism.md); ``distributed_timeout`` (seconds)
     bounds every collective. ``cuda_graphs``, ``async_scheduling``, ``warmup``: None = on where the device
@@ -59,6 +62,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    prefill_spread: int = 8
     kv_cache_memory: int | str | None = None
     host_cache_memory: int | str = 0
     enable_prefix_caching: bool = True
@@ -100,6 +104,7 @@ class EngineConfig:
         for name in ("block_size", "max_model_len", "max_num_batched_tokens"):
             positive(name, optional=True)
         positive("max_num_seqs")
+        positive("prefill_spread")
         positive("tensor_parallel_size")
         flag("enable_prefix_caching")
         for name in ("cuda_graphs", "async_scheduling", "warmup"):

@@ -144,9 +144,10 @@ class LLMEngine:
     appends the sampled tokens on the device. A step without such requests pays nothing for it."""
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True, backend: str = "auto", tokenizer: object | None = None,
-                 seed: int = 0, runner: StepRunner | None = None, cuda_graphs: bool | None = None,
-                 async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 prefill_spread: int = 8, enable_prefix_caching: bool = True, backend: str = "auto",
+                 tokenizer: object | None = None, seed: int = 0, runner: StepRunner | None = None,
+                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -160,7 +161,8 @@ class LLMEngine:
                                               max_num_reqs=max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching),
+            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching,
+            prefill_spread=prefill_spread),
             self.coordinator)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,

@@ -39,6 +39,10 @@ _NEVER = np.iinfo(np.int64).max
 # A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
+# The smallest prefill cap ``prefill_spread`` sets. Smaller chunks add steps to a prompt's first token and cost more
+# in all (a step's fixed cost is most of a short one's); at half the serving rate 192 gave shorter steps at the p50
+# and p99 and earlier first tokens than 128 (docs/design.md).
+PREFILL_FLOOR = 192
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,9 +51,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
+    prefill_spread: int = 8                # while requests decode, prefill <= pending prompt tokens / this a step
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_spread"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
 
@@ -80,6 +85,8 @@ class Scheduler:
         self.coord = coordinator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._queued: dict[Request, int] = {}       # waiting request -> its tokens to compute, counted at entry
+        self._queued_tokens = 0                     # ... their sum (``prefill_spread``)
         self.num_preemptions = 0
         # Per coordinator row of a running request: tokens known and the last one (a decode's input).
         # ``add_sampled`` / ``set_last_tokens`` keep them current, so a step reads them with one gather,
@@ -113,7 +120,19 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.coord.add_waiting(request.request_id, request.token_ids)
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, *, first: bool = False) -> None:
+        if first:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        n = self._queued[request] = request.num_tokens
+        self._queued_tokens += n
+
+    def _dequeued(self, request: Request) -> None:
+        """(after ``request`` left ``waiting``)"""
+        self._queued_tokens -= self._queued.pop(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its cache; returns it (None if unknown)."""
@@ -121,6 +140,8 @@ class Scheduler:
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
+                    if queue is self.waiting:
+                        self._dequeued(req)
                     self._running_rows = None
                     self._end(req)
                     req.finish_reason = "abort"
@@ -132,6 +153,7 @@ class Scheduler:
         its last token was on its way finishes from the waiting queue."""
         if request.status is RequestStatus.PREEMPTED:
             self.waiting.remove(request)
+            self._dequeued(request)
         else:
             self.running.remove(request)
             self._running_rows = None
@@ -269,11 +291,12 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, first=True)
 
-    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool]:
-        """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes) for
-        the running requests, decodes first then by arrival, within ``budget``.
+    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool, int]:
+        """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes, the step's
+        budget) for the running requests, decodes first then by arrival, within ``budget``, less the prefill
+        cap of ``prefill_spread`` when some of them decode (the budget returned, for the waiting ones too).
 
         Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
@@ -284,8 +307,9 @@ class Scheduler:
         done = known >= self.row_final[rows]      # its last sampled token is on its way: nothing left to run
         if np.count_nonzero(done):
             rem[done] = 0
+        budget = self._spread(budget, rem)
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
-            return list(running), rem, rows, computed, True        # all decodes, all fit (the steady state)
+            return list(running), rem, rows, computed, True, budget    # all decodes, all fit (the steady state)
         prefill = rem > 1
         if self.config.align_prefill_chunks and prefill.any():    # prefill chunks end at their stops
             for i in np.flatnonzero(prefill).tolist():
@@ -303,8 +327,24 @@ class Scheduler:
             take[i] = self._chunk(int(computed[i]), int(rem[i]), int(take[i]))
         keep = take > 0
         if keep.all():
-            return list(running), take, rows, computed, False
-        return [running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False
+            return list(running), take, rows, computed, False, budget
+        return ([running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False,
+                budget)
+
+    def _spread(self, budget: int, rem: np.ndarray) -> int:
+        """``budget`` capped, while any of the running requests decodes (``rem``: their tokens to compute), at
+        the decodes plus max(``PREFILL_FLOOR``, the pending prompt tokens (running and waiting) / ``prefill_spread``).
+
+        A burst of arrivals then spreads its prefill over several steps instead of stretching one step, which
+        every decoding request would wait through; the pending tokens grow with the queue, so under load the cap
+        reaches the budget and no throughput is lost. Its first tokens come a few steps later (at most
+        ``prefill_spread``, as the cap shrinks with what is left)."""
+        spread = self.config.prefill_spread
+        decodes = int(np.count_nonzero(rem == 1))
+        if spread == 1 or not decodes:
+            return budget
+        pending = int(rem.sum()) - decodes + self._queued_tokens
+        return min(budget, decodes + max(PREFILL_FLOOR, -(-pending // spread)))
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -315,7 +355,7 @@ class Scheduler:
         decode = False
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
         while self.running:
-            chosen, counts, rows, computed, decode = self._running_step(budget)
+            chosen, counts, rows, computed, decode, budget = self._running_step(self.config.max_num_batched_tokens)
             if self.coord.allocate_batch(rows, computed, counts):
                 break
             victim = self.running[-1]                       # the latest arrival
@@ -353,6 +393,7 @@ class Scheduler:
                 self.coord.free(rid)
                 break
             del self.waiting[i]
+            self._dequeued(req)
             self.mark_running(req)
             if sharing:
                 self._claim(req, hit)
