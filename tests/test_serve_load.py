@@ -52,22 +52,34 @@ def test_a_point_whose_server_fell_behind_misses(kept_up, passes) -> None:
     assert _passes(_point(100.0, 0.5, kept_up=kept_up)) is passes
 
 
-def _done(ttft: float, e2e: float) -> dict:
-    return {"ttft": ttft, "e2e": e2e}
+def _done(start: float, ttft: float, gaps: list[float], tokens: int | None = None) -> dict:
+    return {"start": start, "ttft": ttft, "gaps": gaps, "tokens": len(gaps) + 1 if tokens is None else tokens,
+            "e2e": ttft + sum(gaps)}
 
 
-@pytest.mark.parametrize(("rate", "last", "wall", "done", "want"), [
-    (100.0, 4.0, 4.235, [_done(0.02, 0.2), _done(0.05, 0.3)], 1.0),    # done one unqueued latency (0.02 + 0.215) after
-    (100.0, 4.0, 6.235, [_done(0.02, 0.2), _done(1.0, 1.25)], 4 / 6),  # a 2 s backlog (a queued TTFT doesn't count)
-    (math.inf, 0.0, 1.0, [_done(0.1, 0.5)], None),                      # all at once: not a Poisson run
-    (100.0, 4.0, 5.0, [], None),                                        # nothing finished
-    (100.0, 4.0, 0.2, [_done(0.1, 0.5)], None),                         # (a wall shorter than one latency)
+def _steady(rate: float, span: float, latency: float) -> list[dict]:
+    """Arrivals every 1/rate s over ``span``, each streaming 10 tokens evenly over ``latency`` after a 10 ms TTFT."""
+    n = round(rate * span)
+    return [_done(i / rate, 0.01, [(latency - 0.01) / 9] * 9) for i in range(n)]
+
+
+@pytest.mark.parametrize(("rate", "last", "n", "done", "want"), [
+    (100.0, 4.0, 400, _steady(100.0, 4.0, 0.3), 1.0),        # steady: the second half streams what is asked
+    (100.0, 4.0, 400, _steady(100.0, 4.0, 2.0), 1.0),        # ... however long each request takes, up to half the span
+    (100.0, 4.0, 400, _steady(100.0, 4.0, 3.0), 0.9),        # (longer: the second half is still filling up)
+    # an ever larger batch: first tokens quick, the other nine over 40 s
+    (100.0, 4.0, 400, [_done(i / 100, 0.01, [40.0 / 9] * 9) for i in range(400)], 0.1),
+    # a queue: the first token of the request sent at t comes at 2t
+    (100.0, 4.0, 400, [_done(i / 100, i / 100, [0.001] * 9) for i in range(400)], 0.5),
+    (100.0, 4.0, 400, [_done(i / 100, 4.5 - i / 100, [], tokens=10) for i in range(400)], 0.0),   # stalled
+    (math.inf, 0.0, 8, _steady(100.0, 0.08, 0.3), None),                # all at once: not a Poisson run
+    (100.0, 4.0, 400, [], None),                                        # nothing finished
 ])
-def test_kept_up_is_the_arrival_span_over_the_time_past_one_unqueued_latency(rate, last, wall, done, want) -> None:
+def test_kept_up_is_the_second_halfs_streamed_tokens_over_those_asked(rate, last, n, done, want) -> None:
     from serve_load import kept_up
 
-    got = kept_up(rate, last, wall, done)
-    assert got == want if want is None else got == pytest.approx(want, abs=1e-3)
+    got = kept_up(rate, last, n, done)
+    assert got == want if want is None else got == pytest.approx(want, abs=0.03)
 
 
 @pytest.mark.parametrize(("before", "after", "q", "want"), [
@@ -90,7 +102,7 @@ def test_a_point_merges_its_load_generators() -> None:
 
     def req(ttft: float, gaps: list[float]) -> dict:
         return {"ok": True, "ttft": ttft, "gaps": gaps, "tokens": len(gaps) + 1, "e2e": ttft + sum(gaps),
-                "error": None}
+                "error": None, "start": 0.5}
 
     shards = [{"results": [req(0.1, [0.01, 0.01])], "wall_s": 2.0, "last_arrival": 1.5, "cpu_s": 0.5},
               {"results": [req(0.3, [0.03]), {"ok": False, "error": "HTTP 503: busy"}], "wall_s": 2.5,
