@@ -150,23 +150,34 @@ async def _one(url: str, body: dict[str, Any]) -> dict[str, Any]:
             "error": None if ttft is not None else "no tokens"}
 
 
-def kept_up(rate: float, last_arrival: float, num_requests: int, done: list[dict[str, Any]]) -> float | None:
-    """Whether the server kept up with a Poisson run: the tokens it streamed per second in the second half of the
-    arrival span, over those its arrivals asked for per second (``num_requests`` over the span, times the finished
-    requests' mean tokens), at most 1 (None: not a Poisson run, or nothing finished). A server that falls behind
-    streams fewer than are asked, whether its backlog waits in a queue (first tokens come later and later) or in an
-    ever larger batch whose every step is slower (first tokens stay quick): a short run's TTFT can hide either.
-    (The first half is left out: the server is still filling up. A streamed request's tokens are spread evenly
-    over its chunks; a request's times count from when it was sent, ``start``.)"""
+def kept_up(rate: float, last_arrival: float, done: list[dict[str, Any]]) -> float | None:
+    """Whether the server kept up with a Poisson run: the tokens it streamed per second late in the arrival span,
+    over those asked per second by the requests that, in a steady state, stream then (at most 1; None: not a Poisson
+    run, or nothing finished). A server that falls behind streams fewer than are asked, whether its backlog waits in
+    a queue (first tokens come later and later) or in an ever larger batch whose every step is slower (first tokens
+    stay quick): a short run's TTFT can hide either.
+
+    Late: from the span's middle, or from the requests' median latency L when that is longer (the server is still
+    filling up before), but from 3/4 of the span at the latest; a run shorter than about two latencies is judged
+    while still filling up, so its slow servers miss (``_peer`` sizes its points for that). The requests that stream
+    then: those sent L/2 earlier (a token streams on average half a latency after its request is sent), counted
+    as they came, not as ``rate`` says (a Poisson count of a few dozen is off by a fifth). A streamed request's
+    tokens are spread evenly over its chunks; a request's times count from when it was sent, ``start``."""
     if not done or not math.isfinite(rate) or last_arrival <= 0:
         return None
-    lo, hi = last_arrival / 2, last_arrival
+    latency = float(np.median([r["e2e"] for r in done]))
+    lo, hi = min(max(last_arrival / 2, latency), 0.75 * last_arrival), last_arrival
+    shift = min(latency / 2, lo)
+    starts = np.asarray([r["start"] for r in done])
+    sent = np.count_nonzero((starts >= lo - shift) & (starts < hi - shift))
+    if not sent:
+        return None
     streamed = 0.0
     for r in done:
         times = r["start"] + r["ttft"] + np.cumsum([0.0, *r["gaps"]])
         streamed += r["tokens"] / len(times) * np.count_nonzero((times >= lo) & (times < hi))
-    asked = num_requests / last_arrival * float(np.mean([r["tokens"] for r in done]))
-    return float(min(1.0, streamed / (hi - lo) / asked))
+    asked = sent * float(np.mean([r["tokens"] for r in done]))
+    return float(min(1.0, streamed / asked))
 
 
 async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
@@ -223,7 +234,7 @@ def summarize(rate: float, n: int, shards: list[dict[str, Any]]) -> dict[str, An
     return {"rate": rate, "requests": n, "failed": n - len(done), "errors": errors, "wall_s": wall,
             "client_cpu_s": cpu, "client_processes": len(shards), "client_busy": cpu / wall / len(shards),
             "text_chunks": len(itl) + len(done), "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
-            "kept_up": kept_up(rate, at, n, done),
+            "kept_up": kept_up(rate, at, done),
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
 
@@ -700,12 +711,13 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         start = (best or 1.0) / 10
         points: list[dict[str, Any]] = []
         rate = start
+        # Its requests take seconds (hybridkv's tens of ms): each point's arrivals span at least three of the
+        # first two requests' latencies, so that ``kept_up`` sees it filled.
+        latency = first["ttft_p50"] + (first["tpot_p50"] or 0.0) * (args.output_len - 1)
         for _ in range(args.peer_points):
-            # (as many requests as hybridkv's points at that rate: an arrival span of several latencies, which
-            # ``kept_up`` needs)
-            point = run_load(peer.url, name, convs, rate=rate, num_requests=_points_per_rate(rate, args),
-                             output_len=args.output_len, drain_timeout=args.peer_drain_timeout,
-                             processes=args.client_processes)
+            n = min(args.max_requests_per_rate, max(_points_per_rate(rate, args), math.ceil(3 * latency * rate)))
+            point = run_load(peer.url, name, convs, rate=rate, num_requests=n, output_len=args.output_len,
+                             drain_timeout=args.peer_drain_timeout, processes=args.client_processes)
             points.append(point)
             _print_point("transformers serve", "", point)
             passed = [_passes(p) for p in points]
