@@ -67,7 +67,7 @@ def bench_config(context: int, *, mamba: bool = True) -> HybridConfig:
 def to_decode(sched, coord) -> None:
     """Skip the model for the prefill: register every waiting prompt as computed, leaving one token to decode."""
     while sched.waiting:
-        req = sched.waiting.popleft()
+        req = sched.pop_waiting()
         n = req.num_tokens
         assert coord.allocate(req.request_id, num_computed_tokens=0, num_new_tokens=n, token_ids=req.token_ids)
         coord.commit(req.request_id, num_computed_tokens=n - 1)

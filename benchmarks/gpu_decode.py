@@ -182,9 +182,11 @@ def hf_config(family: str, tiny: bool):
 
 def random_llm(family: str, **llm_kwargs):
     """A random-init bf16 model of ``family`` saved by HF and loaded by hybridkv (the weights HF would run), on
-    CUDA with the triton backend; ``llm_kwargs`` go to ``LLM``."""
+    CUDA with the triton backend; ``llm_kwargs`` go to ``LLM`` (``prefill_spread`` 1 unless given: the step
+    benchmarks time steps of the shapes they ask, a prompt in one step)."""
     from hybridkv import LLM
 
+    llm_kwargs.setdefault("prefill_spread", 1)
     config, cls = hf_config(family, False)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -601,6 +603,7 @@ def main() -> None:
                       max_num_seqs=args.max_num_seqs or max(batches) + 1,
                       enable_prefix_caching=False,
                       max_num_batched_tokens=max(4096, args.prompt, args.prefill), kv_cache_memory=args.kv_memory,
+                      prefill_spread=1,
                       cuda_graphs=False if "eager" in modes else None,
                       async_scheduling=False if "sync" in modes else None)
             graphs = "graphs" if getattr(llm.engine.runner, "graphs", None) is not None else "eager"

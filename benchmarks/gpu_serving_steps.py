@@ -62,8 +62,8 @@ def instrument(eng: LLMEngine) -> dict[str, Any]:
     cur = time_phases(eng)
     schedule = eng.scheduler.schedule
 
-    def scheduled():
-        batch = schedule()
+    def scheduled(**kw):
+        batch = schedule(**kw)
         cur["tokens"] = batch.num_tokens
         cur["decodes"] = int((batch.num_new_tokens == 1).sum()) if batch.num_reqs else 0
         return batch

@@ -13,7 +13,8 @@ what the running prefills and the waiting prompts still have to compute.
     3     3         67      3 + 17                                     d d a B17
     4     3         50      3 + 13                                     d d a B10 C3    (B's first token)
     5     4         37      4 + 10                                     d d a b C10
-Without spreading, step 1 would be d d A40 B22 and step 2 d d a B18 C40 (64 tokens each).
+Without spreading (``prefill_spread`` 1, or no request streams: outputs only at the end), step 1 would be
+d d A40 B22 and step 2 d d a B18 C40.
 """
 
 from __future__ import annotations
@@ -28,22 +29,26 @@ from hypothesis import strategies as st
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine import scheduler as scheduler_module
 from hybridkv.engine.config import EngineConfig
-from hybridkv.models import MLP, Attention, HybridConfig, Layer
+from hybridkv.engine.model_runner import reference_logits
+from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 
 VOCAB = 61
 
 
-def attention_config() -> HybridConfig:
-    layer = Layer(mixer=Attention(num_heads=2, num_kv_heads=1, head_dim=16), ffn=MLP(intermediate_size=32))
-    return HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=(layer, layer), max_position_embeddings=256,
+def tiny_config(mamba: bool = False) -> HybridConfig:
+    """Two attention layers, or a Mamba2 layer and an attention layer (prefill chunks aligned with prefix caching)."""
+    attention = Layer(mixer=Attention(num_heads=2, num_kv_heads=1, head_dim=16), ffn=MLP(intermediate_size=32))
+    first = Layer(mixer=Mamba2(num_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8),
+                  ffn=MLP(intermediate_size=32)) if mamba else attention
+    return HybridConfig(vocab_size=VOCAB, hidden_size=32, layers=(first, attention), max_position_embeddings=256,
                         dtype="float32")
 
 
 def make_llm(*, budget: int = 64, spread: int = 4, max_num_seqs: int = 32, memory: int = 4 << 20,
-             prefix_caching: bool = False) -> LLM:
-    return LLM(attention_config(), device="cpu", block_size=4, max_num_seqs=max_num_seqs,
+             prefix_caching: bool = False, mamba: bool = False, async_scheduling: bool = False) -> LLM:
+    return LLM(tiny_config(mamba), device="cpu", block_size=4, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, prefill_spread=spread, kv_cache_memory=memory,
-               enable_prefix_caching=prefix_caching)
+               enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
 
 
 def check_queue(sched: scheduler_module.Scheduler) -> None:
@@ -67,32 +72,41 @@ def test_the_cap(budget: int, spread: int, rem: list[int], queued: int, expected
     sched = make_llm(budget=budget, spread=spread).engine.scheduler
     sched._queued_tokens = queued
     assert sched._spread(budget, np.asarray(rem, np.int64)) == expected
+    sched._queued_tokens = 0
 
 
-def test_the_worked_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The module docstring's diagram, step by step."""
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_worked_example(streamed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module docstring's diagram, step by step; without a streamed request (outputs only at the end, as
+    ``LLM.generate`` asks) the steps take their whole budget."""
+    from hybridkv.engine.request import OutputKind
+
     monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
     eng = make_llm().engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kind = OutputKind.DELTA if streamed else OutputKind.FINAL
     for rid in ("d1", "d2"):
-        eng.add_request(rid, [3, 4, 5], params)
+        eng.add_request(rid, [3, 4, 5], params, output_kind=kind)
     eng.step()                                      # their prompts: both decode from here
     for rid in "ABC":
-        eng.add_request(rid, list(range(1, 41)), params)
+        eng.add_request(rid, list(range(1, 41)), params, output_kind=kind)
     seen = []
     schedule = eng.scheduler.schedule
 
-    def recorded():
-        batch = schedule()
+    def recorded(**kw):
+        batch = schedule(**kw)
         seen.append([(r.request_id, int(n)) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)])
         return batch
 
     eng.scheduler.schedule = recorded
-    for _ in range(5):
+    for _ in range(5 if streamed else 2):
         eng.step()
     d = [("d1", 1), ("d2", 1)]
-    assert seen == [d + [("A", 30)], d + [("A", 10), ("B", 13)], d + [("A", 1), ("B", 17)],
-                    d + [("A", 1), ("B", 10), ("C", 3)], d + [("A", 1), ("B", 1), ("C", 10)]]
+    if streamed:
+        assert seen == [d + [("A", 30)], d + [("A", 10), ("B", 13)], d + [("A", 1), ("B", 17)],
+                        d + [("A", 1), ("B", 10), ("C", 3)], d + [("A", 1), ("B", 1), ("C", 10)]]
+    else:
+        assert seen == [d + [("A", 40), ("B", 22)], d + [("A", 1), ("B", 18), ("C", 40)]]
     while eng.has_unfinished:
         eng.step()
 
@@ -116,7 +130,7 @@ def _brute_force_cap(eng, spread: int, floor: int) -> tuple[int, int, int]:
     return min(budget, decodes + max(floor, math.ceil(pending / spread))), decodes, decodes + pending
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), spread=st.sampled_from([1, 2, 3, 8]), floor=st.integers(1, 24),
        budget=st.sampled_from([16, 40, 96]))
 def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int, floor: int, budget: int) -> None:
@@ -127,14 +141,13 @@ def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int
         rng = np.random.default_rng(seed)
         eng = make_llm(budget=budget, spread=spread, max_num_seqs=64, memory=16 << 20).engine
         schedule = eng.scheduler.schedule
-        checked = []
 
-        def checked_schedule():
+        def checked_schedule(**kw):
+            assert kw == {"spread": True}                   # (every request streams)
             cap, decodes, available = _brute_force_cap(eng, spread, floor)
-            batch = schedule()
+            batch = schedule(**kw)
             assert not batch.preempted
             assert batch.num_tokens == min(cap, available), (cap, decodes, available)
-            checked.append(decodes > 0 and cap < min(budget, available))
             return batch
 
         eng.scheduler.schedule = checked_schedule
@@ -156,41 +169,69 @@ def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int
         scheduler_module.PREFILL_FLOOR = saved
 
 
-def test_spreading_changes_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy tokens with spreading equal those without, with prefix hits, preemption (tight memory) and an abort
-    of a waiting request on the way; everything is freed and the queue's count is back to 0."""
+@pytest.mark.parametrize(("mamba", "memory", "asynchronous"),
+                         [(False, 72 << 10, False), (True, 80 << 10, False), (False, 72 << 10, True)])
+def test_spreading_changes_no_token(mamba: bool, memory: int, asynchronous: bool,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy tokens with spreading are the no-cache reference's, as without it, through prefix hits, preemption
+    (tight memory) and an abort of a waiting request, with a Mamba2 layer (chunks aligned for its checkpoints) and
+    with asynchronous scheduling (a request's last token still on its way); everything is freed and the queue's
+    count is back to 0."""
     monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 4)
     rng = np.random.default_rng(1)
     prefix = rng.integers(1, VOCAB, 12).tolist()
     prompts = [prefix + rng.integers(1, VOCAB, int(rng.integers(1, 40))).tolist() for _ in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    runs = []
     for spread in (1, 3):
-        llm = make_llm(budget=48, spread=spread, max_num_seqs=8, memory=72 << 10, prefix_caching=True)
+        llm = make_llm(budget=48, spread=spread, max_num_seqs=8, memory=memory, prefix_caching=True, mamba=mamba,
+                       async_scheduling=asynchronous)
         eng = llm.engine
-        out: dict[str, list[int]] = {}
+        capped = []
+        spread_cap = eng.scheduler._spread
+
+        def counted(budget, rem, spread_cap=spread_cap, capped=capped):
+            cap = spread_cap(budget, rem)
+            capped.append(cap < budget)
+            return cap
+
+        eng.scheduler._spread = counted
+        final: dict[str, list[int]] = {}
+
+        def step(eng=eng, final=final) -> None:
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = list(o.outputs[0].token_ids)
+            check_queue(eng.scheduler)
+
         for i, prompt in enumerate(prompts[:4]):
             eng.add_request(f"r{i}", prompt, params)
         for _ in range(3):
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            step()
         for i, prompt in enumerate(prompts[4:], start=4):
             eng.add_request(f"r{i}", prompt, params)
         assert "r9" in {r.request_id for r in eng.scheduler.waiting}
         eng.abort("r9")
         check_queue(eng.scheduler)
         while eng.has_unfinished:
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-            check_queue(eng.scheduler)
+            step()
         assert eng.scheduler._queued_tokens == 0 and eng.coordinator.num_requests == 0
-        runs.append((out, eng.scheduler.num_preemptions))
-    assert runs[0][0] == runs[1][0]
-    assert runs[1][1] > 0                   # (the tight memory did preempt)
+        assert eng.scheduler.num_preemptions > 0              # (the tight memory did preempt)
+        assert any(capped) == (spread > 1)
+        for i, prompt in enumerate(prompts[:9]):
+            seq = list(prompt)
+            for _ in range(params.max_tokens):
+                seq.append(int(reference_logits(eng.model, seq)[-1].argmax()))
+            assert final[f"r{i}"] == seq[len(prompt):], (spread, i)
 
 
 def test_the_setting_is_validated_and_reaches_the_scheduler() -> None:
+    from hybridkv.cli import build_parser
+    from hybridkv.server.cli import engine_config
+
     with pytest.raises(ValueError, match="prefill_spread must be a positive int"):
         EngineConfig(prefill_spread=0)
     assert make_llm(spread=5).engine.scheduler.config.prefill_spread == 5
-    assert EngineConfig().prefill_spread == 8
+    assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 8
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve", "m", "--prefill-spread", "3"])).prefill_spread == 3
+    assert engine_config(parser.parse_args(["serve", "m"])).prefill_spread == 8

@@ -55,7 +55,7 @@ from hybridkv.engine.sampler import (
     sample,
 )
 from hybridkv.engine.sampling_params import SamplingParams, effective_seed
-from hybridkv.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridkv.engine.scheduler import DEFAULT_PREFILL_SPREAD, ScheduledBatch, Scheduler, SchedulerConfig
 from hybridkv.kv_groups.block_table import token_ranges
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
 from hybridkv.kv_groups.plan import KVCachePlan
@@ -144,10 +144,10 @@ class LLMEngine:
     appends the sampled tokens on the device. A step without such requests pays nothing for it."""
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_spread: int = 8, enable_prefix_caching: bool = True, backend: str = "auto",
-                 tokenizer: object | None = None, seed: int = 0, runner: StepRunner | None = None,
-                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 prefill_spread: int = DEFAULT_PREFILL_SPREAD, enable_prefix_caching: bool = True,
+                 backend: str = "auto", tokenizer: object | None = None, seed: int = 0,
+                 runner: StepRunner | None = None, cuda_graphs: bool | None = None,
+                 async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.model = model
         self.plan = plan
         self.tokenizer = tokenizer
@@ -306,6 +306,8 @@ class LLMEngine:
             problems.append(f"{len(self._requests)} requests still known: {sorted(self._requests)[:5]}")
         if self.scheduler.waiting or self.scheduler.running:
             problems.append(f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running")
+        if self.scheduler.queued_tokens:
+            problems.append(f"the scheduler counts {self.scheduler.queued_tokens} waiting tokens")
         if self._inflight is not None:
             problems.append("a step is still in flight")
         if self._undelivered:
@@ -339,7 +341,7 @@ class LLMEngine:
         docstring); the others go on."""
         outputs, self._undelivered = self._undelivered, []
         only_finished = only_finished or not self._num_streamed_requests
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(spread=self._num_streamed_requests > 0)
         prev, self._inflight = self._inflight, None
         if batch.num_reqs == 0:
             if prev is not None:            # what is left waits for its last tokens: drain

@@ -9,7 +9,9 @@ Each step, under a token budget:
    (the steady need of the request at its current length; the transient prefill extra is reserved
    once per step by the coordinator), allocation of a prefill chunk.
 
-The batch comes out decodes first, which the Mamba builder relies on.
+The batch comes out decodes first, which the Mamba builder relies on. While requests decode and some request
+streams, the prompt tokens a step takes are capped (``prefill_spread``, ``_spread``): a burst of prompts runs
+over several steps instead of stretching the streamed requests' next token.
 
 Shared prefixes. The coordinator indexes every unfinished prompt at arrival; a request's *stops* are the
 ends of the prefixes it shares with others (``KVCacheCoordinator.prefix_stops``). The first request to be
@@ -43,6 +45,7 @@ STOP_MIN_SAVING = 1.0
 # in all (a step's fixed cost is most of a short one's); at half the serving rate 192 gave shorter steps at the p50
 # and p99 and earlier first tokens than 128 (docs/design.md).
 PREFILL_FLOOR = 192
+DEFAULT_PREFILL_SPREAD = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +54,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
-    prefill_spread: int = 8                # while requests decode, prefill <= pending prompt tokens / this a step
+    prefill_spread: int = DEFAULT_PREFILL_SPREAD    # while requests decode: prefill <= pending / this a step
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_spread"):
@@ -133,6 +136,17 @@ class Scheduler:
     def _dequeued(self, request: Request) -> None:
         """(after ``request`` left ``waiting``)"""
         self._queued_tokens -= self._queued.pop(request)
+
+    def pop_waiting(self) -> Request:
+        """The first waiting request, out of the queue (benchmarks that admit requests by hand)."""
+        request = self.waiting.popleft()
+        self._dequeued(request)
+        return request
+
+    @property
+    def queued_tokens(self) -> int:
+        """The waiting requests' tokens to compute, as counted when they entered the queue."""
+        return self._queued_tokens
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its cache; returns it (None if unknown)."""
@@ -293,10 +307,12 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request, first=True)
 
-    def _running_step(self, budget: int) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool, int]:
+    def _running_step(self, budget: int, spread: bool
+                      ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, bool, int]:
         """(requests, tokens to compute, coordinator rows, computed so far, whether all are decodes, the step's
         budget) for the running requests, decodes first then by arrival, within ``budget``, less the prefill
-        cap of ``prefill_spread`` when some of them decode (the budget returned, for the waiting ones too).
+        cap of ``prefill_spread`` when ``spread`` and some of them decode (the budget returned, for the waiting
+        ones too).
 
         Vectorised: earlier requests take all they need, the first that does not fit takes the rest of
         the budget (a partial prefill chunk, block-aligned when asked), later ones wait."""
@@ -307,7 +323,8 @@ class Scheduler:
         done = known >= self.row_final[rows]      # its last sampled token is on its way: nothing left to run
         if np.count_nonzero(done):
             rem[done] = 0
-        budget = self._spread(budget, rem)
+        if spread:
+            budget = self._spread(budget, rem)
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
             return list(running), rem, rows, computed, True, budget    # all decodes, all fit (the steady state)
         prefill = rem > 1
@@ -336,9 +353,10 @@ class Scheduler:
         the decodes plus max(``PREFILL_FLOOR``, the pending prompt tokens (running and waiting) / ``prefill_spread``).
 
         A burst of arrivals then spreads its prefill over several steps instead of stretching one step, which
-        every decoding request would wait through; the pending tokens grow with the queue, so under load the cap
-        reaches the budget and no throughput is lost. Its first tokens come a few steps later (at most
-        ``prefill_spread``, as the cap shrinks with what is left)."""
+        every decoding request would wait through; the pending tokens grow with the queue, so under serving load
+        the cap reaches the budget. The cost is steps: a steady trickle's first tokens come ~``prefill_spread``
+        steps later, and a large burst's last ones more (what is left shrinks by 1/``prefill_spread`` a step down
+        to the floor), which is why only steps with a streamed request spread (``schedule``)."""
         spread = self.config.prefill_spread
         decodes = int(np.count_nonzero(rem == 1))
         if spread == 1 or not decodes:
@@ -346,7 +364,10 @@ class Scheduler:
         pending = int(rem.sum()) - decodes + self._queued_tokens
         return min(budget, decodes + max(PREFILL_FLOOR, -(-pending // spread)))
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, *, spread: bool = False) -> ScheduledBatch:
+        """The next step's batch; ``spread``: cap its prompt tokens while requests decode (``_spread``; the engine
+        asks it while some request streams, whose next tokens a long step would delay: a batch whose outputs come
+        only at the end takes its full budget)."""
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
         chosen: list[Request] = []
@@ -355,13 +376,15 @@ class Scheduler:
         decode = False
         # 1. running requests, decodes first; preempt latest arrivals until the allocation fits.
         while self.running:
-            chosen, counts, rows, computed, decode, budget = self._running_step(self.config.max_num_batched_tokens)
+            chosen, counts, rows, computed, decode, budget = self._running_step(self.config.max_num_batched_tokens,
+                                                                                spread)
             if self.coord.allocate_batch(rows, computed, counts):
                 break
             victim = self.running[-1]                       # the latest arrival
             self._preempt(victim)
             preempted.append(victim)
             chosen, counts, rows, computed, decode = [], empty, empty, empty, False
+            budget = self.config.max_num_batched_tokens
         budget -= int(counts.sum())
         num_running = len(chosen)
         new_counts: list[int] = []

@@ -84,9 +84,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                             "e.g. 32GiB (default 0: none)")
     model.add_argument("--max-num-seqs", type=positive_int, default=256, help="concurrent requests (default 256)")
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step")
-    model.add_argument("--prefill-spread", type=positive_int, default=8,
+    model.add_argument("--prefill-spread", type=positive_int, default=None,
                        help="while requests decode, a step computes at most the pending prompt tokens / this "
-                            "(at least 192): bursts of prompts spread over steps (default 8; 1: off)")
+                            "(at least 192): bursts of prompts spread over steps (default: the engine's, 8; 1: off)")
     model.add_argument("--no-prefix-caching", action="store_true")
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     model.add_argument("--seed", type=int, default=0)
@@ -99,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_memory, host_cache_memory=args.host_cache_memory,
                         max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, prefill_spread=args.prefill_spread,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        **({} if args.prefill_spread is None else {"prefill_spread": args.prefill_spread}),
                         enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=False if args.enforce_eager else None, seed=args.seed)
 
