@@ -711,13 +711,18 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         start = (best or 1.0) / 10
         points: list[dict[str, Any]] = []
         rate = start
-        # Its requests take seconds (hybridkv's tens of ms): each point's arrivals span at least three of the
-        # first two requests' latencies, so that ``kept_up`` sees it filled.
-        latency = first["ttft_p50"] + (first["tpot_p50"] or 0.0) * (args.output_len - 1)
+        # Its requests take seconds (hybridkv's tens of ms), longer under load: each point's arrivals span at least
+        # three of the longest median latencies seen so far (the first two requests', then each point's), so that
+        # ``kept_up`` sees it filled.
+        def latency_of(p: dict[str, Any]) -> float:
+            return (p["ttft_p50"] or 0.0) + (p["tpot_p50"] or 0.0) * (args.output_len - 1)
+
+        latency = latency_of(first)
         for _ in range(args.peer_points):
             n = min(args.max_requests_per_rate, max(_points_per_rate(rate, args), math.ceil(3 * latency * rate)))
             point = run_load(peer.url, name, convs, rate=rate, num_requests=n, output_len=args.output_len,
                              drain_timeout=args.peer_drain_timeout, processes=args.client_processes)
+            latency = max(latency, latency_of(point))
             points.append(point)
             _print_point("transformers serve", "", point)
             passed = [_passes(p) for p in points]

@@ -65,13 +65,17 @@ def check_queue(sched: scheduler_module.Scheduler) -> None:
     (64, 4, [1, 1, 0], 10, 2 + 8),        # (a request whose last token is on its way counts for nothing)
     (64, 4, [1] * 3, 400, 64),            # a long queue: the budget
     (64, 4, [1] * 70, 400, 64),           # more decodes than the budget: the budget
+    (64, 4, ["tail", "tail", 30], 100, 64),   # prompts' one-token tails are no decodes: the budget
+    (64, 4, [1, "tail", 30], 100, 1 + 33),    # ... but pending (131 over 4 steps)
 ])
-def test_the_cap(budget: int, spread: int, rem: list[int], queued: int, expected: int,
+def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int,
                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
     sched = make_llm(budget=budget, spread=spread).engine.scheduler
     sched._queued_tokens = queued
-    assert sched._spread(budget, np.asarray(rem, np.int64)) == expected
+    generating = np.asarray([r != "tail" for r in rem])
+    rem = np.asarray([1 if r == "tail" else r for r in rem], np.int64)
+    assert sched._spread(budget, rem, generating) == expected
     sched._queued_tokens = 0
 
 
@@ -120,7 +124,7 @@ def _brute_force_cap(eng, spread: int, floor: int) -> tuple[int, int, int]:
         rem = int(sched.row_num_tokens[req.kv_row]) - coord.num_computed_tokens(req.request_id)
         if sched.row_num_tokens[req.kv_row] >= sched.row_final[req.kv_row]:
             rem = 0
-        if rem == 1:
+        if rem == 1 and req.num_tokens > req.num_prompt_tokens:      # (a prompt's last token is no decode)
             decodes += 1
         else:
             pending += rem
@@ -189,8 +193,8 @@ def test_spreading_changes_no_token(mamba: bool, memory: int, asynchronous: bool
         capped = []
         spread_cap = eng.scheduler._spread
 
-        def counted(budget, rem, spread_cap=spread_cap, capped=capped):
-            cap = spread_cap(budget, rem)
+        def counted(budget, rem, generating, spread_cap=spread_cap, capped=capped):
+            cap = spread_cap(budget, rem, generating)
             capped.append(cap < budget)
             return cap
 

@@ -324,7 +324,7 @@ class Scheduler:
         if np.count_nonzero(done):
             rem[done] = 0
         if spread:
-            budget = self._spread(budget, rem)
+            budget = self._spread(budget, rem, known > self.row_num_prompt[rows])
         if rem.shape[0] <= budget and _max(rem) <= 1 and np.count_nonzero(rem) == rem.shape[0]:
             return list(running), rem, rows, computed, True, budget    # all decodes, all fit (the steady state)
         prefill = rem > 1
@@ -348,9 +348,10 @@ class Scheduler:
         return ([running[i] for i in np.flatnonzero(keep).tolist()], take[keep], rows[keep], computed[keep], False,
                 budget)
 
-    def _spread(self, budget: int, rem: np.ndarray) -> int:
-        """``budget`` capped, while any of the running requests decodes (``rem``: their tokens to compute), at
-        the decodes plus max(``PREFILL_FLOOR``, the pending prompt tokens (running and waiting) / ``prefill_spread``).
+    def _spread(self, budget: int, rem: np.ndarray, generating: np.ndarray) -> int:
+        """``budget`` capped, while any of the running requests decodes (``rem``: their tokens to compute;
+        ``generating``: whether each is past its prompt, so a prompt's one-token tail is no decode), at the decodes
+        plus max(``PREFILL_FLOOR``, the pending prompt tokens (running and waiting) / ``prefill_spread``).
 
         A burst of arrivals then spreads its prefill over several steps instead of stretching one step, which
         every decoding request would wait through; the pending tokens grow with the queue, so under serving load
@@ -358,7 +359,7 @@ class Scheduler:
         steps later, and a large burst's last ones more (what is left shrinks by 1/``prefill_spread`` a step down
         to the floor), which is why only steps with a streamed request spread (``schedule``)."""
         spread = self.config.prefill_spread
-        decodes = int(np.count_nonzero(rem == 1))
+        decodes = int(np.count_nonzero((rem == 1) & generating))
         if spread == 1 or not decodes:
             return budget
         pending = int(rem.sum()) - decodes + self._queued_tokens
