@@ -726,7 +726,7 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
             points.append(point)
             _print_point("transformers serve", "", point)
             passed = [_passes(p) for p in points]
-            if passed[-1] and all(passed):
+            if all(passed):
                 rate *= 2
             elif not any(passed):
                 rate /= 4
