@@ -329,6 +329,24 @@ def test_the_stats_line_is_logged(server: ServerProcess) -> None:
     wait_for(lambda: "Avg generation throughput" in server.log.read_text(), "a stats line", timeout=10)
 
 
+def test_the_event_loop_and_http_parser_are_chosen_and_logged(server: ServerProcess, monkeypatch) -> None:
+    """uvloop and httptools where installed (the server extra installs both), asyncio and h11 otherwise; the
+    server logs which it runs on."""
+    import importlib.util
+
+    from hybridkv.server.cli import event_loop_impls
+
+    real = importlib.util.find_spec
+    expected = ("uvloop" if real("uvloop") else "asyncio", "httptools" if real("httptools") else "h11")
+    assert event_loop_impls() == expected
+    assert f"uvicorn with the {expected[0]} event loop and the {expected[1]} parser" in server.log.read_text()
+    for missing, fallback in [({"uvloop"}, ("asyncio", expected[1])), ({"httptools"}, (expected[0], "h11")),
+                              ({"uvloop", "httptools"}, ("asyncio", "h11"))]:
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, missing=missing: None if name in missing else real(name, *a))
+        assert event_loop_impls() == fallback
+
+
 @pytest.mark.slow    # a process spawned and torn down: the full suite runs it
 def test_sigterm_lets_running_requests_finish(checkpoint: Path, tmp_path: Path) -> None:
     server = ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", MODEL)

@@ -127,6 +127,18 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve_app(args, engine)
 
 
+def event_loop_impls() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP implementation: uvloop and httptools where installed (``hybridkv[server]``
+    installs both: a streamed chunk costs a busy API process's event loop less time than with asyncio's loop and
+    h11, so its streams' chunks wait less behind each other), else asyncio and h11."""
+    import importlib.util
+
+    def found(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return ("uvloop" if found("uvloop") else "asyncio"), ("httptools" if found("httptools") else "h11")
+
+
 def serve_app(args: argparse.Namespace, engine: Any, sockets: list[Any] | None = None, *,
               stats: bool = True) -> int:
     """Serve the app over ``engine`` (an ``EngineCoreClient``, shut down on the way out) with uvicorn on
@@ -141,10 +153,12 @@ def serve_app(args: argparse.Namespace, engine: Any, sockets: list[Any] | None =
     settings = ServerSettings(served_model_names=tuple(args.served_model_name or [args.model]),
                               model_root=str(args.model), api_key=args.api_key,
                               stats_interval=args.stats_interval if stats else 0.0)
+    loop, http = event_loop_impls()
+    (logger.info if stats else logger.debug)("HTTP: uvicorn with the %s event loop and the %s parser", loop, http)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, settings), host=args.host, port=args.port, log_config=None, log_level=args.log_level,
         access_log=not args.disable_access_log, timeout_graceful_shutdown=math.ceil(args.shutdown_timeout),
-        lifespan="on"))
+        lifespan="on", loop=loop, http=http))
 
     def on_terminate(signum: int, frame: object) -> None:
         # uvicorn handles SIGTERM while it runs and raises it again once it has shut down; this handler then
