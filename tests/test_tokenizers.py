@@ -228,6 +228,19 @@ def test_bos_exactly_once(kind: str, tmp_path: Path) -> None:
     assert kept.startswith(tok.bos_token) and kept != tok.decode(plain)
 
 
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece", "mistral", "llama4"])
+def test_encode_batch_is_encode_of_each_text(kind: str, tmp_path: Path) -> None:
+    """``encode_batch`` (what the server tokenizes with, off its event loop where the tokenizer releases the
+    GIL) gives ``encode``'s ids for every text, with a BOS text or without, with special tokens or without."""
+    tok = _tokenizer_of(kind, tmp_path)
+    texts = [*TEXTS, tok.bos_token + TEXTS[0], "", tok.bos_token]
+    for special in (True, False):
+        assert tok.encode_batch(texts, add_special_tokens=special) == \
+            [tok.encode(t, add_special_tokens=special) for t in texts]
+    assert tok.encode_batch([]) == []
+    assert tok.releases_gil is (kind == "hf")
+
+
 def test_a_chat_template_is_compiled_once_and_errors_still_raise() -> None:
     from jinja2.exceptions import TemplateError
 

@@ -197,6 +197,10 @@ class _Base:
     source: str = ""
     bos_token: str | None = None
 
+    releases_gil = False
+    """Whether ``encode_batch`` runs without holding the GIL (then a worker thread can tokenize while the
+    calling thread's event loop goes on)."""
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens (BOS) as the tokenizer adds them, BOS exactly once."""
         if not add_special_tokens:
@@ -204,6 +208,10 @@ class _Base:
         if self.bos_token and text.startswith(self.bos_token):
             return self._encode_from_bos(text)
         return self._encode_special(text)
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text."""
+        return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
     def _encode_special(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -253,8 +261,24 @@ class HFTokenizer(_Base):
         added = self._tok.encode("").ids[:1]         # what the post-processor puts first in every text: the BOS
         self.bos_token = self._tok.id_to_token(added[0]) if added and self._tok.encode("x").ids[:1] == added else None
 
+    releases_gil = True
+
     def _encode_special(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, through ``tokenizers``' ``encode_batch``, which releases the GIL (``encode``
+        holds it)."""
+        plain = [not add_special_tokens or bool(self.bos_token and t.startswith(self.bos_token)) for t in texts]
+        ids: list[list[int]] = [[] for _ in texts]
+        for without_special in (False, True):
+            picked = [i for i, p in enumerate(plain) if p is without_special]
+            if picked:
+                encodings = self._tok.encode_batch([texts[i] for i in picked],
+                                                   add_special_tokens=not without_special)
+                for i, enc in zip(picked, encodings, strict=True):
+                    ids[i] = enc.ids
+        return ids
 
     def _encode_from_bos(self, text: str) -> list[int]:
         return self._encode_plain(text)          # the BOS text is an added token: it encodes to the BOS id

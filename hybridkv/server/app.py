@@ -159,7 +159,7 @@ def build_app(engine: AsyncLLM | EngineCoreClient, settings: ServerSettings) -> 
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
-        return server.tokenize(body)
+        return await server.tokenize(body)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
@@ -218,10 +218,16 @@ class _Server:
                 self._token_text[token_id] = text
         return text
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, the BOS token exactly once. A tokenizer that can work without the GIL does so in a
+        worker thread: meanwhile this process's event loop streams its other requests' tokens (tokenizing a
+        chat of a few hundred tokens in the loop would delay every stream by that long)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
         try:
+            if getattr(self.tokenizer, "releases_gil", False):
+                batch = self.tokenizer.encode_batch
+                return (await asyncio.to_thread(batch, [text], add_special_tokens=add_special_tokens))[0]
             if add_special_tokens:
                 from hybridkv.loaders.tokenizer import encode_prompt
 
@@ -334,7 +340,7 @@ class _Server:
             [raw] if raw and isinstance(raw[0], int) else list(raw)     # type: ignore[list-item]
         prompts = []
         for item in items:
-            ids = self.encode(item, add_special_tokens=body.add_special_tokens) if isinstance(item, str) else item
+            ids = await self.encode(item, add_special_tokens=body.add_special_tokens) if isinstance(item, str) else item
             self.check_length(len(ids), body.max_tokens, "prompt")
             prompts.append((ids, item if isinstance(item, str) else None))
         rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
@@ -444,7 +450,7 @@ class _Server:
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
-        ids = self.encode(text)                           # the BOS token exactly once (the template may write it)
+        ids = await self.encode(text)                     # the BOS token exactly once (the template may write it)
         self.check_length(len(ids), max_tokens, "messages")
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         streams = self.submit([(ids, text)], params, request_id=rid, stream=body.stream, where="messages")
@@ -512,7 +518,7 @@ class _Server:
         yield "data: [DONE]\n\n"
 
     # -- /tokenize, /detokenize --------------------------------------------------------------------
-    def tokenize(self, body: api.TokenizeRequest) -> api.TokenizeResponse:
+    async def tokenize(self, body: api.TokenizeRequest) -> api.TokenizeResponse:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
@@ -521,10 +527,10 @@ class _Server:
                                add_generation_prompt=body.add_generation_prompt,
                                continue_final_message=body.continue_final_message,
                                chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
-            ids = self.encode(text, add_special_tokens=body.add_special_tokens is not False)
+            ids = await self.encode(text, add_special_tokens=body.add_special_tokens is not False)
         else:
             assert body.prompt is not None
-            ids = self.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = await self.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         strs = None
         if body.return_token_strs:
             convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
