@@ -330,21 +330,27 @@ def test_the_stats_line_is_logged(server: ServerProcess) -> None:
 
 
 def test_the_event_loop_and_http_parser_are_chosen_and_logged(server: ServerProcess, monkeypatch) -> None:
-    """uvloop and httptools where installed (the server extra installs both), asyncio and h11 otherwise; the
+    """uvloop and httptools where they import (the server extra installs both), asyncio and h11 otherwise; the
     server logs which it runs on."""
-    import importlib.util
+    import importlib
 
     from hybridkv.server.cli import event_loop_impls
 
-    real = importlib.util.find_spec
-    expected = ("uvloop" if real("uvloop") else "asyncio", "httptools" if real("httptools") else "h11")
-    assert event_loop_impls() == expected
-    assert f"uvicorn with the {expected[0]} event loop and the {expected[1]} parser" in server.log.read_text()
-    for missing, fallback in [({"uvloop"}, ("asyncio", expected[1])), ({"httptools"}, (expected[0], "h11")),
-                              ({"uvloop", "httptools"}, ("asyncio", "h11"))]:
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, missing=missing: None if name in missing else real(name, *a))
-        assert event_loop_impls() == fallback
+    loop, http = event_loop_impls()
+    assert f"uvicorn with the {loop} event loop and the {http} parser" in server.log.read_text()
+    real = importlib.import_module
+
+    def without(missing: set[str]):
+        def import_module(name: str, *args: object):
+            if name in missing:
+                raise ImportError(f"no module named {name!r}")
+            return real(name, *args)
+        return import_module
+
+    for missing, want in [({"uvloop"}, ("asyncio", http)), ({"httptools"}, (loop, "h11")),
+                          ({"uvloop", "httptools"}, ("asyncio", "h11"))]:
+        monkeypatch.setattr(importlib, "import_module", without(missing))
+        assert event_loop_impls() == want
 
 
 @pytest.mark.slow    # a process spawned and torn down: the full suite runs it

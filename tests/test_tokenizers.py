@@ -241,6 +241,18 @@ def test_encode_batch_is_encode_of_each_text(kind: str, tmp_path: Path) -> None:
     assert tok.releases_gil is (kind == "hf")
 
 
+def test_a_padding_setting_in_tokenizer_json_pads_nothing(tmp_path: Path) -> None:
+    """Prompts are never padded, one at a time or in a batch, whatever padding ``tokenizer.json`` asks for (as
+    ``AutoTokenizer``, which pads only when told)."""
+    directory = _bpe_dir(tmp_path)
+    plain = load_tokenizer(directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.enable_padding(pad_id=2, pad_token="<pad>", length=None)      # BatchLongest
+    tok.save(str(directory / "tokenizer.json"))
+    padded = load_tokenizer(directory)
+    assert padded.encode_batch(TEXTS) == [plain.encode(t) for t in TEXTS] == [padded.encode(t) for t in TEXTS]
+
+
 def test_a_chat_template_is_compiled_once_and_errors_still_raise() -> None:
     from jinja2.exceptions import TemplateError
 

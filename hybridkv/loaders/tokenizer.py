@@ -248,20 +248,21 @@ class HFTokenizer(_Base):
     """``tokenizer.json`` through HF ``tokenizers``; special tokens (BOS) as its post-processor adds them,
     as ``AutoTokenizer`` does by default."""
 
+    releases_gil = True
+
     def __init__(self, file: Path, config: Mapping[str, Any], chat_template: ChatTemplate | None,
                  extra_eos: Sequence[int]) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         self.source = str(file)
         self._tok = _Tokenizer.from_file(str(file))
+        self._tok.no_padding()      # (a padding setting in the file would pad prompts; AutoTokenizer does not)
         eos_text = _token_text(config.get("eos_token"))
         eos = self._tok.token_to_id(eos_text) if eos_text else None
         self.eos_token_ids = _merge_ids([eos], extra_eos)
         self.chat_template = chat_template
         added = self._tok.encode("").ids[:1]         # what the post-processor puts first in every text: the BOS
         self.bos_token = self._tok.id_to_token(added[0]) if added and self._tok.encode("x").ids[:1] == added else None
-
-    releases_gil = True
 
     def _encode_special(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -272,7 +273,7 @@ class HFTokenizer(_Base):
         plain = [not add_special_tokens or bool(self.bos_token and t.startswith(self.bos_token)) for t in texts]
         ids: list[list[int]] = [[] for _ in texts]
         for without_special in (False, True):
-            picked = [i for i, p in enumerate(plain) if p is without_special]
+            picked = [i for i, p in enumerate(plain) if p == without_special]
             if picked:
                 encodings = self._tok.encode_batch([texts[i] for i in picked],
                                                    add_special_tokens=not without_special)

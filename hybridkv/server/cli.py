@@ -128,15 +128,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def event_loop_impls() -> tuple[str, str]:
-    """uvicorn's event loop and HTTP implementation: uvloop and httptools where installed (``hybridkv[server]``
+    """uvicorn's event loop and HTTP implementation: uvloop and httptools where they import (``hybridkv[server]``
     installs both: a streamed chunk costs a busy API process's event loop less time than with asyncio's loop and
-    h11, so its streams' chunks wait less behind each other), else asyncio and h11."""
-    import importlib.util
+    h11, so its streams' chunks wait less behind each other), else asyncio and h11 (as uvicorn's "auto", named here
+    so that the log says which)."""
+    import importlib
 
-    def found(name: str) -> bool:
-        return importlib.util.find_spec(name) is not None
+    def imports(name: str) -> bool:
+        try:
+            importlib.import_module(name)
+        except ImportError:         # (not installed, or a broken build: uvicorn would fail on it)
+            return False
+        return True
 
-    return ("uvloop" if found("uvloop") else "asyncio"), ("httptools" if found("httptools") else "h11")
+    return ("uvloop" if imports("uvloop") else "asyncio"), ("httptools" if imports("httptools") else "h11")
 
 
 def serve_app(args: argparse.Namespace, engine: Any, sockets: list[Any] | None = None, *,
