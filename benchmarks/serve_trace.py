@@ -1,0 +1,319 @@
+"""Where a streamed token's gap grows under Poisson load through ``hybridkv serve``: each token stamped where the
+engine process sent it, where its API process received it, where the chat handler took it and where the client read it.
+
+    python benchmarks/serve_trace.py [--family gemma3] [--rate R] [--seconds 6] [--api-server-count 4]
+                                     [--server-flags "--prefill-spread 1"] [--tiny]
+
+``hybridkv serve`` as ``serve_load.py`` starts it (the same model, conversations and flags) runs with
+``_serve_trace_shim`` first on its ``PYTHONPATH``: a ``sitecustomize`` that wraps the methods a token passes in
+each of the server's processes and stamps them with the wall clock (that file says which). ``--seconds`` of Poisson
+arrivals at ``--rate`` (default: half the family's best rate in ``benchmarks/results/serve_load.json``) come from
+four client processes; each request names itself (``request_id``), so its tokens are matched across the stages.
+Only the middle of the run counts (from a quarter to 85% of the clients' span: the server is full, not draining).
+
+For every inter-token gap the client saw, the same two tokens' gap at each stage: the engine's send, the API
+process's receipt, the handler; the percentiles of each, and of the delays between stages (send to receipt: the
+socket and the API process's reader thread; receipt to handler: its event loop). A stage adds to the p99 what its
+gaps' p99 exceeds the stage before's. For the client's slowest 1% of gaps, how much each stage added on average. The
+engine's step intervals by the prompt tokens in the step (with the host's wait for the step in flight, as
+``gpu_serving_steps.py``), and the API processes' intakes (a chat request's handler, tokenization included). A
+diagnostic: prints its table, writes ``serve_trace.json`` (``benchmarks/out/`` unless ``--out``/``--save``).
+``--tiny``: a tiny model on the CPU, a smoke test of this script (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pickle
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import RESULTS, add_output_args, commit, write_json  # noqa: E402
+
+SHIM = Path(__file__).parent / "_serve_trace_shim" / "sitecustomize.py"
+STAGES = ("client", "send", "receipt", "handler")
+DELAYS = {"send -> receipt": ("receipt", "send"), "receipt -> handler": ("handler", "receipt"),
+          "handler -> client": ("client", "handler")}
+PROMPT_GROUPS = ((0, 0), (1, 192), (193, 300), (301, 1 << 30))
+
+
+# -- the clients ----------------------------------------------------------------------------------------------
+async def _chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chat: the wall-clock time of each chunk with text."""
+    from serve_load import _post
+
+    times: list[float] = []
+    try:
+        status, pieces = await _post(url, "/v1/chat/completions", body)
+        buffer = b""
+        async for piece in pieces:
+            *lines, buffer = (buffer + piece).split(b"\n")
+            now = time.time()
+            times += [now for line in lines
+                      if line.startswith(b"data:") and b'"content":"' in line and b'"content":""' not in line]
+    except (OSError, asyncio.IncompleteReadError, ValueError) as err:
+        status = repr(err)
+    return {"id": body["request_id"], "status": status, "times": times}
+
+
+async def _load(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
+    """This client's share (every ``shards``-th request) of one Poisson schedule that starts at ``start``."""
+    rng, done = random.Random(0), []
+
+    async def run(i: int) -> None:
+        body = {"model": spec["model"], "messages": spec["conversations"][i % len(spec["conversations"])],
+                "max_tokens": spec["output_len"], "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "request_id": f"{spec['tag']}{i}"}
+        done.append(await _chat(spec["url"], body))
+
+    t0 = time.perf_counter() + (start - time.time())
+    tasks, at = [], 0.0
+    for i in range(spec["num_requests"]):
+        at += rng.expovariate(spec["rate"])
+        if i % spec["shards"] == spec["shard"]:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(run(i)))
+    await asyncio.wait(tasks, timeout=spec["num_requests"] / spec["rate"] + 120)
+    return done
+
+
+def run_clients(url: str, model: str, conversations: list, *, rate: float, num_requests: int, output_len: int,
+                tag: str, processes: int = 4) -> list[dict[str, Any]]:
+    """``processes`` client processes (``--client``) sharing one schedule; every request's chunk times."""
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shard in range(processes):
+            spec = Path(tmp) / f"spec{shard}.json"
+            spec.write_text(json.dumps({"url": url, "model": model, "conversations": conversations, "rate": rate,
+                                        "num_requests": num_requests, "output_len": output_len, "tag": tag,
+                                        "shard": shard, "shards": processes}))
+            procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(spec)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True))
+        try:
+            for proc in procs:
+                if proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a client process failed to start")
+            start = time.time() + 0.05
+            for proc in procs:
+                proc.stdin.write(f"{start}\n")
+                proc.stdin.flush()
+            done = []
+            for proc in procs:
+                out, _ = proc.communicate(timeout=num_requests / rate + 180)
+                done += json.loads(out.strip().splitlines()[-1])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    return done
+
+
+# -- the analysis -----------------------------------------------------------------------------------------------
+def _ms(values: Any, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    values = np.asarray(values, dtype=float)
+    return {f"p{q}": float(1e3 * np.percentile(values, q)) for q in qs} if values.size else {}
+
+
+def _sample_id(request_id: str) -> str:
+    return re.sub(r"\.\d+$", "", request_id)        # (the engine's id of a request's one sample)
+
+
+def matched_gaps(stamps: list[dict[str, list]], clients: list[dict[str, Any]]
+                 ) -> tuple[np.ndarray, tuple[float, float]]:
+    """Per client gap in the run's middle, the same two tokens' gap at each of ``STAGES`` and the later token's time
+    at each: a (gaps, 2 x len(STAGES)) array (s); and that middle, (from, to) in wall-clock seconds."""
+    times = [t for c in clients for t in c["times"]]
+    if not times:
+        raise RuntimeError("no client read any token")
+    lo, hi = min(c["times"][0] for c in clients if c["times"]), max(times)
+    lo, hi = lo + 0.25 * (hi - lo), lo + 0.85 * (hi - lo)
+    per_stage: dict[str, dict[str, list[float]]] = {s: defaultdict(list) for s in STAGES[1:]}
+    for proc in stamps:
+        for key, stage in (("sends", "send"), ("receipts", "receipt")):
+            for t, ids in proc[key]:
+                for rid in ids:
+                    per_stage[stage][_sample_id(rid)].append(t)
+        for t, rid in proc["yields"]:
+            per_stage["handler"][_sample_id(rid)].append(t)
+    gaps = []
+    for c in clients:
+        rid = f"chatcmpl-{c['id']}"
+        series = [c["times"], *(per_stage[s].get(rid, []) for s in STAGES[1:])]
+        n = min(map(len, series))
+        for j in range(1, n):
+            if lo <= series[0][j] < hi:
+                gaps.append([s[j] - s[j - 1] for s in series] + [s[j] for s in series])
+    if not gaps:
+        raise RuntimeError("no client gap matched the server's stamps")
+    return np.asarray(gaps), (lo, hi)
+
+
+def analyse(stamps: list[dict[str, list]], clients: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tables of the module docstring from the server's stamps (one dict per process) and the clients'."""
+    g, (lo, hi) = matched_gaps(stamps, clients)
+    k = len(STAGES)
+    at = {s: g[:, k + i] for i, s in enumerate(STAGES)}
+    result: dict[str, Any] = {"gaps": len(g), "gap_ms": {s: _ms(g[:, i]) for i, s in enumerate(STAGES)},
+                              "delay_ms": {name: _ms(at[a] - at[b]) for name, (a, b) in DELAYS.items()}}
+    slow = g[g[:, 0] >= np.percentile(g[:, 0], 99)]
+    order = ("send", "receipt", "handler", "client")
+    added = {"engine (send gap)": float(1e3 * slow[:, 1].mean())}
+    for before, stage in zip(order, order[1:], strict=False):
+        grew = slow[:, STAGES.index(stage)] - slow[:, STAGES.index(before)]
+        added[f"{before} -> {stage}"] = float(1e3 * grew.mean())
+    result["slowest_1pct_mean_ms"] = {"client gap": float(1e3 * slow[:, 0].mean()), **added}
+    steps = np.asarray([s for proc in stamps for s in proc["steps"]], dtype=float)
+    steps = steps[(steps[:, 0] >= lo) & (steps[:, 0] < hi)] if steps.size else steps
+    if len(steps) > 1:
+        interval = np.diff(steps[:, 0])
+        prompt = steps[:-1, 2] - steps[:-1, 3]
+        result["engine"] = {"steps": len(steps), "interval_ms": _ms(interval), "groups": {}}
+        for a, b in PROMPT_GROUPS:
+            m = (prompt >= a) & (prompt <= b)
+            if m.any():
+                result["engine"]["groups"][f"{a}-{b}" if b < 1 << 30 else f">{a - 1}"] = {
+                    "share": float(m.mean()), "interval_ms": _ms(interval[m]),
+                    "decodes": float(steps[:-1, 3][m].mean()),
+                    "step_call_ms": float(1e3 * (steps[:-1, 1] - steps[:-1, 0])[m].mean()),
+                    "wait_ms": float(1e3 * steps[:-1, 4][m].mean())}
+    intakes = np.asarray([i for proc in stamps for i in proc["intakes"]], dtype=float)
+    if intakes.size:
+        result["intake_ms"] = _ms(intakes[:, 1] - intakes[:, 0], (50, 99))
+    return result
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(d: dict[str, float]) -> list[str]:
+        return [f"{d[k]:.2f}" if k in d else "-" for k in ("p50", "p90", "p99")]
+
+    table = Table(title=f"inter-token gaps of the same tokens at each stage ({result['gaps']} gaps), ms")
+    for col in ("stage", "p50", "p90", "p99"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for stage in ("send", "receipt", "handler", "client"):
+        table.add_row(f"gap at the {stage}", *fmt(result["gap_ms"][stage]))
+    for name, d in result["delay_ms"].items():
+        table.add_row(f"delay {name}", *fmt(d))
+    console = Console()
+    console.print(table)
+    console.print("the client's slowest 1% of gaps, mean ms: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["slowest_1pct_mean_ms"].items()))
+    if "engine" in result:
+        e = result["engine"]
+        console.print(f"engine: {e['steps']} steps, interval p50/p90/p99 {'/'.join(fmt(e['interval_ms']))} ms")
+        for name, grp in e["groups"].items():
+            console.print(f"  prompt tokens {name}: {100 * grp['share']:.1f}% of steps, interval "
+                          f"{'/'.join(fmt(grp['interval_ms']))} ms, {grp['decodes']:.0f} decodes, step() "
+                          f"{grp['step_call_ms']:.2f} ms of which waiting {grp['wait_ms']:.2f}")
+    if "intake_ms" in result:
+        console.print(f"intakes (a chat request's handler): p50 / p99 {result['intake_ms']['p50']:.2f} / "
+                      f"{result['intake_ms']['p99']:.2f} ms")
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+def default_rate(family: str) -> float:
+    """Half the family's best rate in ``serve_load.json`` (291 when it has none)."""
+    path = RESULTS / "serve_load.json"
+    if path.exists():
+        for r in json.loads(path.read_text()).get("results", []):
+            if r.get("family") == family and r.get("best_rate"):
+                return round(r["best_rate"] / 2, 1)
+    return 291.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="gemma3")
+    ap.add_argument("--rate", type=float, default=None, help="requests per second (default: half the family's best "
+                    "rate in benchmarks/results/serve_load.json)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="seconds of arrivals")
+    ap.add_argument("--api-server-count", type=int, default=4)
+    ap.add_argument("--server-flags", default="", help="more hybridkv serve flags, as one string")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
+    ap.add_argument("--client", help=argparse.SUPPRESS)
+    add_output_args(ap, "serve_trace")
+    args = ap.parse_args()
+    if args.client:                                 # a client process (run_clients)
+        spec = json.loads(Path(args.client).read_text())
+        print("ready", flush=True)
+        start = float(sys.stdin.readline())
+        print(json.dumps(asyncio.run(_load(spec, start))), flush=True)
+        return
+
+    import torch
+    from serve_load import CLIServer, build_checkpoint, conversations
+
+    rate = args.rate if args.rate is not None else default_rate(args.family)
+    if args.tiny:
+        device, dtype, kv = torch.device("cpu"), torch.float32, "1GiB"
+        rate, args.seconds = min(rate, 20.0), min(args.seconds, 2.0)
+        args.api_server_count = min(args.api_server_count, 2)
+    elif not torch.cuda.is_available():
+        raise SystemExit("serve_trace.py needs a CUDA device (or --tiny)")
+    else:
+        device, dtype, kv = torch.device("cuda"), torch.bfloat16, "24GiB"
+    # (tiny: short chats and outputs, so the CPU engine keeps a few dozen requests going)
+    input_len, output_len = (32, 16) if args.tiny else (256, 64)
+    num_requests = max(1, math.ceil(rate * args.seconds))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, shim = Path(tmp) / "checkpoint", Path(tmp) / "shim"
+        ckpt.mkdir()
+        shim.mkdir()
+        shutil.copy(SHIM, shim / "sitecustomize.py")
+        build_checkpoint(args.family, args.tiny, ckpt, device, dtype)
+        convs = conversations(ckpt, 256, input_len)
+        flags = ["--device", device.type, "--dtype", str(dtype).removeprefix("torch."), "--kv-memory", kv,
+                 "--max-num-seqs", "256", "--no-prefix-caching", "--api-server-count", str(args.api_server_count),
+                 *shlex.split(args.server_flags)]
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), path) if p)
+        try:
+            server = CLIServer(ckpt, str(ckpt), flags, log=Path(tmp) / "server.log")
+        finally:
+            if path is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = path
+        try:
+            run_clients(server.url, str(ckpt), convs[:16], rate=min(rate, 50.0), num_requests=16,
+                        output_len=output_len, tag="warm")
+            clients = run_clients(server.url, str(ckpt), convs, rate=rate, num_requests=num_requests,
+                                  output_len=output_len, tag="r")
+        finally:
+            server.stop()
+        stamps = []
+        for trace in sorted((shim / "traces").glob("*.pkl")) if (shim / "traces").exists() else ():
+            with open(trace, "rb") as f:
+                stamps.append(pickle.load(f))
+    failed = sum(1 for c in clients if c["status"] != 200)
+    result = analyse(stamps, clients)
+    print(f"{args.family}: {rate:g} req/s, {num_requests} requests ({failed} failed), hybridkv serve "
+          f"--api-server-count {args.api_server_count} {args.server_flags}".rstrip())
+    print_tables(result)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "commit": commit(),
+            "command": " ".join(["benchmarks/serve_trace.py", *sys.argv[1:]]), "torch": torch.__version__,
+            "family": args.family, "rate": rate, "requests": num_requests, "failed": failed,
+            "server_flags": flags}
+    write_json(args, "serve_trace", {"meta": meta, **result})
+
+
+if __name__ == "__main__":
+    main()
