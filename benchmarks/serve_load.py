@@ -48,6 +48,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -548,7 +549,9 @@ def _points_per_rate(rate: float, args: argparse.Namespace) -> int:
     return int(min(args.max_requests_per_rate, max(16, rate * args.seconds_per_rate)))
 
 
-def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
+def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any,
+                 progress: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """One family's figures; ``progress`` gets them as they stand before the peer runs (the slowest part)."""
     import torch
 
     from hybridkv import LLM, EngineConfig, SamplingParams
@@ -663,6 +666,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any)
                 server.stop()
 
         if not args.no_peer:
+            progress(result)
             result["peer"] = _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"))
     return result
 
@@ -867,9 +871,21 @@ def main() -> None:
         import transformers
 
         meta["transformers"] = transformers.__version__
-    results = [bench_family(f, args, device, dtype) for f in args.families.split(",")]
-    meta["seconds"] = time.perf_counter() - started
-    write_json(args, "serve_load", {"meta": meta, "results": results})
+    results: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any] | None = None) -> None:
+        """The file as it stands: with ``partial`` (a family without its peer yet) it says so, and a run stopped in
+        the peer's points (they take minutes) keeps hybridkv's figures."""
+        meta["seconds"] = time.perf_counter() - started
+        done = {**meta, **({"incomplete": f"stopped before the peer of {partial['family']}"} if partial else {})}
+        write_json(args, "serve_load", {"meta": done, "results": [*results, *([partial] if partial else [])]})
+
+    # SIGTERM (``timeout``, a supervisor) unwinds like Ctrl-C: the servers' ``finally`` blocks stop them, so no
+    # ``transformers serve`` is left working through its requests beside the next run
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    for family in args.families.split(","):
+        results.append(bench_family(family, args, device, dtype, progress=save))
+    save()
     print_table(f"serve_load on {meta['device']} ({meta['commit']}; {args.num_prompts} prompts of ~{args.input_len} "
                 f"tokens, {args.output_len} new; {meta['seconds']:.0f} s)",
                 ["model", "offline tok/s", "1 API process: HTTP tok/s streamed / not",
