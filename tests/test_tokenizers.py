@@ -241,16 +241,21 @@ def test_encode_batch_is_encode_of_each_text(kind: str, tmp_path: Path) -> None:
     assert tok.releases_gil is (kind == "hf")
 
 
-def test_a_padding_setting_in_tokenizer_json_pads_nothing(tmp_path: Path) -> None:
-    """Prompts are never padded, one at a time or in a batch, whatever padding ``tokenizer.json`` asks for (as
-    ``AutoTokenizer``, which pads only when told)."""
+@pytest.mark.parametrize("setting", ["padding", "truncation"])
+def test_padding_or_truncation_in_tokenizer_json_changes_no_prompt(setting: str, tmp_path: Path) -> None:
+    """Prompts are never padded or cut, one at a time or in a batch, whatever ``tokenizer.json`` asks for (as
+    ``AutoTokenizer``, which pads and truncates only when told)."""
     directory = _bpe_dir(tmp_path)
     plain = load_tokenizer(directory)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.enable_padding(pad_id=2, pad_token="<pad>", length=None)      # BatchLongest
+    if setting == "padding":
+        tok.enable_padding(pad_id=2, pad_token="<pad>", length=None)      # BatchLongest
+    else:
+        tok.enable_truncation(max_length=4)
     tok.save(str(directory / "tokenizer.json"))
-    padded = load_tokenizer(directory)
-    assert padded.encode_batch(TEXTS) == [plain.encode(t) for t in TEXTS] == [padded.encode(t) for t in TEXTS]
+    changed = load_tokenizer(directory)
+    assert changed.encode_batch(TEXTS) == [plain.encode(t) for t in TEXTS] == [changed.encode(t) for t in TEXTS]
+    assert all(len(ids) > 4 for ids in changed.encode_batch(TEXTS))
 
 
 def test_a_chat_template_is_compiled_once_and_errors_still_raise() -> None:

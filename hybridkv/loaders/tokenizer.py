@@ -256,7 +256,9 @@ class HFTokenizer(_Base):
 
         self.source = str(file)
         self._tok = _Tokenizer.from_file(str(file))
-        self._tok.no_padding()      # (a padding setting in the file would pad prompts; AutoTokenizer does not)
+        # (padding or truncation set in the file would pad or cut prompts; AutoTokenizer does neither unless asked)
+        self._tok.no_padding()
+        self._tok.no_truncation()
         eos_text = _token_text(config.get("eos_token"))
         eos = self._tok.token_to_id(eos_text) if eos_text else None
         self.eos_token_ids = _merge_ids([eos], extra_eos)
