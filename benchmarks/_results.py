@@ -54,7 +54,9 @@ def write_json(args: argparse.Namespace, name: str, data: Any, *, scenario: str 
     path.parent.mkdir(parents=True, exist_ok=True)
     if scenario is not None:
         data = with_scenario(path, scenario, data)
-    path.write_text(json.dumps(data, **({"indent": 1} | dump_kwargs)) + "\n")
+    staged = path.with_name(path.name + ".tmp")    # (replaced in one step: a stopped run leaves no half file)
+    staged.write_text(json.dumps(data, **({"indent": 1} | dump_kwargs)) + "\n")
+    staged.replace(path)
     print(f"wrote {path}", flush=True)
     return path
 

@@ -440,18 +440,22 @@ class PeerServer:
 
 
 def _await_health(proc: subprocess.Popen, url: str, log: Path, what: str, *, timeout: float) -> None:
-    """Return once ``url``/health answers 200; raise (after stopping ``proc``) if it exits or times out."""
+    """Return once ``url``/health answers 200; raise (after stopping ``proc``) if it exits, times out or this
+    process is stopped meanwhile."""
     deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            _terminate(proc, 30)
-            raise RuntimeError(f"{what} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        _terminate(proc, 30)
+        raise
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> None:
@@ -702,7 +706,11 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
             errors.append(str(err)[-500:])
             continue
-        first = run_load(peer.url, name, convs[:2], rate=math.inf, num_requests=2, output_len=args.output_len)
+        try:
+            first = run_load(peer.url, name, convs[:2], rate=math.inf, num_requests=2, output_len=args.output_len)
+        except BaseException:
+            peer.stop()
+            raise
         if not first["failed"]:
             break
         errors.append(f"continuous_batching={continuous_batching}: {first['errors']} ({log.read_text()[-300:]})")
@@ -872,19 +880,35 @@ def main() -> None:
 
         meta["transformers"] = transformers.__version__
     results: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}            # the family being measured, as far as it got
 
-    def save(partial: dict[str, Any] | None = None) -> None:
-        """The file as it stands: with ``partial`` (a family without its peer yet) it says so, and a run stopped in
-        the peer's points (they take minutes) keeps hybridkv's figures."""
+    def save(note: str | None = None) -> None:
+        """The file as it stands; ``note``: why it is incomplete (a run stopped keeps what it measured)."""
         meta["seconds"] = time.perf_counter() - started
-        done = {**meta, **({"incomplete": f"stopped before the peer of {partial['family']}"} if partial else {})}
-        write_json(args, "serve_load", {"meta": done, "results": [*results, *([partial] if partial else [])]})
+        write_json(args, "serve_load", {"meta": {**meta, **({"incomplete": note} if note else {})},
+                                        "results": [*results, *([current] if current else [])]})
 
-    # SIGTERM (``timeout``, a supervisor) unwinds like Ctrl-C: the servers' ``finally`` blocks stop them, so no
-    # ``transformers serve`` is left working through its requests beside the next run
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    def before_peer(result: dict[str, Any]) -> None:
+        current.update(result)
+        save(f"{result['family']}: stopped before its peer's points")
+
+    def on_term(signum: int, frame: object) -> None:
+        # SIGTERM (``timeout``, a supervisor) unwinds like Ctrl-C: the servers' ``finally`` blocks stop them, so no
+        # ``transformers serve`` is left working through its requests beside the next run; a second one waits
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     for family in args.families.split(","):
-        results.append(bench_family(family, args, device, dtype, progress=save))
+        try:
+            results.append(bench_family(family, args, device, dtype, progress=before_peer))
+        except BaseException:
+            if current:                     # (hybridkv's figures are in: keep them, and what came before)
+                save(f"{family}: stopped during its peer's points")
+            elif results:
+                save(f"stopped while measuring {family}")
+            raise
+        current.clear()
     save()
     print_table(f"serve_load on {meta['device']} ({meta['commit']}; {args.num_prompts} prompts of ~{args.input_len} "
                 f"tokens, {args.output_len} new; {meta['seconds']:.0f} s)",

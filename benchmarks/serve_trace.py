@@ -1,5 +1,5 @@
 """Where a streamed token's gap grows under Poisson load through ``hybridkv serve``: each token stamped where the
-engine process sent it, where its API process received it, where the chat handler took it and where the client read it.
+engine process sent it, where its API process received it, where the chat handler took it, where the client read it.
 
     python benchmarks/serve_trace.py [--family gemma3] [--rate R] [--seconds 6] [--api-server-count 4]
                                      [--server-flags "--prefill-spread 1"] [--tiny]
@@ -8,7 +8,8 @@ engine process sent it, where its API process received it, where the chat handle
 ``_serve_trace_shim`` first on its ``PYTHONPATH``: a ``sitecustomize`` that wraps the methods a token passes in
 each of the server's processes and stamps them with the wall clock (that file says which). ``--seconds`` of Poisson
 arrivals at ``--rate`` (default: half the family's best rate in ``benchmarks/results/serve_load.json``) come from
-four client processes; each request names itself (``request_id``), so its tokens are matched across the stages.
+four client processes; each request names itself (``request_id``), so its outputs are matched across the stages
+(``matched_gaps``).
 Only the middle of the run counts (from a quarter to 85% of the clients' span: the server is full, not draining).
 
 For every inter-token gap the client saw, the same two tokens' gap at each stage: the engine's send, the API
@@ -16,7 +17,8 @@ process's receipt, the handler; the percentiles of each, and of the delays betwe
 socket and the API process's reader thread; receipt to handler: its event loop). A stage adds to the p99 what its
 gaps' p99 exceeds the stage before's. For the client's slowest 1% of gaps, how much each stage added on average. The
 engine's step intervals by the prompt tokens in the step (with the host's wait for the step in flight, as
-``gpu_serving_steps.py``), and the API processes' intakes (a chat request's handler, tokenization included). A
+``gpu_serving_steps.py``), the API processes' intakes (a chat request's handler, tokenization included) and their
+event loops' time a chunk (the median time between two outputs of one engine message). A
 diagnostic: prints its table, writes ``serve_trace.json`` (``benchmarks/out/`` unless ``--out``/``--save``).
 ``--tiny``: a tiny model on the CPU, a smoke test of this script (its numbers mean nothing).
 """
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _results import RESULTS, add_output_args, commit, write_json  # noqa: E402
 
 SHIM = Path(__file__).parent / "_serve_trace_shim" / "sitecustomize.py"
-STAGES = ("client", "send", "receipt", "handler")
+STAGES = ("client", "send", "receipt", "handler")          # (the columns of ``matched_gaps``)
 DELAYS = {"send -> receipt": ("receipt", "send"), "receipt -> handler": ("handler", "receipt"),
           "handler -> client": ("client", "handler")}
 PROMPT_GROUPS = ((0, 0), (1, 192), (193, 300), (301, 1 << 30))
@@ -55,7 +57,8 @@ PROMPT_GROUPS = ((0, 0), (1, 192), (193, 300), (301, 1 << 30))
 
 # -- the clients ----------------------------------------------------------------------------------------------
 async def _chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed chat: the wall-clock time of each chunk with text."""
+    """One streamed chat: the wall-clock time of each delta event after the role's (one per output the handler
+    takes, text or not)."""
     from serve_load import _post
 
     times: list[float] = []
@@ -65,8 +68,7 @@ async def _chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
         async for piece in pieces:
             *lines, buffer = (buffer + piece).split(b"\n")
             now = time.time()
-            times += [now for line in lines
-                      if line.startswith(b"data:") and b'"content":"' in line and b'"content":""' not in line]
+            times += [now for line in lines if line.startswith(b"data:") and b'"delta":{"role":null' in line]
     except (OSError, asyncio.IncompleteReadError, ValueError) as err:
         status = repr(err)
     return {"id": body["request_id"], "status": status, "times": times}
@@ -89,7 +91,8 @@ async def _load(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
         if i % spec["shards"] == spec["shard"]:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             tasks.append(asyncio.create_task(run(i)))
-    await asyncio.wait(tasks, timeout=spec["num_requests"] / spec["rate"] + 120)
+    if tasks:
+        await asyncio.wait(tasks, timeout=spec["num_requests"] / spec["rate"] + 120)
     return done
 
 
@@ -116,6 +119,8 @@ def run_clients(url: str, model: str, conversations: list, *, rate: float, num_r
             done = []
             for proc in procs:
                 out, _ = proc.communicate(timeout=num_requests / rate + 180)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"a client process failed (exit code {proc.returncode})")
                 done += json.loads(out.strip().splitlines()[-1])
         finally:
             for proc in procs:
@@ -135,41 +140,56 @@ def _sample_id(request_id: str) -> str:
 
 
 def matched_gaps(stamps: list[dict[str, list]], clients: list[dict[str, Any]]
-                 ) -> tuple[np.ndarray, tuple[float, float]]:
-    """Per client gap in the run's middle, the same two tokens' gap at each of ``STAGES`` and the later token's time
-    at each: a (gaps, 2 x len(STAGES)) array (s); and that middle, (from, to) in wall-clock seconds."""
+                 ) -> tuple[np.ndarray, tuple[float, float], int, np.ndarray]:
+    """Per client gap in the run's middle, the same two outputs' gap at each of ``STAGES`` and the later output's
+    time at each: a (gaps, 2 x len(STAGES)) array (s); that middle, (from, to) in wall-clock seconds; how many
+    requests' stamps did not add up (left out); and every matched output's (receipt, handler) times, (outputs, 2).
+
+    The client's events and the handler's outputs pair one to one; the engine sends, and the API process receives,
+    one message a token. An output the handler takes may hold several tokens (its event loop was a step or more
+    behind): it pairs with the send and receipt of its first token, the one its reader waited for longest, so the
+    lateness lands on the stage that caused it."""
     times = [t for c in clients for t in c["times"]]
     if not times:
         raise RuntimeError("no client read any token")
     lo, hi = min(c["times"][0] for c in clients if c["times"]), max(times)
     lo, hi = lo + 0.25 * (hi - lo), lo + 0.85 * (hi - lo)
-    per_stage: dict[str, dict[str, list[float]]] = {s: defaultdict(list) for s in STAGES[1:]}
+    per_token: dict[str, dict[str, list[float]]] = {"send": defaultdict(list), "receipt": defaultdict(list)}
+    handler: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for proc in stamps:
         for key, stage in (("sends", "send"), ("receipts", "receipt")):
             for t, ids in proc[key]:
                 for rid in ids:
-                    per_stage[stage][_sample_id(rid)].append(t)
-        for t, rid in proc["yields"]:
-            per_stage["handler"][_sample_id(rid)].append(t)
-    gaps = []
+                    per_token[stage][_sample_id(rid)].append(t)
+        for t, rid, tokens in proc["yields"]:
+            handler[_sample_id(rid)].append((t, tokens))
+    gaps, pairs, mismatched = [], [], 0
     for c in clients:
         rid = f"chatcmpl-{c['id']}"
-        series = [c["times"], *(per_stage[s].get(rid, []) for s in STAGES[1:])]
-        n = min(map(len, series))
-        for j in range(1, n):
+        outputs, send, receipt = handler.get(rid, []), per_token["send"].get(rid, []), per_token["receipt"].get(rid, [])
+        counts = np.asarray([k for _, k in outputs], dtype=np.int64)
+        first = np.cumsum(counts) - counts                     # each output's first token
+        if len(outputs) != len(c["times"]) or (len(counts) and (counts.sum() > min(len(send), len(receipt)) or
+                                                                  counts.min() < 1)):
+            mismatched += 1
+            continue
+        series = [c["times"], [send[i] for i in first], [receipt[i] for i in first], [t for t, _ in outputs]]
+        pairs += zip(series[2], series[3], strict=True)
+        for j in range(1, len(outputs)):
             if lo <= series[0][j] < hi:
                 gaps.append([s[j] - s[j - 1] for s in series] + [s[j] for s in series])
     if not gaps:
-        raise RuntimeError("no client gap matched the server's stamps")
-    return np.asarray(gaps), (lo, hi)
+        raise RuntimeError(f"no client gap matched the server's stamps ({mismatched} requests did not add up)")
+    return np.asarray(gaps), (lo, hi), mismatched, np.asarray(pairs)
 
 
 def analyse(stamps: list[dict[str, list]], clients: list[dict[str, Any]]) -> dict[str, Any]:
     """The tables of the module docstring from the server's stamps (one dict per process) and the clients'."""
-    g, (lo, hi) = matched_gaps(stamps, clients)
+    g, (lo, hi), mismatched, pairs = matched_gaps(stamps, clients)
     k = len(STAGES)
     at = {s: g[:, k + i] for i, s in enumerate(STAGES)}
-    result: dict[str, Any] = {"gaps": len(g), "gap_ms": {s: _ms(g[:, i]) for i, s in enumerate(STAGES)},
+    result: dict[str, Any] = {"gaps": len(g), "requests_left_out": mismatched,
+                              "gap_ms": {s: _ms(g[:, i]) for i, s in enumerate(STAGES)},
                               "delay_ms": {name: _ms(at[a] - at[b]) for name, (a, b) in DELAYS.items()}}
     slow = g[g[:, 0] >= np.percentile(g[:, 0], 99)]
     order = ("send", "receipt", "handler", "client")
@@ -192,9 +212,16 @@ def analyse(stamps: list[dict[str, list]], clients: list[dict[str, Any]]) -> dic
                     "decodes": float(steps[:-1, 3][m].mean()),
                     "step_call_ms": float(1e3 * (steps[:-1, 1] - steps[:-1, 0])[m].mean()),
                     "wait_ms": float(1e3 * steps[:-1, 4][m].mean())}
-    intakes = np.asarray([i for proc in stamps for i in proc["intakes"]], dtype=float)
+    intakes = np.asarray([i for proc in stamps for i in proc["intakes"] if lo <= i[0] < hi], dtype=float)
     if intakes.size:
         result["intake_ms"] = _ms(intakes[:, 1] - intakes[:, 0], (50, 99))
+    # An API process's event loop writes the chunks of one engine message (one receipt time) one after another: the
+    # time between two of them is the loop's time a chunk.
+    pairs = pairs[(pairs[:, 1] >= lo) & (pairs[:, 1] < hi)]
+    pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
+    same = pairs[1:, 0] == pairs[:-1, 0]
+    if same.any():
+        result["loop_us_a_chunk"] = float(1e6 * np.median(np.diff(pairs[:, 1])[same]))
     return result
 
 
@@ -205,7 +232,8 @@ def print_tables(result: dict[str, Any]) -> None:
     def fmt(d: dict[str, float]) -> list[str]:
         return [f"{d[k]:.2f}" if k in d else "-" for k in ("p50", "p90", "p99")]
 
-    table = Table(title=f"inter-token gaps of the same tokens at each stage ({result['gaps']} gaps), ms")
+    table = Table(title=f"inter-token gaps of the same outputs at each stage ({result['gaps']} gaps; "
+                        f"{result['requests_left_out']} requests left out), ms")
     for col in ("stage", "p50", "p90", "p99"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for stage in ("send", "receipt", "handler", "client"):
@@ -223,6 +251,9 @@ def print_tables(result: dict[str, Any]) -> None:
             console.print(f"  prompt tokens {name}: {100 * grp['share']:.1f}% of steps, interval "
                           f"{'/'.join(fmt(grp['interval_ms']))} ms, {grp['decodes']:.0f} decodes, step() "
                           f"{grp['step_call_ms']:.2f} ms of which waiting {grp['wait_ms']:.2f}")
+    if "loop_us_a_chunk" in result:
+        console.print(f"an API process's event loop: {result['loop_us_a_chunk']:.0f} µs a chunk (the median time "
+                      "between two outputs of one engine message)")
     if "intake_ms" in result:
         console.print(f"intakes (a chat request's handler): p50 / p99 {result['intake_ms']['p50']:.2f} / "
                       f"{result['intake_ms']['p99']:.2f} ms")
@@ -230,13 +261,12 @@ def print_tables(result: dict[str, Any]) -> None:
 
 # -- the run --------------------------------------------------------------------------------------------------------
 def default_rate(family: str) -> float:
-    """Half the family's best rate in ``serve_load.json`` (291 when it has none)."""
+    """Half the family's best rate in ``serve_load.json``."""
     path = RESULTS / "serve_load.json"
-    if path.exists():
-        for r in json.loads(path.read_text()).get("results", []):
-            if r.get("family") == family and r.get("best_rate"):
-                return round(r["best_rate"] / 2, 1)
-    return 291.0
+    for r in json.loads(path.read_text()).get("results", []) if path.exists() else ():
+        if r.get("family") == family and r.get("best_rate"):
+            return round(r["best_rate"] / 2, 1)
+    raise SystemExit(f"{path} has no best rate for {family}: give --rate")
 
 
 def main() -> None:
@@ -261,7 +291,7 @@ def main() -> None:
     import torch
     from serve_load import CLIServer, build_checkpoint, conversations
 
-    rate = args.rate if args.rate is not None else default_rate(args.family)
+    rate = args.rate if args.rate is not None else 20.0 if args.tiny else default_rate(args.family)
     if args.tiny:
         device, dtype, kv = torch.device("cpu"), torch.float32, "1GiB"
         rate, args.seconds = min(rate, 20.0), min(args.seconds, 2.0)
@@ -303,7 +333,7 @@ def main() -> None:
         for trace in sorted((shim / "traces").glob("*.pkl")) if (shim / "traces").exists() else ():
             with open(trace, "rb") as f:
                 stamps.append(pickle.load(f))
-    failed = sum(1 for c in clients if c["status"] != 200)
+    failed = num_requests - sum(1 for c in clients if c["status"] == 200)     # (unanswered ones too)
     result = analyse(stamps, clients)
     print(f"{args.family}: {rate:g} req/s, {num_requests} requests ({failed} failed), hybridkv serve "
           f"--api-server-count {args.api_server_count} {args.server_flags}".rstrip())

@@ -15,37 +15,63 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_each_gap_is_matched_across_the_stages_by_request_id() -> None:
-    """Two requests, a token every 10 ms from the engine; request a's third token waits 2 ms in its API process's
-    event loop (the handler), b's second 1 ms on the way from the engine (the receipt). Only the gaps in the run's
-    middle count (a quarter to 85% of the clients' span)."""
+    """Three requests, a token every 10 ms from the engine. Request a's third token waits 2 ms in its API process's
+    event loop (the handler), b's second 1 ms on the way from the engine (the receipt); c's event loop took its third
+    token 10 ms late, together with its fourth, as one output. Only the gaps in the run's middle count (a quarter to
+    85% of the clients' span)."""
     from serve_trace import STAGES, analyse, matched_gaps
 
     ms = 1e-3
-    send = {"a": [0, 10, 20, 30, 40], "b": [2, 12, 22, 32, 42]}          # engine sends, ms
-    receipt = {"a": [0.1, 10.1, 20.1, 30.1, 40.1], "b": [2.1, 13.1, 22.1, 32.1, 42.1]}
-    handler = {"a": [0.2, 10.2, 22.2, 30.2, 40.2], "b": [2.2, 13.2, 22.2, 32.2, 42.2]}
-    client = {r: [t + 0.1 for t in h] for r, h in handler.items()}
-    engine = {"steps": [(t * ms, (t + 1) * ms, 300 if t == 20 else 2, 2, 0.0) for t in range(0, 44, 2)],
-              "sends": [(t * ms, [f"chatcmpl-{r}.0" for r in send if t in send[r]]) for t in range(0, 44, 2)],
+    send = {"a": [0, 10, 20, 30, 40], "b": [2, 12, 22, 32, 42], "c": [4, 14, 24, 34, 44]}
+    receipt = {"a": [0.1, 10.1, 20.1, 30.1, 40.1], "b": [2.1, 13.1, 22.1, 32.1, 42.1],
+               "c": [t + 0.1 for t in send["c"]]}
+    outputs = {"a": [(0.2, 1), (10.2, 1), (22.2, 1), (30.2, 1), (40.2, 1)],        # (handler time, new tokens)
+               "b": [(2.2, 1), (13.2, 1), (22.2, 1), (32.2, 1), (42.2, 1)],
+               "c": [(4.2, 1), (14.2, 1), (34.2, 2), (44.2, 1)]}
+    steps = range(0, 46, 2)
+    engine = {"steps": [(t * ms, (t + 1) * ms, 300 if t == 20 else 3, 3, 0.0) for t in steps],
+              "sends": [(t * ms, [f"chatcmpl-{r}.0" for r in send if t in send[r]]) for t in steps],
               "receipts": [], "yields": [], "intakes": []}
-    api = {"steps": [], "sends": [], "intakes": [(0.0, 0.001)],
+    api = {"steps": [], "sends": [], "intakes": [(12 * ms, 13 * ms)],
            "receipts": [(t * ms, [f"chatcmpl-{r}.0"]) for r, ts in receipt.items() for t in ts],
-           "yields": [(t * ms, f"chatcmpl-{r}") for r, ts in handler.items() for t in ts]}
-    clients = [{"id": r, "status": 200, "times": [t * ms for t in ts]} for r, ts in client.items()]
-    gaps, _ = matched_gaps([engine, api], clients)
-    # the clients' span is 0.3-42.3 ms, its middle 10.8-36.0 ms: a's tokens 2-3 (22.3, 30.3 ms), b's 1-3 (13.3, 22.3,
-    # 32.3 ms), five gaps
+           "yields": [(t * ms, f"chatcmpl-{r}", k) for r, outs in outputs.items() for t, k in outs]}
+    clients = [{"id": r, "status": 200, "times": [(t + 0.1) * ms for t, _ in outs]} for r, outs in outputs.items()]
+    gaps, _, left_out, _ = matched_gaps([engine, api], clients)
+    # the clients' span is 0.3-44.3 ms, its middle 11.3-37.7 ms: a's outputs 2-3, b's 1-3, c's 1-2: seven gaps
     by_stage = {s: sorted(round(1e3 * v, 6) for v in gaps[:, i]) for i, s in enumerate(STAGES)}
-    assert by_stage["send"] == [10] * 5
-    assert by_stage["receipt"] == [9, 10, 10, 10, 11]         # b's 1 ms on the way, in the gap before and after
-    assert by_stage["handler"] == by_stage["client"] == [8, 9, 10, 11, 12]
+    assert left_out == 0
+    assert by_stage["send"] == [10] * 7                       # c's merged output pairs with its first token's send
+    assert by_stage["receipt"] == [9, 10, 10, 10, 10, 10, 11]  # b's 1 ms on the way, in the gap before and after
+    assert by_stage["handler"] == by_stage["client"] == [8, 9, 10, 10, 11, 12, 20]
     out = analyse([engine, api], clients)
-    assert out["gaps"] == 5
-    assert out["delay_ms"]["receipt -> handler"]["p99"] == pytest.approx(2.02)   # of 0.1 x 4 and 2.1 ms
-    assert out["slowest_1pct_mean_ms"]["receipt -> handler"] == pytest.approx(2.0)   # a's 12 ms gap: 10 + 2
+    assert out["gaps"] == 7
+    assert out["delay_ms"]["receipt -> handler"]["p99"] == pytest.approx(9.62)    # of 0.1 x 5, 2.1 and 10.1 ms
+    slowest = out["slowest_1pct_mean_ms"]                    # c's 20 ms gap: the engine's 10, the loop's 10
+    assert slowest["client gap"] == pytest.approx(20) and slowest["engine (send gap)"] == pytest.approx(10)
+    assert slowest["receipt -> handler"] == pytest.approx(10) and slowest["send -> receipt"] == pytest.approx(0)
     assert out["intake_ms"]["p50"] == pytest.approx(1.0)
     groups = out["engine"]["groups"]                        # steps every 2 ms; the one at 20 ms took a prompt
-    assert set(groups) == {"0-0", "193-300"} and groups["193-300"]["share"] == pytest.approx(1 / 11)
+    assert set(groups) == {"0-0", "193-300"} and groups["193-300"]["share"] == pytest.approx(1 / 12)
+    # a request whose outputs hold more tokens than the engine sent does not add up: left out, not misread
+    clients.append({"id": "d", "status": 200, "times": [1 * ms, 11 * ms, 21 * ms]})
+    api["yields"] += [(t * ms, "chatcmpl-d", 1) for t in (0.9, 10.9, 20.9)]
+    assert matched_gaps([engine, api], clients)[2] == 1
+
+
+def test_the_loops_time_a_chunk_is_taken_within_one_message() -> None:
+    """Two requests' tokens arrive in one API process's message every 10 ms; the loop writes the first request's
+    chunk 0.1 ms after the receipt and the second's 0.05 ms after that: 50 µs a chunk, whatever the step's length."""
+    from serve_trace import analyse
+
+    ms, ticks = 1e-3, [10.0 * i for i in range(9)]
+    engine = {"steps": [], "receipts": [], "yields": [], "intakes": [],
+              "sends": [(t * ms, ["chatcmpl-a.0", "chatcmpl-b.0"]) for t in ticks]}
+    api = {"steps": [], "sends": [], "intakes": [], "receipts": [((t + 0.1) * ms, ["chatcmpl-a.0", "chatcmpl-b.0"])
+                                                                 for t in ticks],
+           "yields": [((t + dt) * ms, f"chatcmpl-{r}", 1) for t in ticks for r, dt in (("a", 0.2), ("b", 0.25))]}
+    clients = [{"id": r, "status": 200, "times": [(t + dt + 0.1) * ms for t in ticks]}
+               for r, dt in (("a", 0.2), ("b", 0.25))]
+    assert analyse([engine, api], clients)["loop_us_a_chunk"] == pytest.approx(50)
 
 
 @pytest.mark.slow    # a real server on a tiny model, four client processes

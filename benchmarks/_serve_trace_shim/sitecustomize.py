@@ -1,18 +1,20 @@
-"""``serve_trace.py``'s stamps inside ``hybridkv serve``: this directory goes first on the traced server's
-``PYTHONPATH`` only, so Python runs this file at the start of each of its processes (the launcher, the engine
-process, the API processes). It wraps the methods a streamed token passes as their modules load and stamps them with
-``time.time()`` (one clock for every process of the machine); each process writes its stamps to
-``traces/<pid>.pkl`` beside this file as it exits.
+"""``serve_trace.py``'s stamps inside ``hybridkv serve``: this directory goes on the traced server's ``PYTHONPATH``
+only, so Python runs this file at the start of each of its processes (the launcher, the engine process, the API
+processes; a ``sitecustomize`` of the environment's own is not run in them). It wraps the methods a streamed token
+passes as their modules load and stamps them with ``time.time()`` (one clock for every process of the machine); each
+process writes its stamps to ``traces/<pid>.pkl`` beside this file as it exits.
 
 - engine process: ``LLMEngine.step`` (start, end, the tokens and decodes it scheduled, the wait for the step in
   flight's tokens) and ``_Channel.deliver`` (the request ids of each step's message to an API process);
 - API processes: ``EngineCoreClient._route`` (the request ids of each message received), the app's ``_merged`` (each
-  output as the handler takes it, before its chunk is written) and ``_Server.chat`` (an intake, tokenization in).
+  output as the handler takes it, before its chunk is written, with its new tokens: a busy event loop takes several
+  steps' outputs as one) and ``_Server.chat`` (an intake, tokenization in).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.abc
 import importlib.util
 import os
 import pickle
@@ -88,7 +90,7 @@ def _app(module) -> None:
 
     async def traced(streams, server):
         async for index, out in merged(streams, server):
-            STAMPS["yields"].append((_now(), out.request_id))
+            STAMPS["yields"].append((_now(), out.request_id, sum(len(c.token_ids) for c in out.outputs)))
             yield index, out
 
     async def intake(self, body, request):
@@ -104,8 +106,22 @@ _PATCHES = {"hybridkv.engine.engine": _engine, "hybridkv.engine.core": _core,
             "hybridkv.engine.core_client": _client, "hybridkv.server.app": _app}
 
 
+class _Patching(importlib.abc.Loader):
+    """A module's own loader, then its patch."""
+
+    def __init__(self, loader, patch) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
 class _Finder:
-    """Runs a module's patch right after the module itself (a meta path finder that defers to the others)."""
+    """Finds the patched modules as the other finders do, with ``_Patching`` loaders."""
 
     def find_spec(self, name, path=None, target=None):
         if name not in _PATCHES:
@@ -115,15 +131,14 @@ class _Finder:
             spec = importlib.util.find_spec(name)
         finally:
             sys.meta_path.insert(0, self)
-        exec_module = spec.loader.exec_module
-
-        def patched(module, name=name):
-            exec_module(module)
-            _PATCHES[name](module)
-
-        spec.loader.exec_module = patched
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Patching(spec.loader, _PATCHES[name])
         return spec
 
 
+for _name, _patch in _PATCHES.items():     # (none is loaded this early; should one be, it is patched here)
+    if _name in sys.modules:
+        _patch(sys.modules[_name])
 sys.meta_path.insert(0, _Finder())
 atexit.register(_dump)
