@@ -61,6 +61,16 @@ def write_json(args: argparse.Namespace, name: str, data: Any, *, scenario: str 
     return path
 
 
+def half_best_rate(family: str) -> float:
+    """Half the family's best request rate in ``serve_load.json`` (the serving targets' inter-token point), for the
+    diagnostics that load a server or an engine there."""
+    path = RESULTS / "serve_load.json"
+    for result in json.loads(path.read_text()).get("results", []) if path.exists() else ():
+        if result.get("family") == family and result.get("best_rate"):
+            return round(result["best_rate"] / 2, 1)
+    raise SystemExit(f"{path} has no best rate for {family}: give --rate")
+
+
 def commit() -> str:
     """HEAD's short hash, "+dirty" when tracked files differ from it; ``HYBRIDKV_COMMIT`` (``hybridkv.envs``)
     names it for a copy of the tree without .git."""

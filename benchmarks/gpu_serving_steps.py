@@ -1,6 +1,6 @@
 """The engine's steps under serving traffic, without HTTP: what its share of the inter-token latency is made of.
 
-    python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate 257] [--seconds 8] [--prompt 260]
+    python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate R] [--seconds 8] [--prompt 260]
                                            [--output 64] [--max-num-batched-tokens 2048]
                                            [--prefill-spread 8 [1 ...]] [--tiny]
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import add_output_args, commit, write_json  # noqa: E402
+from _results import add_output_args, commit, half_best_rate, write_json  # noqa: E402
 from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 
 if TYPE_CHECKING:
@@ -149,8 +149,8 @@ def summarize(steps: list[Step], ttft: list[float] | None = None) -> dict[str, A
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gemma3")
-    ap.add_argument("--rate", type=float, default=257.0, help="requests per second (default: half the best rate "
-                    "of the Gemma-3-like server in benchmarks/results/serve_load.json)")
+    ap.add_argument("--rate", type=float, default=None, help="requests per second (default: half the best rate "
+                    "of the family's server in benchmarks/results/serve_load.json)")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--prompt", type=int, default=260)
     ap.add_argument("--output", type=int, default=64)
@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")
     args = ap.parse_args()
+    if args.rate is None:
+        args.rate = 50.0 if args.tiny else half_best_rate(args.family)
     if args.tiny:
         from hybridkv import LLM
         from hybridkv.models import MLP, Attention, HybridConfig, Layer

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import RESULTS, add_output_args, commit, write_json  # noqa: E402
+from _results import add_output_args, commit, half_best_rate, write_json  # noqa: E402
 
 SHIM = Path(__file__).parent / "_serve_trace_shim" / "sitecustomize.py"
 STAGES = ("client", "send", "receipt", "handler")          # (the columns of ``matched_gaps``)
@@ -260,15 +260,6 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
-def default_rate(family: str) -> float:
-    """Half the family's best rate in ``serve_load.json``."""
-    path = RESULTS / "serve_load.json"
-    for r in json.loads(path.read_text()).get("results", []) if path.exists() else ():
-        if r.get("family") == family and r.get("best_rate"):
-            return round(r["best_rate"] / 2, 1)
-    raise SystemExit(f"{path} has no best rate for {family}: give --rate")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gemma3")
@@ -291,7 +282,7 @@ def main() -> None:
     import torch
     from serve_load import CLIServer, build_checkpoint, conversations
 
-    rate = args.rate if args.rate is not None else 20.0 if args.tiny else default_rate(args.family)
+    rate = args.rate if args.rate is not None else 20.0 if args.tiny else half_best_rate(args.family)
     if args.tiny:
         device, dtype, kv = torch.device("cpu"), torch.float32, "1GiB"
         rate, args.seconds = min(rate, 20.0), min(args.seconds, 2.0)
