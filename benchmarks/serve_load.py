@@ -108,8 +108,10 @@ async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, AsyncIt
     return int(status_line.split()[1]), pieces()
 
 
-async def _one(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One chat completion; streamed: TTFT (first chunk with text), the gaps between later chunks, tokens."""
+async def _one(url: str, body: dict[str, Any], *, stamps: bool = False) -> dict[str, Any]:
+    """One chat completion; streamed: TTFT (first chunk with text), the gaps between later chunks, tokens; with
+    ``stamps`` also ``times``: the wall-clock time of every delta event after the role's (one per output the
+    server's handler takes, text or not: ``serve_trace.py`` matches them with the server's stamps)."""
     start = time.perf_counter()
     try:
         status, pieces = await _post(url, "/v1/chat/completions", body)
@@ -120,10 +122,12 @@ async def _one(url: str, body: dict[str, Any]) -> dict[str, Any]:
             e2e = time.perf_counter() - start
             return {"ok": True, "ttft": e2e, "gaps": [], "tokens": json.loads(text)["usage"]["completion_tokens"],
                     "e2e": e2e, "error": None}
-        ttft, last, gaps, chunks, usage, buffer = None, None, [], 0, None, b""
+        ttft, last, gaps, chunks, usage, buffer, times = None, None, [], 0, None, b"", []
         async for piece in pieces:
             *lines, buffer = (buffer + piece).split(b"\n")
             for raw in lines:
+                if stamps and b'"delta":{"role":null' in raw:
+                    times.append(time.time())
                 line = raw.decode()
                 if not line.startswith("data:") or line.startswith("data: [DONE]"):
                     continue
@@ -148,7 +152,7 @@ async def _one(url: str, body: dict[str, Any]) -> dict[str, Any]:
     end = time.perf_counter()
     tokens = usage["completion_tokens"] if usage else chunks
     return {"ok": ttft is not None, "ttft": ttft, "gaps": gaps, "tokens": tokens, "e2e": end - start,
-            "error": None if ttft is not None else "no tokens"}
+            "error": None if ttft is not None else "no tokens", **({"times": times} if stamps else {})}
 
 
 def kept_up(rate: float, last_arrival: float, done: list[dict[str, Any]]) -> float | None:
@@ -184,7 +188,8 @@ def kept_up(rate: float, last_arrival: float, done: list[dict[str, Any]]) -> flo
 async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
     """This process's share of Poisson arrivals at ``rate`` (inf: all at once) of ``num_requests`` conversations:
     every ``shards``-th request from the ``shard``-th, the schedule starting at ``start`` (``time.time()``); bounded
-    in time. Each request's own figures, not yet summarised (``summarize``)."""
+    in time. Each request's own figures, not yet summarised (``summarize``); with ``name_requests`` (a prefix) each
+    request sends ``request_id`` prefix + its index, which its figures carry as ``id``, with its ``times``."""
     rng = random.Random(spec["seed"])
     rate, n, shard, shards = spec["rate"], spec["num_requests"], spec["shard"], spec["shards"]
     body = {"model": spec["model"], "max_tokens": spec["output_len"], "temperature": 0.0, "stream": spec["stream"],
@@ -192,10 +197,16 @@ async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
     results: list[dict[str, Any] | None] = [None] * n
     cpu0 = time.process_time()
 
+    named = spec.get("name_requests")
+
     async def run(i: int) -> None:
         sent = time.perf_counter() - t0
-        results[i] = await _one(spec["url"], {**body, "messages": spec["conversations"][i % len(
-            spec["conversations"])]}) | {"start": sent}
+        conversation = spec["conversations"][i % len(spec["conversations"])]
+        if named is None:
+            results[i] = await _one(spec["url"], {**body, "messages": conversation}) | {"start": sent}
+        else:
+            results[i] = await _one(spec["url"], {**body, "messages": conversation, "request_id": f"{named}{i}"},
+                                    stamps=True) | {"start": sent, "id": f"{named}{i}"}
 
     t0 = time.perf_counter() + (start - time.time())      # the schedule's origin, the same in every process
     await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
@@ -257,9 +268,19 @@ def run_load(url: str, model: str, conversations: list, *, rate: float, num_requ
     ``processes``-th request of one Poisson schedule: a client process handles every chunk of its streams in
     turn, so one process alone, 50% busy at a few hundred requests a second, would stamp its own queueing onto
     the inter-token gaps it measures."""
+    return summarize(rate, num_requests, load_shards(
+        url, model, conversations, rate=rate, num_requests=num_requests, output_len=output_len, extra=extra,
+        stream=stream, drain_timeout=drain_timeout, processes=processes))
+
+
+def load_shards(url: str, model: str, conversations: list, *, rate: float, num_requests: int, output_len: int,
+                extra: dict[str, Any] | None = None, stream: bool = True, drain_timeout: float = 120.0,
+                processes: int = 1, name_requests: str | None = None) -> list[dict[str, Any]]:
+    """``run_load``'s load, each load generator's raw figures (``_load``); ``name_requests``: as ``_load``."""
     spec = {"url": url, "model": model, "conversations": conversations, "rate": rate, "num_requests": num_requests,
             "output_len": output_len, "extra": extra or {}, "stream": stream, "seed": 0, "shards": processes,
-            "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout}
+            "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout,
+            "name_requests": name_requests}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -290,7 +311,7 @@ def run_load(url: str, model: str, conversations: list, *, rate: float, num_requ
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-    return summarize(rate, num_requests, shards)
+    return shards
 
 
 # -- checkpoint, conversations -----------------------------------------------------------------------------

@@ -5,12 +5,12 @@ engine process sent it, where its API process received it, where the chat handle
                                      [--server-flags "--prefill-spread 1"] [--tiny]
 
 ``hybridkv serve`` as ``serve_load.py`` starts it (the same model, conversations and flags) runs with
-``_serve_trace_shim`` first on its ``PYTHONPATH``: a ``sitecustomize`` that wraps the methods a token passes in
-each of the server's processes and stamps them with the wall clock (that file says which). ``--seconds`` of Poisson
+``_serve_trace_shim`` on its ``PYTHONPATH``: a ``sitecustomize`` that wraps the methods a token passes in each
+of the server's processes and stamps them with the wall clock (that file says which). ``--seconds`` of Poisson
 arrivals at ``--rate`` (default: half the family's best rate in ``benchmarks/results/serve_load.json``) come from
-four client processes; each request names itself (``request_id``), so its outputs are matched across the stages
-(``matched_gaps``).
-Only the middle of the run counts (from a quarter to 85% of the clients' span: the server is full, not draining).
+four of ``serve_load.py``'s load-generator processes (``load_shards``); each request names itself (``request_id``),
+so its outputs are matched across the stages (``matched_gaps``). Only the middle of the run counts (from a quarter
+to 85% of the clients' span: the server is full, not draining).
 
 For every inter-token gap the client saw, the same two tokens' gap at each stage: the engine's send, the API
 process's receipt, the handler; the percentiles of each, and of the delays between stages (send to receipt: the
@@ -26,19 +26,14 @@ diagnostic: prints its table, writes ``serve_trace.json`` (``benchmarks/out/`` u
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import os
 import pickle
-import random
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -53,80 +48,6 @@ STAGES = ("client", "send", "receipt", "handler")          # (the columns of ``m
 DELAYS = {"send -> receipt": ("receipt", "send"), "receipt -> handler": ("handler", "receipt"),
           "handler -> client": ("client", "handler")}
 PROMPT_GROUPS = ((0, 0), (1, 192), (193, 300), (301, 1 << 30))
-
-
-# -- the clients ----------------------------------------------------------------------------------------------
-async def _chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed chat: the wall-clock time of each delta event after the role's (one per output the handler
-    takes, text or not)."""
-    from serve_load import _post
-
-    times: list[float] = []
-    try:
-        status, pieces = await _post(url, "/v1/chat/completions", body)
-        buffer = b""
-        async for piece in pieces:
-            *lines, buffer = (buffer + piece).split(b"\n")
-            now = time.time()
-            times += [now for line in lines if line.startswith(b"data:") and b'"delta":{"role":null' in line]
-    except (OSError, asyncio.IncompleteReadError, ValueError) as err:
-        status = repr(err)
-    return {"id": body["request_id"], "status": status, "times": times}
-
-
-async def _load(spec: dict[str, Any], start: float) -> list[dict[str, Any]]:
-    """This client's share (every ``shards``-th request) of one Poisson schedule that starts at ``start``."""
-    rng, done = random.Random(0), []
-
-    async def run(i: int) -> None:
-        body = {"model": spec["model"], "messages": spec["conversations"][i % len(spec["conversations"])],
-                "max_tokens": spec["output_len"], "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "request_id": f"{spec['tag']}{i}"}
-        done.append(await _chat(spec["url"], body))
-
-    t0 = time.perf_counter() + (start - time.time())
-    tasks, at = [], 0.0
-    for i in range(spec["num_requests"]):
-        at += rng.expovariate(spec["rate"])
-        if i % spec["shards"] == spec["shard"]:
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(run(i)))
-    if tasks:
-        await asyncio.wait(tasks, timeout=spec["num_requests"] / spec["rate"] + 120)
-    return done
-
-
-def run_clients(url: str, model: str, conversations: list, *, rate: float, num_requests: int, output_len: int,
-                tag: str, processes: int = 4) -> list[dict[str, Any]]:
-    """``processes`` client processes (``--client``) sharing one schedule; every request's chunk times."""
-    procs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for shard in range(processes):
-            spec = Path(tmp) / f"spec{shard}.json"
-            spec.write_text(json.dumps({"url": url, "model": model, "conversations": conversations, "rate": rate,
-                                        "num_requests": num_requests, "output_len": output_len, "tag": tag,
-                                        "shard": shard, "shards": processes}))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--client", str(spec)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True))
-        try:
-            for proc in procs:
-                if proc.stdout.readline().strip() != "ready":
-                    raise RuntimeError("a client process failed to start")
-            start = time.time() + 0.05
-            for proc in procs:
-                proc.stdin.write(f"{start}\n")
-                proc.stdin.flush()
-            done = []
-            for proc in procs:
-                out, _ = proc.communicate(timeout=num_requests / rate + 180)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"a client process failed (exit code {proc.returncode})")
-                done += json.loads(out.strip().splitlines()[-1])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    return done
 
 
 # -- the analysis -----------------------------------------------------------------------------------------------
@@ -269,18 +190,11 @@ def main() -> None:
     ap.add_argument("--api-server-count", type=int, default=4)
     ap.add_argument("--server-flags", default="", help="more hybridkv serve flags, as one string")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
-    ap.add_argument("--client", help=argparse.SUPPRESS)
     add_output_args(ap, "serve_trace")
     args = ap.parse_args()
-    if args.client:                                 # a client process (run_clients)
-        spec = json.loads(Path(args.client).read_text())
-        print("ready", flush=True)
-        start = float(sys.stdin.readline())
-        print(json.dumps(asyncio.run(_load(spec, start))), flush=True)
-        return
 
     import torch
-    from serve_load import CLIServer, build_checkpoint, conversations
+    from serve_load import CLIServer, build_checkpoint, conversations, load_shards
 
     rate = args.rate if args.rate is not None else 20.0 if args.tiny else half_best_rate(args.family)
     if args.tiny:
@@ -314,17 +228,17 @@ def main() -> None:
             else:
                 os.environ["PYTHONPATH"] = path
         try:
-            run_clients(server.url, str(ckpt), convs[:16], rate=min(rate, 50.0), num_requests=16,
-                        output_len=output_len, tag="warm")
-            clients = run_clients(server.url, str(ckpt), convs, rate=rate, num_requests=num_requests,
-                                  output_len=output_len, tag="r")
+            load = dict(output_len=output_len, extra={"ignore_eos": True}, processes=4)
+            load_shards(server.url, str(ckpt), convs[:16], rate=min(rate, 50.0), num_requests=16, **load)
+            clients = [r for shard in load_shards(server.url, str(ckpt), convs, rate=rate, num_requests=num_requests,
+                                                  name_requests="r", **load) for r in shard["results"]]
         finally:
             server.stop()
         stamps = []
         for trace in sorted((shim / "traces").glob("*.pkl")) if (shim / "traces").exists() else ():
             with open(trace, "rb") as f:
                 stamps.append(pickle.load(f))
-    failed = num_requests - sum(1 for c in clients if c["status"] == 200)     # (unanswered ones too)
+    failed = num_requests - sum(1 for c in clients if c["ok"])     # (unanswered ones too)
     result = analyse(stamps, clients)
     print(f"{args.family}: {rate:g} req/s, {num_requests} requests ({failed} failed), hybridkv serve "
           f"--api-server-count {args.api_server_count} {args.server_flags}".rstrip())

@@ -35,7 +35,7 @@ def test_each_gap_is_matched_across_the_stages_by_request_id() -> None:
     api = {"steps": [], "sends": [], "intakes": [(12 * ms, 13 * ms)],
            "receipts": [(t * ms, [f"chatcmpl-{r}.0"]) for r, ts in receipt.items() for t in ts],
            "yields": [(t * ms, f"chatcmpl-{r}", k) for r, outs in outputs.items() for t, k in outs]}
-    clients = [{"id": r, "status": 200, "times": [(t + 0.1) * ms for t, _ in outs]} for r, outs in outputs.items()]
+    clients = [{"id": r, "ok": True, "times": [(t + 0.1) * ms for t, _ in outs]} for r, outs in outputs.items()]
     gaps, _, left_out, _ = matched_gaps([engine, api], clients)
     # the clients' span is 0.3-44.3 ms, its middle 11.3-37.7 ms: a's outputs 2-3, b's 1-3, c's 1-2: seven gaps
     by_stage = {s: sorted(round(1e3 * v, 6) for v in gaps[:, i]) for i, s in enumerate(STAGES)}
@@ -53,7 +53,7 @@ def test_each_gap_is_matched_across_the_stages_by_request_id() -> None:
     groups = out["engine"]["groups"]                        # steps every 2 ms; the one at 20 ms took a prompt
     assert set(groups) == {"0-0", "193-300"} and groups["193-300"]["share"] == pytest.approx(1 / 12)
     # a request whose outputs hold more tokens than the engine sent does not add up: left out, not misread
-    clients.append({"id": "d", "status": 200, "times": [1 * ms, 11 * ms, 21 * ms]})
+    clients.append({"id": "d", "ok": True, "times": [1 * ms, 11 * ms, 21 * ms]})
     api["yields"] += [(t * ms, "chatcmpl-d", 1) for t in (0.9, 10.9, 20.9)]
     assert matched_gaps([engine, api], clients)[2] == 1
 
@@ -69,7 +69,7 @@ def test_the_loops_time_a_chunk_is_taken_within_one_message() -> None:
     api = {"steps": [], "sends": [], "intakes": [], "receipts": [((t + 0.1) * ms, ["chatcmpl-a.0", "chatcmpl-b.0"])
                                                                  for t in ticks],
            "yields": [((t + dt) * ms, f"chatcmpl-{r}", 1) for t in ticks for r, dt in (("a", 0.2), ("b", 0.25))]}
-    clients = [{"id": r, "status": 200, "times": [(t + dt + 0.1) * ms for t in ticks]}
+    clients = [{"id": r, "ok": True, "times": [(t + dt + 0.1) * ms for t in ticks]}
                for r, dt in (("a", 0.2), ("b", 0.25))]
     assert analyse([engine, api], clients)["loop_us_a_chunk"] == pytest.approx(50)
 
