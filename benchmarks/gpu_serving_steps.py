@@ -17,7 +17,9 @@ the decodes among them, and ``wait``: the host blocked on the tokens of the step
 N+1 before it reads step N), so a step's host work is its ``step()`` time less ``wait``. Steps are grouped by the
 prompt tokens of the step or of the one in flight (the larger), since the one in flight's GPU time shows up in this
 step's wait; the steps that only read back the last tokens count among the decode-only ones. Prints interval
-percentiles overall and per group, host work and wait per group, the slowest steps, and the time to first token
+percentiles overall and per group, host work and wait per group, the host's time by phase per group and for the
+slowest steps (``gpu_mixed_step.py``'s phases, nested as there, and the garbage collector's time by generation
+collected, ``gc0``-``gc2``, nested in whichever phase it interrupted), the slowest steps, and the time to first token
 (a request's arrival to the end of the step that returned its first token). Several ``--prefill-spread`` values
 run in turn on the same model and arrivals (the engine's setting, ``Scheduler._spread``), each after its own
 warm-up. ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of this script; its numbers mean
@@ -27,9 +29,10 @@ nothing. Writes ``gpu_serving_steps.json`` (``_results.py``).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +46,9 @@ from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 if TYPE_CHECKING:
     from hybridkv.engine.engine import LLMEngine
 
+# ``step()``'s phases that do not nest in one another; "rest" is the step's time outside them (building outputs for
+# requests that did not finish, the state copies, the step's own bookkeeping)
+TOP_PHASES = ("schedule", "_step_batch", "execute", "_launch", "_finish", "_commit")
 GROUPS = ((0, 0), (1, 300), (301, 600), (601, 1 << 30))       # prompt tokens in the step or the one in flight
 
 
@@ -54,11 +60,13 @@ class Step:
     host: float           # seconds in ``step()`` less ``wait``
     wait: float           # seconds blocked on the step in flight's tokens
     after_idle: bool      # the engine had nothing left after the step before (no request waited through that gap)
+    phases: dict[str, float] = field(default_factory=dict)    # ``time_phases``' seconds in this step, by phase
 
 
 def instrument(eng: LLMEngine) -> dict[str, Any]:
     """``gpu_mixed_step.time_phases`` (its ``wait``: the in-flight step's tokens awaited), and the scheduler's
-    ``schedule`` wrapped to record the batch: the returned dict holds the running step's figures."""
+    ``schedule`` wrapped to record the batch, and the garbage collector's time as phases ``gc0``-``gc2`` (by the
+    generation collected): the returned dict holds the running step's figures."""
     cur = time_phases(eng)
     schedule = eng.scheduler.schedule
 
@@ -69,6 +77,15 @@ def instrument(eng: LLMEngine) -> dict[str, Any]:
         return batch
 
     eng.scheduler.schedule = scheduled
+
+    def collected(phase: str, info: dict[str, int], started: list[float] = [0.0]) -> None:   # noqa: B006
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            key = f"gc{info['generation']}"
+            cur[key] = cur.get(key, 0.0) + time.perf_counter() - started[0]
+
+    gc.callbacks.append(collected)
     return cur
 
 
@@ -103,8 +120,9 @@ def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, 
         for out in outputs:
             if out.outputs and out.outputs[0].token_ids and out.request_id in waiting:
                 ttft.append(end - waiting.pop(out.request_id))
-        steps.append(Step(start=start, tokens=cur.get("tokens", 0), decodes=cur.get("decodes", 0),
-                          host=spent - cur.get(WAIT, 0.0), wait=cur.get(WAIT, 0.0), after_idle=idle))
+        steps.append(Step(start=start, tokens=cur.pop("tokens", 0), decodes=cur.pop("decodes", 0),
+                          host=spent - cur.get(WAIT, 0.0), wait=cur.get(WAIT, 0.0), after_idle=idle,
+                          phases=dict(cur, rest=spent - sum(cur.get(k, 0.0) for k in TOP_PHASES))))
         idle = not eng.has_unfinished         # (as the engine's own histogram counts: ``LLMEngine.add_request``)
     return steps, ttft
 
@@ -138,12 +156,20 @@ def summarize(steps: list[Step], ttft: list[float] | None = None) -> dict[str, A
                 "share": len(group) / len(rows), "interval_ms": pct([r[0] for r in group]),
                 "host_ms": 1e3 * float(np.mean([r[2].host for r in group])),
                 "wait_ms": 1e3 * float(np.mean([r[2].wait for r in group])),
-                "decodes": float(np.mean([r[2].decodes for r in group]))}
+                "decodes": float(np.mean([r[2].decodes for r in group])),
+                "phases_ms": mean_phases([r[2] for r in group])}
     for interval, prompt, step in sorted(rows, key=lambda r: -r[0])[:8]:
         out["slowest"].append({"interval_ms": 1e3 * interval, "prompt_tokens_here_or_in_flight": prompt,
                                "tokens": step.tokens, "decodes": step.decodes, "host_ms": 1e3 * step.host,
-                               "wait_ms": 1e3 * step.wait})
+                               "wait_ms": 1e3 * step.wait, "phases_ms": mean_phases([step])})
     return out
+
+
+def mean_phases(steps: list[Step]) -> dict[str, float]:
+    """Each phase's mean ms per step over ``steps`` (a phase a step did not enter counts 0), largest first."""
+    names = {name for step in steps for name in step.phases}
+    means = {name: 1e3 * float(np.mean([step.phases.get(name, 0.0) for step in steps])) for name in names}
+    return dict(sorted(means.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -202,6 +228,12 @@ def main() -> None:
         for name, g in result["groups"].items():
             print(f"  {name:32s} {100 * g['share']:5.1f}% {g['interval_ms']['p50']:6.2f} "
                   f"{g['interval_ms']['p99']:6.2f} {g['host_ms']:6.2f} {g['wait_ms']:6.2f} {g['decodes']:7.0f}")
+        for name, g in result["groups"].items():
+            print(f"  {name} phases (ms, nested, host's view): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in g["phases_ms"].items() if v >= 0.01))
+        for s in result["slowest"][:4]:
+            print(f"  slow step {s['interval_ms']:.2f} ms phases: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in s["phases_ms"].items() if v >= 0.01))
         print("  slowest: " + "; ".join(f"{s['interval_ms']:.2f} ms ({s['tokens']} tokens, {s['decodes']} decodes, "
                                         f"host {s['host_ms']:.2f}, wait {s['wait_ms']:.2f})"
                                         for s in result["slowest"][:4]))

@@ -214,6 +214,8 @@ def test_mixed_graphs_match_eager(budget: int, graphed_tokens: int, monkeypatch:
                   max_num_batched_tokens=budget, cuda_graphs=None if graphs else False, seed=0)
         runner = llm.engine.runner
         assert (runner.mixed_graphs is not None) == graphs and runner.graphs is None
+        # the scheduler rounds a spread step's prompt cap up to the sizes the graphs pad steps to
+        assert llm.engine.scheduler.step_sizes.tolist() == (list(runner.mixed_graphs.buckets) if graphs else [])
         replays = []
         if graphs:
             def counted(n, prev, replay=runner.mixed_graphs.replay_static, replays=replays):

@@ -14,7 +14,8 @@ what the running prefills and the waiting prompts still have to compute.
     4     3         50      3 + 13                                     d d a B10 C3    (B's first token)
     5     4         37      4 + 10                                     d d a b C10
 Without spreading (``prefill_spread`` 1, or no request streams: outputs only at the end), step 1 would be
-d d A40 B22 and step 2 d d a B18 C40.
+d d A40 B22 and step 2 d d a B18 C40. A runner that pads a step to one of a few sizes (``step_sizes``: its graphs'
+buckets) has the cap rounded up to the next of them (with sizes 16, 40, 64, step 1's cap of 32 becomes 40: d d A38).
 """
 
 from __future__ import annotations
@@ -79,6 +80,25 @@ def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int
     sched._queued_tokens = 0
 
 
+@pytest.mark.parametrize(("rem", "queued", "sizes", "expected"), [
+    ([1, 1, 30], 100, (16, 32, 48, 64), 48),    # 2 + 33 = 35: the 48-token size's padding takes prompt tokens
+    ([1, 1], 0, (16, 32), 16),                  # the floor's 2 + 8 rounded up
+    ([1, 1, 30], 100, (16, 32), 35),            # past the largest size: as it was
+    ([1, 1, 30], 100, (16, 35, 40), 35),        # a size met exactly
+    ([1] * 3, 400, (16, 32, 48, 64, 96), 64),   # the budget caps it still
+    ([5, 30], 0, (16, 32), 64),                 # nobody decodes: the budget
+])
+def test_the_cap_rounds_up_to_the_runners_step_sizes(rem: list, queued: int, sizes: tuple, expected: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
+    sched = make_llm(budget=64, spread=4).engine.scheduler
+    assert sched.step_sizes.size == 0                   # (the CPU runner pads no step)
+    sched.step_sizes, sched._queued_tokens = np.asarray(sizes), queued
+    rem = np.asarray(rem, np.int64)
+    assert sched._spread(64, rem, np.ones(rem.size, bool)) == expected
+    sched._queued_tokens = 0
+
+
 @pytest.mark.parametrize("streamed", [True, False])
 def test_the_worked_example(streamed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The module docstring's diagram, step by step; without a streamed request (outputs only at the end, as
@@ -115,7 +135,7 @@ def test_the_worked_example(streamed: bool, monkeypatch: pytest.MonkeyPatch) -> 
         eng.step()
 
 
-def _brute_force_cap(eng, spread: int, floor: int) -> tuple[int, int, int]:
+def _brute_force_cap(eng, spread: int, floor: int, sizes: tuple[int, ...]) -> tuple[int, int, int]:
     """(the step's token cap, its decodes, all tokens it could compute) from every request's state."""
     sched, coord = eng.scheduler, eng.coordinator
     budget = sched.config.max_num_batched_tokens
@@ -131,24 +151,29 @@ def _brute_force_cap(eng, spread: int, floor: int) -> tuple[int, int, int]:
     pending += sum(req.num_tokens for req in sched.waiting)
     if spread == 1 or not decodes:
         return budget, decodes, decodes + pending
-    return min(budget, decodes + max(floor, math.ceil(pending / spread))), decodes, decodes + pending
+    cap = decodes + max(floor, math.ceil(pending / spread))
+    cap = min([s for s in sizes if s >= cap], default=cap)
+    return min(budget, cap), decodes, decodes + pending
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), spread=st.sampled_from([1, 2, 3, 8]), floor=st.integers(1, 24),
-       budget=st.sampled_from([16, 40, 96]))
-def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int, floor: int, budget: int) -> None:
+       budget=st.sampled_from([16, 40, 96]), sizes=st.sampled_from([(), (8, 16, 24, 32, 48), (20, 64)]))
+def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int, floor: int, budget: int,
+                                                           sizes: tuple[int, ...]) -> None:
     """Each step computes min(cap, what there is) tokens, the cap as the module docstring computes it from every
-    request's state (plenty of memory and sequences: nothing else limits it); the queue's count stays exact."""
+    request's state (plenty of memory and sequences: nothing else limits it), rounded up to the runner's step
+    sizes when it has any; the queue's count stays exact."""
     scheduler_module.PREFILL_FLOOR, saved = floor, scheduler_module.PREFILL_FLOOR
     try:
         rng = np.random.default_rng(seed)
         eng = make_llm(budget=budget, spread=spread, max_num_seqs=64, memory=16 << 20).engine
+        eng.scheduler.step_sizes = np.asarray(sizes, np.int64)
         schedule = eng.scheduler.schedule
 
         def checked_schedule(**kw):
             assert kw == {"spread": True}                   # (every request streams)
-            cap, decodes, available = _brute_force_cap(eng, spread, floor)
+            cap, decodes, available = _brute_force_cap(eng, spread, floor, sizes)
             batch = schedule(**kw)
             assert not batch.preempted
             assert batch.num_tokens == min(cap, available), (cap, decodes, available)
