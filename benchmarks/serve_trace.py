@@ -18,7 +18,9 @@ socket and the API process's reader thread; receipt to handler: its event loop).
 gaps' p99 exceeds the stage before's. For the client's slowest 1% of gaps, how much each stage added on average. The
 engine's step intervals by the prompt tokens in the step (with the host's wait for the step in flight, as
 ``gpu_serving_steps.py``), the API processes' intakes (a chat request's handler, tokenization included) and their
-event loops' time a chunk (the median time between two outputs of one engine message). A
+event loops' time a chunk (the median time between two outputs of one engine message). And the whole run in
+tenths (``timeline``): each tenth's p99 client gap and engine step interval, every request counted as
+``serve_load.py`` counts them, which says whether its start or its drain is where the two differ. A
 diagnostic: prints its table, writes ``serve_trace.json`` (``benchmarks/out/`` unless ``--out``/``--save``).
 ``--tiny``: a tiny model on the CPU, a smoke test of this script (its numbers mean nothing).
 """
@@ -26,6 +28,7 @@ diagnostic: prints its table, writes ``serve_trace.json`` (``benchmarks/out/`` u
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import pickle
@@ -51,6 +54,9 @@ PROMPT_GROUPS = ((0, 0), (1, 192), (193, 300), (301, 1 << 30))
 
 
 # -- the analysis -----------------------------------------------------------------------------------------------
+TIMELINE_PARTS = 10
+
+
 def _ms(values: Any, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
     values = np.asarray(values, dtype=float)
     return {f"p{q}": float(1e3 * np.percentile(values, q)) for q in qs} if values.size else {}
@@ -104,6 +110,31 @@ def matched_gaps(stamps: list[dict[str, list]], clients: list[dict[str, Any]]
     return np.asarray(gaps), (lo, hi), mismatched, np.asarray(pairs)
 
 
+def timeline(stamps: list[dict[str, list]], clients: list[dict[str, Any]], parts: int = TIMELINE_PARTS
+             ) -> list[dict[str, float]]:
+    """The whole run (the clients' first token to their last) in ``parts`` equal windows: in each, the p99 of the
+    client's gaps between two delta events (by the later one's time; every request, none left out, as
+    ``serve_load.py``'s whole-run figures count them) and of the engine's step intervals, with their counts (a
+    window with none has no such key). Where the middle's figures and the whole run's differ, this says when."""
+    times = [t for c in clients for t in c["times"]]
+    lo = min(c["times"][0] for c in clients if c["times"])
+    width = (max(times) - lo) / parts or 1.0
+    gaps = np.asarray([(t, t - prev) for c in clients for prev, t in itertools.pairwise(c["times"])], dtype=float)
+    steps = np.asarray(sorted(s[0] for proc in stamps for s in proc["steps"]), dtype=float)
+    intervals = np.stack([steps[1:], np.diff(steps)], axis=1) if steps.size > 1 else np.zeros((0, 2))
+    out = []
+    for i in range(parts):
+        window: dict[str, float] = {"from_s": i * width, "to_s": (i + 1) * width}
+        for name, series in (("client_gap", gaps), ("engine_interval", intervals)):
+            # (rounded first: a time on a boundary opens the later window, whatever the float division gives)
+            at = np.floor(np.round((series[:, 0] - lo) / width, 9)).clip(0, parts - 1) if series.size else series
+            sel = series[at == i, 1] if series.size else series
+            if sel.size:
+                window[f"{name}_p99_ms"], window[f"{name}s"] = float(1e3 * np.percentile(sel, 99)), float(sel.size)
+        out.append(window)
+    return out
+
+
 def analyse(stamps: list[dict[str, list]], clients: list[dict[str, Any]]) -> dict[str, Any]:
     """The tables of the module docstring from the server's stamps (one dict per process) and the clients'."""
     g, (lo, hi), mismatched, pairs = matched_gaps(stamps, clients)
@@ -133,6 +164,7 @@ def analyse(stamps: list[dict[str, list]], clients: list[dict[str, Any]]) -> dic
                     "decodes": float(steps[:-1, 3][m].mean()),
                     "step_call_ms": float(1e3 * (steps[:-1, 1] - steps[:-1, 0])[m].mean()),
                     "wait_ms": float(1e3 * steps[:-1, 4][m].mean())}
+    result["timeline"] = timeline(stamps, clients)
     intakes = np.asarray([i for proc in stamps for i in proc["intakes"] if lo <= i[0] < hi], dtype=float)
     if intakes.size:
         result["intake_ms"] = _ms(intakes[:, 1] - intakes[:, 0], (50, 99))
@@ -172,6 +204,10 @@ def print_tables(result: dict[str, Any]) -> None:
             console.print(f"  prompt tokens {name}: {100 * grp['share']:.1f}% of steps, interval "
                           f"{'/'.join(fmt(grp['interval_ms']))} ms, {grp['decodes']:.0f} decodes, step() "
                           f"{grp['step_call_ms']:.2f} ms of which waiting {grp['wait_ms']:.2f}")
+    if result.get("timeline"):
+        console.print("the whole run in tenths (client gap p99 / engine interval p99, ms): " + "  ".join(
+            f"{w.get('client_gap_p99_ms', math.nan):.1f}/{w.get('engine_interval_p99_ms', math.nan):.1f}"
+            for w in result["timeline"]))
     if "loop_us_a_chunk" in result:
         console.print(f"an API process's event loop: {result['loop_us_a_chunk']:.0f} µs a chunk (the median time "
                       "between two outputs of one engine message)")
