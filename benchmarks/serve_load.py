@@ -691,8 +691,9 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any,
                 server.stop()
 
         if not args.no_peer:
+            result["peer"] = {}             # (filled point by point: a run stopped meanwhile keeps what it measured)
             progress(result)
-            result["peer"] = _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"))
+            _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"), out=result["peer"])
     return result
 
 
@@ -715,9 +716,10 @@ def _throughput(url: str, name: str, convs: list, args: argparse.Namespace) -> d
 
 
 def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: Any, dtype: Any,
-          best: float | None) -> dict[str, Any]:
+          best: float | None, *, out: dict[str, Any]) -> dict[str, Any]:
     """transformers serve at rates from a tenth of hybridkv's best: up 2x while the points meet the target, down 4x
-    while none has (its best rate found within the time the points take)."""
+    while none has (its best rate found within the time the points take). Its figures go into ``out`` as they come
+    (returned): its ``rates`` point by point, ``best_rate`` at the end."""
     log = Path(tempfile.gettempdir()) / f"serve_load_peer_{os.getpid()}.log"
     errors = []
     for continuous_batching in (True, False):      # (its continuous batching refuses some layer kinds: Mamba)
@@ -738,11 +740,13 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         peer.stop()
     else:
         print(f"peer skipped: {errors}", flush=True)
-        return {"skipped": errors}
+        out["skipped"] = errors
+        return out
     print(f"  transformers serve, continuous batching {'on' if continuous_batching else 'off'}", flush=True)
     try:
         start = (best or 1.0) / 10
         points: list[dict[str, Any]] = []
+        out.update(rates=points, first_rate=start, continuous_batching=continuous_batching, refused=errors)
         rate = start
         # Its requests take seconds (hybridkv's tens of ms), longer under load: each point's arrivals span at least
         # three of the longest median latencies seen so far (the first two requests', then each point's), so that
@@ -766,8 +770,8 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
             else:
                 break
         ok = [p["rate"] for p in points if _passes(p)]
-        return {"rates": points, "best_rate": max(ok) if ok else None, "first_rate": start,
-                "continuous_batching": continuous_batching, "refused": errors}
+        out["best_rate"] = max(ok) if ok else None
+        return out
     finally:
         peer.stop()
 

@@ -115,3 +115,51 @@ def test_a_point_merges_its_load_generators() -> None:
     assert (p["failed"], p["errors"], p["wall_s"], p["client_processes"]) == (2, ["HTTP 503: busy"], 2.5, 2)
     assert p["output_tok_s"] == pytest.approx(5 / 2.5) and p["client_busy"] == pytest.approx(1.5 / 2.5 / 2)
     assert p["itl_p50"] == pytest.approx(0.01) and p["ttft_p99"] is None      # (two never came back: infinitely late)
+
+
+def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped during the peer's second point (a time limit's SIGTERM unwinds as an exception) leaves the first
+    point in the family's ``peer`` figures, which the partial save writes; a finished sweep adds its best rate (none
+    here: both points miss, so the rate falls 4x)."""
+    import argparse
+
+    import serve_load
+
+    stopped = {"peer": True}
+
+    class FakePeer:
+        url = "http://127.0.0.1:1"
+
+        def __init__(self, *a, **kw) -> None:
+            pass
+
+        def stop(self) -> None:
+            stopped["peer"] = True
+
+    calls = []          # (the first call is the peer's two-request probe, at an infinite rate)
+
+    def run_load(url, name, convs, *, rate, num_requests, output_len, **kw):
+        calls.append(rate)
+        if rate != math.inf and len(calls) == 3 and stop_at_second:
+            raise KeyboardInterrupt
+        return {"rate": rate, "requests": num_requests, "failed": int(rate != math.inf), "errors": [], "ttft_p50": 1.0,
+                "ttft_p99": 3.0, "tpot_p50": 0.2, "tpot_p99": 0.3, "itl_p50": 0.2, "itl_p99": 0.3, "output_tok_s": 10.0,
+                "requests_s": 1.0, "kept_up": 0.1}
+
+    monkeypatch.setattr(serve_load, "PeerServer", FakePeer)
+    monkeypatch.setattr(serve_load, "run_load", run_load)
+    args = argparse.Namespace(output_len=4, peer_points=2, max_requests_per_rate=64, seconds_per_rate=1.0,
+                              peer_drain_timeout=1.0, client_processes=1)
+    device = type("Device", (), {"type": "cpu"})()
+    for stop_at_second in (True, False):
+        calls.clear()
+        stopped["peer"] = False
+        out: dict = {}
+        if stop_at_second:
+            with pytest.raises(KeyboardInterrupt):
+                serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out)
+            assert [p["rate"] for p in out["rates"]] == [40.0] and "best_rate" not in out
+        else:
+            assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
+            assert [p["rate"] for p in out["rates"]] == [40.0, 10.0] and out["best_rate"] is None
+        assert out["first_rate"] == 40.0 and stopped["peer"]
