@@ -63,7 +63,8 @@ def write_json(args: argparse.Namespace, name: str, data: Any, *, scenario: str 
 
 def half_best_rate(family: str) -> float:
     """Half the family's best request rate in ``serve_load.json`` (the serving targets' inter-token point), for the
-    diagnostics that load a server or an engine there."""
+    diagnostics that load a server or an engine there. The saved run's host sets it: on a faster host than that
+    one's, give the rate its own run found (``--rate``)."""
     path = RESULTS / "serve_load.json"
     for result in json.loads(path.read_text()).get("results", []) if path.exists() else ():
         if result.get("family") == family and result.get("best_rate"):

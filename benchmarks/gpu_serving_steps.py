@@ -78,7 +78,9 @@ def instrument(eng: LLMEngine) -> dict[str, Any]:
 
     eng.scheduler.schedule = scheduled
 
-    def collected(phase: str, info: dict[str, int], started: list[float] = [0.0]) -> None:   # noqa: B006
+    started = [0.0]
+
+    def collected(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
         else:
@@ -117,12 +119,14 @@ def replay(eng: LLMEngine, cur: dict[str, Any], *, rate: float, seconds: float, 
         outputs = eng.step()
         end = time.perf_counter()
         spent = end - start
+        phases = dict(cur)                  # (now: a collection while the outputs are read is not this step's)
         for out in outputs:
             if out.outputs and out.outputs[0].token_ids and out.request_id in waiting:
                 ttft.append(end - waiting.pop(out.request_id))
-        steps.append(Step(start=start, tokens=cur.pop("tokens", 0), decodes=cur.pop("decodes", 0),
-                          host=spent - cur.get(WAIT, 0.0), wait=cur.get(WAIT, 0.0), after_idle=idle,
-                          phases=dict(cur, rest=spent - sum(cur.get(k, 0.0) for k in TOP_PHASES))))
+        tokens, decodes = phases.pop("tokens", 0), phases.pop("decodes", 0)
+        steps.append(Step(start=start, tokens=tokens, decodes=decodes, host=spent - phases.get(WAIT, 0.0),
+                          wait=phases.get(WAIT, 0.0), after_idle=idle,
+                          phases=dict(phases, rest=spent - sum(phases.get(k, 0.0) for k in TOP_PHASES))))
         idle = not eng.has_unfinished         # (as the engine's own histogram counts: ``LLMEngine.add_request``)
     return steps, ttft
 

@@ -691,7 +691,9 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any,
                 server.stop()
 
         if not args.no_peer:
-            result["peer"] = {}             # (filled point by point: a run stopped meanwhile keeps what it measured)
+            # filled point by point, and the same dict is what ``progress`` keeps: a run stopped during the peer's
+            # points saves those it measured
+            result["peer"] = {}
             progress(result)
             _peer(ckpt, name, convs, args, device, dtype, result.get("best_rate"), out=result["peer"])
     return result
@@ -810,7 +812,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             rate_ratio = "-"
         elif peer_best:
             rate_ratio = f"{best / peer_best:.1f}x"
-        elif "rates" in peer:      # the peer missed the target even at a tenth of hybridkv's best (and below)
+        elif peer.get("rates"):    # the peer missed the target even at a tenth of hybridkv's best (and below)
             rate_ratio = f">{best / min(p['rate'] for p in peer['rates']):.0f}x"
         else:
             rate_ratio = "-"

@@ -115,12 +115,14 @@ def timeline(stamps: list[dict[str, list]], clients: list[dict[str, Any]], parts
     """The whole run (the clients' first token to their last) in ``parts`` equal windows: in each, the p99 of the
     client's gaps between two delta events (by the later one's time; every request, none left out, as
     ``serve_load.py``'s whole-run figures count them) and of the engine's step intervals, with their counts (a
-    window with none has no such key). Where the middle's figures and the whole run's differ, this says when."""
+    window with none has no such key). Where the middle's figures and the whole run's differ, this says when. The
+    engine's steps outside that span (start-up, the warm-up requests, the idle engine after the run) are left out."""
     times = [t for c in clients for t in c["times"]]
-    lo = min(c["times"][0] for c in clients if c["times"])
-    width = (max(times) - lo) / parts or 1.0
+    lo, end = min(c["times"][0] for c in clients if c["times"]), max(times)
+    width = (end - lo) / parts or 1.0
     gaps = np.asarray([(t, t - prev) for c in clients for prev, t in itertools.pairwise(c["times"])], dtype=float)
     steps = np.asarray(sorted(s[0] for proc in stamps for s in proc["steps"]), dtype=float)
+    steps = steps[(steps >= lo) & (steps <= end)]
     intervals = np.stack([steps[1:], np.diff(steps)], axis=1) if steps.size > 1 else np.zeros((0, 2))
     out = []
     for i in range(parts):

@@ -1,5 +1,6 @@
 """``prefill_spread``: while requests decode, a step's prompt tokens are capped at max(``PREFILL_FLOOR``, pending /
-spread), so a burst of prompts runs over several steps instead of stretching the decodes' next token.
+spread) (the step rounded up to the runner's next step size, when it has any), so a burst of prompts runs over
+several steps instead of stretching the decodes' next token.
 
 Table-driven cap, the worked example below, a brute-force oracle of every step's token count (``hypothesis``), and
 the end-to-end invariant: the same greedy tokens with and without spreading, through preemption and aborts.
@@ -86,6 +87,7 @@ def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int
     ([1, 1, 30], 100, (16, 32), 35),            # past the largest size: as it was
     ([1, 1, 30], 100, (16, 35, 40), 35),        # a size met exactly
     ([1] * 3, 400, (16, 32, 48, 64, 96), 64),   # the budget caps it still
+    ([1, 1, 30], 100, (16, 96), 64),            # ... and a size past the budget
     ([5, 30], 0, (16, 32), 64),                 # nobody decodes: the budget
 ])
 def test_the_cap_rounds_up_to_the_runners_step_sizes(rem: list, queued: int, sizes: tuple, expected: int,
@@ -97,6 +99,21 @@ def test_the_cap_rounds_up_to_the_runners_step_sizes(rem: list, queued: int, siz
     rem = np.asarray(rem, np.int64)
     assert sched._spread(64, rem, np.ones(rem.size, bool)) == expected
     sched._queued_tokens = 0
+
+
+def test_the_engine_gives_the_scheduler_its_runners_step_sizes() -> None:
+    """The sizes come from the runner's mixed graphs (their buckets); a runner without them gives none."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridkv.engine.engine import LLMEngine
+
+    llm = make_llm()
+    for graphs, want in ((SimpleNamespace(buckets=(16, 32, 64)), [16, 32, 64]), (None, [])):
+        runner = SimpleNamespace(mixed_graphs=graphs, device=torch.device("cpu"))
+        eng = LLMEngine(llm.engine.model, llm.plan, max_num_seqs=8, max_num_batched_tokens=64, runner=runner)
+        assert eng.scheduler.step_sizes.tolist() == want
 
 
 @pytest.mark.parametrize("streamed", [True, False])

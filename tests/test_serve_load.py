@@ -163,3 +163,19 @@ def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch)
             assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
             assert [p["rate"] for p in out["rates"]] == [40.0, 10.0] and out["best_rate"] is None
         assert out["first_rate"] == 40.0 and stopped["peer"]
+
+
+@pytest.mark.parametrize(("peer", "want"), [
+    ({}, "-"),                                                  # --no-peer
+    ({"skipped": ["refused"]}, "-"),
+    ({"rates": [], "first_rate": 40.0, "best_rate": None}, "-"),    # --peer-points 0
+    ({"rates": [{"rate": 40.0}, {"rate": 10.0}], "best_rate": None}, ">40x"),    # missed at every rate tried
+    ({"rates": [{"rate": 40.0}]}, ">10x"),                    # a run stopped before the sweep's end
+])
+def test_the_summary_ratio_reads_what_the_peer_measured(peer: dict, want: str) -> None:
+    import serve_load
+
+    tok = {"output_tok_s": 100.0}
+    result = {"family": "f", "http": {"stream": tok, "no_stream": tok}, "offline": tok, "best_rate": 400.0,
+              "peer": peer, "decode_step_b32_s": 0.001}
+    assert serve_load.summary_rows([result])[0][7] == want

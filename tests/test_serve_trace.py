@@ -77,13 +77,14 @@ def test_the_loops_time_a_chunk_is_taken_within_one_message() -> None:
 def test_the_timeline_counts_every_gap_in_its_tenth_of_the_run() -> None:
     """Two requests read a token every 10 ms over 0-100 ms, except that request a's tokens at 90 and 100 ms come 5 ms
     late (a 15 ms gap, then a 5 ms one): only the last tenth (90-100 ms) has them. The engine steps every 10 ms but
-    skips 10 ms: the step at 20 ms ends a 20 ms interval, counted in the third tenth."""
+    skips 10 ms: the step at 20 ms ends a 20 ms interval, counted in the third tenth. Its steps before the clients'
+    first token (start-up, warm-up) and after their last one are left out, not counted in the first or last tenth."""
     from serve_trace import timeline
 
     ms = 1e-3
     clients = [{"id": "a", "times": [t * ms for t in (0, 10, 20, 30, 40, 50, 60, 70, 80, 95, 100)]},
                {"id": "b", "times": [t * ms for t in range(0, 101, 10)]}]
-    engine = {"steps": [(t * ms, 0, 0, 0, 0.0) for t in (0, 20, 30, 40, 50, 60, 70, 80, 90, 100)]}
+    engine = {"steps": [(t * ms, 0, 0, 0, 0.0) for t in (-5000, -4998, 0, 20, 30, 40, 50, 60, 70, 80, 90, 100, 900)]}
     windows = timeline([engine, {"steps": []}], clients, parts=10)
     assert [w["from_s"] for w in windows] == pytest.approx([i * 0.01 for i in range(10)])
     assert [w.get("client_gaps", 0) for w in windows] == [0, 2, 2, 2, 2, 2, 2, 2, 2, 4]
@@ -93,6 +94,7 @@ def test_the_timeline_counts_every_gap_in_its_tenth_of_the_run() -> None:
     assert windows[2]["engine_interval_p99_ms"] == pytest.approx(20)   # the step at 20 ms came 20 ms after its last
     assert windows[3]["engine_interval_p99_ms"] == pytest.approx(10) and "engine_intervals" not in windows[1]
     assert windows[9]["engine_intervals"] == 2                          # 90 and 100 ms (the end is in the last)
+    assert "engine_intervals" not in windows[0]        # (the step at 0 ms has none before it in the run)
 
 
 @pytest.mark.slow    # a real server on a tiny model, four client processes

@@ -49,8 +49,8 @@ class EngineConfig:
     or what every chunked layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
     ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step. ``prefill_spread``:
     while requests decode and some request streams, a step's prompt tokens are capped at the pending ones / this
-    (at least 192; 1: no cap), so a burst of arrivals spreads over several steps instead of stretching the streamed
-    requests' next token (``Scheduler._spread``).
+    (at least 192, and the step rounded up to its CUDA-graph bucket; 1: no cap), so a burst of arrivals spreads over
+    several steps instead of stretching the streamed requests' next token (``Scheduler._spread``).
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
     ``tensor_parallel_size`` > 1 shards the model (docs/parallelism.md); ``distributed_timeout`` (seconds)
     bounds every collective. ``cuda_graphs``, ``async_scheduling``, ``warmup``: None = on where the device

@@ -159,15 +159,17 @@ class LLMEngine:
         has_mamba = bool(plan.mamba_groups)
         self.coordinator = KVCacheCoordinator(plan, enable_prefix_caching=enable_prefix_caching,
                                               max_num_reqs=max_num_seqs)
+        scheduler_config = SchedulerConfig(           # (validated before the runner's minutes of start-up)
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching,
+            prefill_spread=prefill_spread)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
+        # a spread step's prompt cap rounds up to the token counts the runner's graphs pad a step to
         mixed_graphs = getattr(self.runner, "mixed_graphs", None)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching,
-            prefill_spread=prefill_spread),
-            self.coordinator, step_sizes=mixed_graphs.buckets if mixed_graphs is not None else ())
+        self.scheduler = Scheduler(scheduler_config, self.coordinator,
+                                   step_sizes=mixed_graphs.buckets if mixed_graphs is not None else ())
         # where the step's device tensors live: the runner's (a stand-in runner may hold no model), else the model's
         self.device = getattr(self.runner, "device", None) or next(model.parameters()).device
         self._seeds = np.random.default_rng(seed)

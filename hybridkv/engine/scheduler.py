@@ -43,9 +43,10 @@ _NEVER = np.iinfo(np.int64).max
 # A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
-# The smallest prefill cap ``prefill_spread`` sets. Smaller chunks add steps to a prompt's first token and cost more
-# in all (a step's fixed cost is most of a short one's); at half the serving rate 192 gave shorter steps at the p50
-# and p99 and earlier first tokens than 128 (docs/design.md).
+# The smallest prefill cap ``prefill_spread`` sets (before the step is rounded up to its graph bucket). Smaller chunks
+# add steps to a prompt's first token and cost more in all (a step's fixed cost is most of a short one's); at half the
+# serving rate 192 gave shorter steps at the p50 and p99 and earlier first tokens than 128 (docs/design.md; measured
+# before the rounding).
 PREFILL_FLOOR = 192
 DEFAULT_PREFILL_SPREAD = 8
 
@@ -56,7 +57,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
-    prefill_spread: int = DEFAULT_PREFILL_SPREAD    # while requests decode: prefill <= pending / this a step
+    prefill_spread: int = DEFAULT_PREFILL_SPREAD    # while requests decode: prefill <= pending / this a step (_spread)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_spread"):
