@@ -15,7 +15,8 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    and not (throughput vs offline, medians of ``--throughput-runs``); then, on the last count, Poisson arrivals,
    streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C, then up to ``--extra-rate-points`` more at 1.25x
    each while the last still keeps p99 TTFT <= 2 s): TTFT, TPOT (per request: time after the first token /
-   tokens after it), ITL (time between streamed chunks, as a client sees it) p50 / p99, output tok/s; and from
+   tokens after it), ITL (time between streamed chunks, as a client sees it) p50 / p99 over the whole run and
+   the p99 over its middle alone (``middle_gaps``: neither filling up nor draining), output tok/s; and from
    the server's ``/metrics`` the p50 / p99 of the engine's step intervals and of the API side's inter-token gaps.
    Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests, at most
    ``--max-requests-per-rate``), then waits for them to finish (bounded). A point meets the target when no request
@@ -226,6 +227,18 @@ async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
             "last_arrival": at, "cpu_s": time.process_time() - cpu0}
 
 
+def middle_gaps(done: list[dict[str, Any]]) -> np.ndarray:
+    """The gaps read in the middle of a run: from a quarter to 85% of its span, the first token read to the last (as
+    ``serve_trace.py`` counts its gaps). The server is full there, neither filling up nor draining; the whole run's
+    percentiles (the targets') hold both ends too. A gap's time is that of the chunk that ends it."""
+    series = [(r["start"] + r["ttft"] + np.cumsum(r["gaps"]), np.asarray(r["gaps"])) for r in done if r["gaps"]]
+    if not series:
+        return np.zeros(0)
+    first, last = min(r["start"] + r["ttft"] for r in done), max(float(t[-1]) for t, _ in series)
+    lo, hi = first + 0.25 * (last - first), first + 0.85 * (last - first)
+    return np.concatenate([g[(t >= lo) & (t < hi)] for t, g in series])
+
+
 def summarize(rate: float, n: int, shards: list[dict[str, Any]]) -> dict[str, Any]:
     """One rate point from its load generators' raw figures (``_load``)."""
     results = [r for s in shards for r in s["results"]]
@@ -248,7 +261,7 @@ def summarize(rate: float, n: int, shards: list[dict[str, Any]]) -> dict[str, An
             "text_chunks": len(itl) + len(done), "output_tok_s": tokens / wall, "requests_s": len(done) / wall,
             "kept_up": kept_up(rate, at, done),
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "itl_p99_middle": pct(list(middle_gaps(done)), 99)}
 
 
 def client_main(spec_file: str) -> None:
@@ -669,6 +682,7 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any,
                         points.append(half)
                 result.update(rates=points, best_rate=best, best_rate_is_lower_bound=lower_bound,
                               itl_p99_at_half=half["itl_p99"] if half else None,
+                              itl_p99_at_half_middle=half.get("itl_p99_middle") if half else None,
                               api_itl_p99_at_half=half["engine"]["api_itl_p99"] if half else None,
                               engine_step_p99_at_half=half["engine"]["step_p99"] if half else None)
             finally:
@@ -782,7 +796,8 @@ def _print_point(who: str, family: str, p: dict[str, Any]) -> None:
     fmt = lambda v, scale=1e3: "-" if v is None or not math.isfinite(v) else f"{scale * v:.1f}"  # noqa: E731
     print(f"  {who} {family} rate {p['rate']:.3g}/s x{p['requests']}: TTFT p50/p99 {fmt(p['ttft_p50'])}/"
           f"{fmt(p['ttft_p99'])} ms, TPOT {fmt(p['tpot_p50'])}/{fmt(p['tpot_p99'])} ms, ITL {fmt(p['itl_p50'])}/"
-          f"{fmt(p['itl_p99'])} ms, {p['output_tok_s']:.0f} tok/s, failed {p['failed']}"
+          f"{fmt(p['itl_p99'])} ms (the middle of the run: p99 {fmt(p.get('itl_p99_middle'))}), "
+          f"{p['output_tok_s']:.0f} tok/s, failed {p['failed']}"
           + (f", kept up {p['kept_up']:.2f}" if p.get("kept_up") is not None else "")
           + (f" ({p['errors'][0]})" if p["errors"] else "")
           + (f"; engine: {p['engine']['steps']:.0f} steps, {fmt(p['engine']['mean_step_s'])} ms each, "
@@ -830,7 +845,9 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                      "-" if best is None else f"{'>=' if r.get('best_rate_is_lower_bound') else ''}{best:.2f}",
                      "-" if peer_best is None else f"{peer_best:.3f} ({_done_rate(peer, peer_best):.1f} done/s)",
                      rate_ratio,
-                     "-" if itl is None else f"{1e3 * itl:.2f}", shares,
+                     "-" if itl is None else f"{1e3 * itl:.2f}" + (
+                         "" if r.get("itl_p99_at_half_middle") is None
+                         else f" (middle {1e3 * r['itl_p99_at_half_middle']:.2f})"), shares,
                      "-" if variant.get("itl_p99") is None
                      else f"{1e3 * variant['itl_p99']:.2f} ({variant['server_flags']})",
                      f"{1e3 * step:.2f}", "-" if itl is None else f"{itl / step:.2f}x"])

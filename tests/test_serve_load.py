@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -115,6 +116,27 @@ def test_a_point_merges_its_load_generators() -> None:
     assert (p["failed"], p["errors"], p["wall_s"], p["client_processes"]) == (2, ["HTTP 503: busy"], 2.5, 2)
     assert p["output_tok_s"] == pytest.approx(5 / 2.5) and p["client_busy"] == pytest.approx(1.5 / 2.5 / 2)
     assert p["itl_p50"] == pytest.approx(0.01) and p["ttft_p99"] is None      # (two never came back: infinitely late)
+
+
+def test_the_middle_of_a_run_holds_the_gaps_read_between_a_quarter_and_85_percent_of_its_span() -> None:
+    """Two requests' chunks over 0-100 ms: request a starts 20 ms late (a filling-up gap) and b's last gap is 30 ms (a
+    drain): the middle, 25-85 ms, holds only the 10 ms gaps read there, which the point reports as its middle's p99
+    beside the whole run's."""
+    from serve_load import middle_gaps, summarize
+
+    ms = 1e-3
+
+    def req(start: float, ttft: float, gaps: list[float]) -> dict:
+        return {"ok": True, "start": start * ms, "ttft": ttft * ms, "gaps": [g * ms for g in gaps],
+                "tokens": len(gaps) + 1, "e2e": (ttft + sum(gaps)) * ms, "error": None}
+
+    a = req(0, 0, [20, 10, 10, 10, 10, 10, 10, 10])      # chunks at 0, 20, 30, ..., 90 ms
+    b = req(0, 10, [10, 10, 10, 10, 10, 10, 30])         # chunks at 10, 20, ..., 70, 100 ms
+    # span 0-100 ms: the middle is 25-85 ms; a's chunks at 30-80 ms, b's at 30-70 ms end gaps there
+    assert sorted(np.round(middle_gaps([a, b]) / ms, 6).tolist()) == [10.0] * 11
+    p = summarize(100.0, 2, [{"results": [a, b], "wall_s": 0.1, "last_arrival": 0.0, "cpu_s": 0.0}])
+    assert p["itl_p99_middle"] == pytest.approx(10 * ms) and p["itl_p99"] > 20 * ms
+    assert middle_gaps([req(0, 5, [])]).size == 0                     # (no gap at all: nothing to count)
 
 
 def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch) -> None:
