@@ -30,6 +30,18 @@ def test_null_block_is_never_handed_out() -> None:
     p.check_invariants()
 
 
+def test_freeing_blocks_without_keys_leaves_the_lru_as_it_was() -> None:
+    """Without prefix caching no freed block has a key: they go back to the plain stack, and the cached blocks' queue
+    gets no entry (an empty one a free call would never be compacted away: a long-running server's memory grew with
+    every request and every sliding-window step that freed blocks)."""
+    p = BlockPool(100, 2)
+    for _ in range(1000):
+        got = p.allocate(3, [0, 1])
+        p.free(got[:, ::-1].T.reshape(-1))
+    assert len(p._lru) == 0 and p._lru_entries == p._num_lru == 0 and p.num_free_blocks == 99
+    p.check_invariants()
+
+
 def test_allocate_for_several_groups() -> None:
     p = BlockPool(8, 3)
     got = p.allocate(2, [0, 2])

@@ -247,7 +247,8 @@ class BlockPool:
             self._stack[self._top:self._top + plain.size] = plain[::-1]
             self._top += plain.size
             zero = zero[keyed]
-        self._push_lru(zero)                          # keyed ones to the LRU
+        if zero.size:       # (an empty entry would never be compacted away: one a free call, without prefix caching)
+            self._push_lru(zero)                      # keyed ones to the LRU
 
     def touch(self, group_id: int, block_ids: Sequence[int] | np.ndarray) -> None:
         """Take one more reference to distinct cached blocks (a prefix hit), reviving free ones."""
