@@ -71,6 +71,11 @@ def test_remove_and_generation() -> None:
     idx.remove("a")
     idx.remove("c")
     assert len(idx) == 0 and not idx._count
+    # nothing is kept of chains that left (a server sees ever new first blocks): a first block seen again starts over,
+    # and stops cached at a generation of before never match it (a chain in the index has generation >= 1)
+    assert not idx._generation and idx.generation(chain) == 0
+    idx.add("a2", chain)
+    assert idx.generation(chain) == 1 and idx.stops(chain) == []
     with pytest.raises(ValueError, match="already"):
         idx.add("x", [])
         idx.add("x", [])

@@ -61,7 +61,13 @@ class SharedPrefixIndex:
                 count[key] = n
             else:
                 del count[key]
-        self._generation[chain[0]] += 1
+        # A chained key is the whole prefix, so only chains that start with it hold a first key: once none is left,
+        # no request's cached stops read its generation, and it goes (kept, every distinct first block a server
+        # ever saw would stay in memory).
+        if chain[0] in count:
+            self._generation[chain[0]] += 1
+        else:
+            del self._generation[chain[0]]
 
     def count(self, key: BlockHash) -> int:
         """Unfinished requests whose prompt chain contains ``key``."""
