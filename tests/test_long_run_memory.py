@@ -6,12 +6,14 @@ engine's own bookkeeping only), sliding-window and full attention groups, prompt
 streamed and final outputs; ``tracemalloc`` compares what is allocated after each window. What a server must hold
 is bounded by its pool and its running requests, both the same at the two snapshots, so the difference is
 allocator noise; a structure that keeps something per request or per step shows as tens to hundreds of KiB.
-Two such were found this way: an empty LRU entry per free call of unkeyed blocks (``BlockPool.free``, ~0.8 KiB a
-request here without prefix caching) and a generation counter per distinct first block
-(``SharedPrefixIndex.remove``)."""
+Three such were found this way: an empty LRU entry per free call of unkeyed blocks (``BlockPool.free``, ~0.8 KiB a
+request here without prefix caching), a generation counter per distinct first block (``SharedPrefixIndex.remove``),
+and, through ``AsyncLLM``, every event loop that ever submitted a request (``LoopWaker`` held its loop, the key of the
+weak dictionary that keeps the wakers)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 import tracemalloc
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridkv import LLM, SamplingParams
+from hybridkv import LLM, EngineConfig, SamplingParams
 from hybridkv.engine.request import OutputKind
 from hybridkv.models import MLP, Attention, HybridConfig, Layer
 
@@ -30,15 +32,34 @@ WINDOW = 1200                   # requests a window
 NOISE = 16 << 10                # bytes: dict and deque resizes, the last step's objects
 
 
+def _config() -> HybridConfig:
+    attn = dict(num_heads=2, num_kv_heads=1, head_dim=16)
+    layers = tuple(Layer(mixer=Attention(**attn) if i % 3 == 2 else Attention(sliding_window=32, **attn),
+                         ffn=MLP(intermediate_size=16)) for i in range(6))
+    return HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32", layers=layers)
+
+
+def _grown(serve) -> tuple[int, list]:
+    """Bytes more allocated after one more window of ``serve`` than after the one before (and the top lines)."""
+    tracemalloc.start()
+    try:
+        serve()
+        gc.collect()
+        before = tracemalloc.take_snapshot()
+        serve()
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grew = after.compare_to(before, "lineno")
+    return sum(s.size_diff for s in grew), grew[:3]
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_serving_more_requests_holds_no_more_memory(prefix_caching: bool) -> None:
     from _sleep_engine import SleepRunner
 
-    attn = dict(num_heads=2, num_kv_heads=1, head_dim=16)
-    layers = tuple(Layer(mixer=Attention(**attn) if i % 3 == 2 else Attention(sliding_window=32, **attn),
-                         ffn=MLP(intermediate_size=16)) for i in range(6))
-    config = HybridConfig(vocab_size=256, hidden_size=32, max_position_embeddings=512, dtype="float32",
-                          layers=layers)
+    config = _config()
     llm = LLM(config, device="cpu", block_size=8, max_num_seqs=32, kv_cache_memory=4 << 20,
               enable_prefix_caching=prefix_caching)
     eng = llm.engine
@@ -59,17 +80,46 @@ def test_serving_more_requests_holds_no_more_memory(prefix_caching: bool) -> Non
             eng.step()
 
     serve(WINDOW // 2)              # (the pool and the prefix cache fill up first)
-    tracemalloc.start()
-    try:
-        serve(WINDOW)
-        gc.collect()
-        before = tracemalloc.take_snapshot()
-        serve(WINDOW)
-        gc.collect()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    grew = after.compare_to(before, "lineno")
-    total = sum(s.size_diff for s in grew)
-    assert total < NOISE, f"{total >> 10} KiB more after {WINDOW} more requests: " + "; ".join(map(str, grew[:3]))
+    total, top = _grown(lambda: serve(WINDOW))
+    assert total < NOISE, f"{total >> 10} KiB more after {WINDOW} more requests: " + "; ".join(map(str, top))
     assert eng.coordinator.num_requests == 0 and eng.coordinator.num_free_blocks == llm.plan.num_blocks - 1
+
+
+def test_an_async_front_used_from_ever_new_event_loops_holds_no_more_memory() -> None:
+    """``AsyncLLM`` over the stand-in engine, its requests (two samples every other one; every fifth consumer
+    leaving mid-stream, which aborts) submitted from a new ``asyncio.run`` every 20: nothing is kept of the loops
+    that are gone, nor of the requests."""
+    from _sleep_engine import sleep_llm
+
+    from hybridkv.engine.async_llm import AsyncLLM
+
+    # (no prefix caching: the cached blocks' queue, bounded by the pool, would move with the engine thread's timing)
+    llm = sleep_llm(_config(), EngineConfig(device="cpu", block_size=8, max_num_seqs=32, kv_cache_memory=4 << 20,
+                                            enable_prefix_caching=False), step_s=0.0, token_s=0.0)
+    front = AsyncLLM(llm)
+    rng = np.random.default_rng(0)
+
+    async def one(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True, n=1 + i % 2)
+        seen = 0
+        async for _ in front.generate(rng.integers(3, 250, int(rng.integers(1, 80))).tolist(), params):
+            seen += 1
+            if i % 5 == 0 and seen == 2:
+                break
+
+    async def some(n: int) -> None:
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    def serve(n: int = WINDOW // 2) -> None:
+        for _ in range(n // 20):
+            asyncio.run(some(20))
+        asyncio.run(front.snapshot())           # (at a step boundary: the aborts applied, the engine idle)
+
+    try:
+        serve(WINDOW // 4)
+        total, top = _grown(serve)
+        gc.collect()
+        assert len(front._wakers) == 0          # (every loop is gone)
+    finally:
+        front.shutdown()
+    assert total < NOISE, f"{total >> 10} KiB more after {WINDOW // 2} more requests: " + "; ".join(map(str, top))

@@ -335,10 +335,13 @@ class RequestStream:
 
 
 class LoopWaker:
-    """Wakes the streams of one event loop that got outputs: one ``call_soon_threadsafe`` per engine step."""
+    """Wakes the streams of one event loop that got outputs: one ``call_soon_threadsafe`` per engine step.
+
+    It holds its loop weakly: the wakers are kept in a ``WeakKeyDictionary`` by loop, whose entry a strong reference
+    here would keep forever (every ``asyncio.run`` that ever submitted a request would stay in memory)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._ready: list[RequestStream] = []
         self._scheduled = False
@@ -349,9 +352,12 @@ class LoopWaker:
             if self._scheduled:
                 return
             self._scheduled = True
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:        # the loop is closed: nobody reads these streams any more
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:        # the loop is closed or gone: nobody reads these streams any more
             with self._lock:
                 self._ready.clear()
                 self._scheduled = False
