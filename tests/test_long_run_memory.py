@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hybridkv import LLM, EngineConfig, SamplingParams
 from hybridkv.engine.request import OutputKind
@@ -29,7 +30,10 @@ from hybridkv.models import MLP, Attention, HybridConfig, Layer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 WINDOW = 1200                   # requests a window
-NOISE = 16 << 10                # bytes: dict and deque resizes, the last step's objects
+# Bytes: dict and deque resizes, the last step's objects (~4-10 KB measured; with the engine on a thread of its own,
+# its last steps' temporaries too, up to ~18 KB). The leaks it found grew by 70-990 KB a window.
+NOISE = 32 << 10
+ASYNC_NOISE = 64 << 10
 
 
 def _config() -> HybridConfig:
@@ -41,7 +45,9 @@ def _config() -> HybridConfig:
 
 def _grown(serve) -> tuple[int, list]:
     """Bytes more allocated after one more window of ``serve`` than after the one before (and the top lines)."""
-    tracemalloc.start()
+    tracing = tracemalloc.is_tracing()      # (a session run with -X tracemalloc keeps its tracing)
+    if not tracing:
+        tracemalloc.start()
     try:
         serve()
         gc.collect()
@@ -50,7 +56,8 @@ def _grown(serve) -> tuple[int, list]:
         gc.collect()
         after = tracemalloc.take_snapshot()
     finally:
-        tracemalloc.stop()
+        if not tracing:
+            tracemalloc.stop()
     grew = after.compare_to(before, "lineno")
     return sum(s.size_diff for s in grew), grew[:3]
 
@@ -93,6 +100,7 @@ def test_an_async_front_used_from_ever_new_event_loops_holds_no_more_memory() ->
 
     from hybridkv.engine.async_llm import AsyncLLM
 
+    threads = torch.get_num_threads()       # (``sleep_llm`` sets 1 for its process: later files keep theirs)
     # (no prefix caching: the cached blocks' queue, bounded by the pool, would move with the engine thread's timing)
     llm = sleep_llm(_config(), EngineConfig(device="cpu", block_size=8, max_num_seqs=32, kv_cache_memory=4 << 20,
                                             enable_prefix_caching=False), step_s=0.0, token_s=0.0)
@@ -122,4 +130,5 @@ def test_an_async_front_used_from_ever_new_event_loops_holds_no_more_memory() ->
         assert len(front._wakers) == 0          # (every loop is gone)
     finally:
         front.shutdown()
-    assert total < NOISE, f"{total >> 10} KiB more after {WINDOW // 2} more requests: " + "; ".join(map(str, top))
+        torch.set_num_threads(threads)
+    assert total < ASYNC_NOISE, f"{total >> 10} KiB more after {WINDOW // 2} more requests: " + "; ".join(map(str, top))

@@ -119,7 +119,7 @@ def test_a_point_merges_its_load_generators() -> None:
 
 
 def test_the_middle_of_a_run_holds_the_gaps_read_between_a_quarter_and_85_percent_of_its_span() -> None:
-    """Two requests' chunks over 0-100 ms: request a starts 20 ms late (a filling-up gap) and b's last gap is 30 ms (a
+    """Two requests' chunks over 0-100 ms: request a's first gap is 20 ms (filling up) and b's last is 30 ms (a
     drain): the middle, 25-85 ms, holds only the 10 ms gaps read there, which the point reports as its middle's p99
     beside the whole run's."""
     from serve_load import middle_gaps, summarize

@@ -347,17 +347,19 @@ class LoopWaker:
         self._scheduled = False
 
     def wake(self, stream: RequestStream) -> None:
+        loop = self._loop()
         with self._lock:
+            if loop is None or loop.is_closed():    # nobody reads these streams any more (a wake-up it had queued
+                self._ready.clear()                 # was dropped with the loop: do not wait for it)
+                self._scheduled = False
+                return
             self._ready.append(stream)
             if self._scheduled:
                 return
             self._scheduled = True
-        loop = self._loop()
         try:
-            if loop is None:
-                raise RuntimeError("the event loop is gone")
             loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:        # the loop is closed or gone: nobody reads these streams any more
+        except RuntimeError:        # closed meanwhile
             with self._lock:
                 self._ready.clear()
                 self._scheduled = False

@@ -183,6 +183,8 @@ class Scheduler:
         self.coord.free(request.request_id)
         self.coord.forget(request.request_id)
         self._release_claims(request)
+        # (with its chain out of the index: a generation restarts at 1 once every chain with its first block is gone,
+        # so a cached one must not outlive the request, ``SharedPrefixIndex.remove``)
         self._stops.pop(request, None)
         request.status = RequestStatus.FINISHED
 
