@@ -132,3 +132,17 @@ def test_an_async_front_used_from_ever_new_event_loops_holds_no_more_memory() ->
         front.shutdown()
         torch.set_num_threads(threads)
     assert total < ASYNC_NOISE, f"{total >> 10} KiB more after {WINDOW // 2} more requests: " + "; ".join(map(str, top))
+
+
+def test_a_waker_whose_loop_closed_keeps_no_stream() -> None:
+    """A wake-up queued on a loop that then closes is dropped with it: the streams woken after that are not kept
+    waiting for it (they would pile up, and hold the loop)."""
+    from hybridkv.engine.async_llm import LoopWaker
+
+    loop = asyncio.new_event_loop()
+    waker = LoopWaker(loop)
+    waker.wake(object())                        # queued with call_soon_threadsafe; the loop never runs it
+    loop.close()
+    for _ in range(3):
+        waker.wake(object())
+    assert waker._ready == [] and not waker._scheduled
