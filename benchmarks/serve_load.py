@@ -227,6 +227,12 @@ async def _load(spec: dict[str, Any], start: float) -> dict[str, Any]:
             "last_arrival": at, "cpu_s": time.process_time() - cpu0}
 
 
+def middle_window(first: float, last: float) -> tuple[float, float]:
+    """The middle of a run whose tokens were read from ``first`` to ``last``: a quarter to 85% of that span, where the
+    server is full, neither filling up nor draining (``middle_gaps``, and ``serve_trace.py``'s gaps)."""
+    return first + 0.25 * (last - first), first + 0.85 * (last - first)
+
+
 def middle_gaps(done: list[dict[str, Any]]) -> np.ndarray:
     """The gaps read in the middle of a run: from a quarter to 85% of its span, the first token read to the last (as
     ``serve_trace.py`` counts its gaps). The server is full there, neither filling up nor draining; the whole run's
@@ -235,7 +241,7 @@ def middle_gaps(done: list[dict[str, Any]]) -> np.ndarray:
     if not series:
         return np.zeros(0)
     first, last = min(r["start"] + r["ttft"] for r in done), max(float(t[-1]) for t, _ in series)
-    lo, hi = first + 0.25 * (last - first), first + 0.85 * (last - first)
+    lo, hi = middle_window(first, last)
     return np.concatenate([g[(t >= lo) & (t < hi)] for t, g in series])
 
 

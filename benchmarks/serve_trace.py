@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, half_best_rate, write_json  # noqa: E402
+from serve_load import middle_window  # noqa: E402
 
 SHIM = Path(__file__).parent / "_serve_trace_shim" / "sitecustomize.py"
 STAGES = ("client", "send", "receipt", "handler")          # (the columns of ``matched_gaps``)
@@ -80,7 +81,7 @@ def matched_gaps(stamps: list[dict[str, list]], clients: list[dict[str, Any]]
     if not times:
         raise RuntimeError("no client read any token")
     lo, hi = min(c["times"][0] for c in clients if c["times"]), max(times)
-    lo, hi = lo + 0.25 * (hi - lo), lo + 0.85 * (hi - lo)
+    lo, hi = middle_window(lo, hi)
     per_token: dict[str, dict[str, list[float]]] = {"send": defaultdict(list), "receipt": defaultdict(list)}
     handler: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for proc in stamps:
