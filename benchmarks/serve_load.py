@@ -298,8 +298,9 @@ def load_shards(url: str, model: str, conversations: list, *, rate: float, num_r
     """``run_load``'s load, each load generator's raw figures (``_load``); ``name_requests``: as ``_load``."""
     spec = {"url": url, "model": model, "conversations": conversations, "rate": rate, "num_requests": num_requests,
             "output_len": output_len, "extra": extra or {}, "stream": stream, "seed": 0, "shards": processes,
-            "drain_timeout": (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout,
-            "name_requests": name_requests}
+            "drain_timeout": drain_timeout, "name_requests": name_requests}
+    # (a load generator waits ``drain_timeout`` after its last arrival: the arrivals' span comes first)
+    deadline = (num_requests / rate if math.isfinite(rate) else 0) + drain_timeout + 120
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -321,7 +322,7 @@ def load_shards(url: str, model: str, conversations: list, *, rate: float, num_r
                 proc.stdin.flush()
             shards = []
             for shard, proc in enumerate(procs):
-                out, _ = proc.communicate(timeout=spec["drain_timeout"] + 120)
+                out, _ = proc.communicate(timeout=deadline)
                 if proc.returncode != 0:
                     raise RuntimeError(f"the load generator failed:\n{(Path(tmp) / f'err{shard}').read_text()[-3000:]}")
                 shards.append(json.loads(out.strip().splitlines()[-1]))

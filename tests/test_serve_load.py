@@ -201,3 +201,21 @@ def test_the_summary_ratio_reads_what_the_peer_measured(peer: dict, want: str) -
     result = {"family": "f", "http": {"stream": tok, "no_stream": tok}, "offline": tok, "best_rate": 400.0,
               "peer": peer, "decode_step_b32_s": 0.001}
     assert serve_load.summary_rows([result])[0][7] == want
+
+
+def test_a_load_generator_waits_its_drain_timeout_after_the_last_arrival() -> None:
+    """A server that never answers: each load generator stops ``drain_timeout`` after its last arrival (the
+    arrivals' span is not counted twice), so the parent's own deadline never cuts it off first."""
+    import socket
+
+    from serve_load import load_shards
+
+    with socket.socket() as listener:            # accepts nothing: every request waits for ever
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        (shard,) = load_shards(url, "m", [[{"role": "user", "content": "hi"}]], rate=4.0, num_requests=8,
+                               output_len=4, drain_timeout=0.2, processes=1)
+    assert shard["results"] == []
+    assert shard["last_arrival"] > 0.5
+    assert shard["wall_s"] < shard["last_arrival"] + 0.2 + 0.5
