@@ -22,6 +22,9 @@ Per run: wall seconds, output tok/s, HTTP/offline, CPU seconds of the engine (it
 and of the API side (the event-loop thread, plus the engine process's reader thread) (Linux ``/proc``), steps;
 derived: the server's extra CPU per request (intake run) and per streamed chunk (streamed - non-streamed, over
 the chunks). Targets (GPU, ``serve_load.py``): HTTP >= 90% of offline.
+Last, a full collection of the garbage collector in a fresh process holding an API process's imports (torch among
+them), before and after ``freeze_startup_heap`` (what the server's processes do once started): the pause a full
+collection would put in the middle of a stream's chunks without it.
 ``--profile DIR``: also run each HTTP load under py-spy (all threads, ``--idle`` off) when installed, writing
 flame graphs and the top functions per thread.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import math
 import os
 import shutil
@@ -228,6 +232,7 @@ def main() -> None:
                                                     - http["cpu_engine"]) / chunks,
             f"tokens_per_chunk{key}": n * new / chunks,
         }
+    derived["api_process_gc"] = full_collection_ms()
     meta = {"commit": commit(), "command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cpus": os.cpu_count(), "python": sys.version.split()[0], "requests": n, "input_len": args.input_len,
             "output_len": new, "step_ms": args.step_ms, "host_ms": args.host_ms,
@@ -254,6 +259,37 @@ def main() -> None:
               f"{derived[f'intake_cpu_per_request_ms{key}']:.2f} ms; streaming CPU per text chunk: "
               f"{derived[f'stream_cpu_per_chunk_us{key}']:.0f} us ({derived[f'tokens_per_chunk{key}']:.2f} tokens "
               f"per chunk)", flush=True)
+    gcs = derived["api_process_gc"]
+    print(f"an API process's imports: {gcs['objects']} objects the collector tracks; a full collection "
+          f"{gcs['full_collection_ms']:.1f} ms, {gcs['after_freeze_ms']:.2f} ms once they are set aside "
+          "(freeze_startup_heap)", flush=True)
+
+
+# Run in a fresh interpreter: this process's own imports and runs would be counted too.
+_FULL_COLLECTION = """
+import gc, json, time
+import hybridkv.server.launcher, hybridkv.server.app, hybridkv.engine.core_client   # an API process's imports
+from hybridkv.utils import freeze_startup_heap
+
+def best():
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t)
+    return 1e3 * min(times)
+
+objects, before = len(gc.get_objects()), best()
+freeze_startup_heap()
+print(json.dumps({"objects": objects, "full_collection_ms": before, "after_freeze_ms": best()}))
+"""
+
+
+def full_collection_ms() -> dict[str, float]:
+    """A full collection's time (ms, the best of three) in a fresh process with an API process's imports, before
+    and after ``freeze_startup_heap``, and the objects the collector tracked."""
+    out = subprocess.run([sys.executable, "-c", _FULL_COLLECTION], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def http_runs(rows: dict[str, dict[str, Any]], suffix: str, server: InProcessServer, convs: list,

@@ -17,6 +17,7 @@ import asyncio
 import gc
 import sys
 import tracemalloc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -146,3 +147,26 @@ def test_a_waker_whose_loop_closed_keeps_no_stream() -> None:
     for _ in range(3):
         waker.wake(object())
     assert waker._ready == [] and not waker._scheduled
+
+
+def test_a_server_process_sets_its_start_up_heap_aside_from_the_collector() -> None:
+    """``freeze_startup_heap`` (the engine and API processes, once started): what is alive is set aside, so a full
+    collection no longer walks it; cyclic garbage made before is collected first, not kept."""
+    from hybridkv.utils import freeze_startup_heap
+
+    class Node:
+        pass
+
+    live = Node()
+    live.me = live                          # a cycle still referenced: set aside
+    dead = Node()
+    dead.me = dead
+    gone = weakref.ref(dead)
+    del dead                                # cyclic garbage: collected
+    try:
+        assert freeze_startup_heap() > 0
+        assert gone() is None
+        assert not any(o is live for o in gc.get_objects())    # (the collector's generations no longer hold it)
+    finally:
+        gc.unfreeze()
+    assert any(o is live for o in gc.get_objects())

@@ -44,6 +44,7 @@ from hybridkv.engine.front import EngineDeadError, Submission
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.request import OutputKind, RequestOutput
 from hybridkv.models.config import HybridConfig
+from hybridkv.utils import freeze_startup_heap
 
 logger = logging.getLogger("hybridkv.engine")
 
@@ -225,6 +226,7 @@ def main(argv: Sequence[str]) -> int:
             with contextlib.suppress(OSError):
                 conn.send(("failed", f"{type(err).__name__}: {err}"))
         return 1
+    logger.debug("engine process: %d start-up objects set aside from the collector", freeze_startup_heap())
     for conn in conns:
         with contextlib.suppress(OSError):      # (an API process that died meanwhile: its reader sees it)
             conn.send(("ready", llm.engine.limits))
