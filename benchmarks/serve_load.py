@@ -28,7 +28,7 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
 3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
    (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
    best rate, points as hybridkv's: up 2x while they meet the target, down 4x while none has, for at most
-   ``--peer-points``.
+   ``--peer-points`` (a point whose load generators hang past their deadline ends the sweep: ``peer.stopped``).
 
 Targets (GPU): HTTP throughput >= 90% of offline on the same requests; the highest rate with p99 TTFT <= 2 s
 >= 10x the peer's; p99 ITL at half that rate <= 2x the batch-32 decode step. The summary table prints
@@ -742,7 +742,8 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
           best: float | None, *, out: dict[str, Any]) -> dict[str, Any]:
     """transformers serve at rates from a tenth of hybridkv's best: up 2x while the points meet the target, down 4x
     while none has (its best rate found within the time the points take). Its figures go into ``out`` as they come
-    (returned): its ``rates`` point by point, ``best_rate`` at the end."""
+    (returned): its ``rates`` point by point, ``best_rate`` at the end (of the points that finished: a point whose
+    load generators outlive their deadline ends the sweep, ``stopped`` saying where)."""
     log = Path(tempfile.gettempdir()) / f"serve_load_peer_{os.getpid()}.log"
     errors = []
     for continuous_batching in (True, False):      # (its continuous batching refuses some layer kinds: Mamba)
@@ -780,8 +781,13 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
         latency = latency_of(first)
         for _ in range(args.peer_points):
             n = min(args.max_requests_per_rate, max(_points_per_rate(rate, args), math.ceil(3 * latency * rate)))
-            point = run_load(peer.url, name, convs, rate=rate, num_requests=n, output_len=args.output_len,
-                             drain_timeout=args.peer_drain_timeout, processes=args.client_processes)
+            try:
+                point = run_load(peer.url, name, convs, rate=rate, num_requests=n, output_len=args.output_len,
+                                 drain_timeout=args.peer_drain_timeout, processes=args.client_processes)
+            except subprocess.TimeoutExpired as err:    # (its load generators outlived their deadline: it hung)
+                out["stopped"] = f"at {rate:g} req/s: {err}"
+                print(f"  transformers serve stopped {out['stopped']}", flush=True)
+                break
             latency = max(latency, latency_of(point))
             points.append(point)
             _print_point("transformers serve", "", point)

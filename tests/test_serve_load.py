@@ -4,6 +4,7 @@ lower bound (the last point run still met the TTFT target)."""
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,8 +142,9 @@ def test_the_middle_of_a_run_holds_the_gaps_read_between_a_quarter_and_85_percen
 
 def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped during the peer's second point (a time limit's SIGTERM unwinds as an exception) leaves the first
-    point in the family's ``peer`` figures, which the partial save writes; a finished sweep adds its best rate (none
-    here: both points miss, so the rate falls 4x)."""
+    point in the family's ``peer`` figures, which the partial save writes; a second point whose load generators hang
+    past their deadline ends the sweep there (``stopped``), the run going on; a finished sweep adds its best rate
+    (none here: both points miss, so the rate falls 4x)."""
     import argparse
 
     import serve_load
@@ -163,7 +165,7 @@ def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch)
     def run_load(url, name, convs, *, rate, num_requests, output_len, **kw):
         calls.append(rate)
         if rate != math.inf and len(calls) == 3 and stop_at_second:
-            raise KeyboardInterrupt
+            raise stop_at_second(["client"], 1.0) if stop_at_second is subprocess.TimeoutExpired else stop_at_second
         return {"rate": rate, "requests": num_requests, "failed": int(rate != math.inf), "errors": [], "ttft_p50": 1.0,
                 "ttft_p99": 3.0, "tpot_p50": 0.2, "tpot_p99": 0.3, "itl_p50": 0.2, "itl_p99": 0.3, "output_tok_s": 10.0,
                 "requests_s": 1.0, "kept_up": 0.1}
@@ -173,14 +175,18 @@ def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch)
     args = argparse.Namespace(output_len=4, peer_points=2, max_requests_per_rate=64, seconds_per_rate=1.0,
                               peer_drain_timeout=1.0, client_processes=1)
     device = type("Device", (), {"type": "cpu"})()
-    for stop_at_second in (True, False):
+    for stop_at_second in (KeyboardInterrupt, subprocess.TimeoutExpired, None):
         calls.clear()
         stopped["peer"] = False
         out: dict = {}
-        if stop_at_second:
+        if stop_at_second is KeyboardInterrupt:
             with pytest.raises(KeyboardInterrupt):
                 serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out)
             assert [p["rate"] for p in out["rates"]] == [40.0] and "best_rate" not in out
+        elif stop_at_second is subprocess.TimeoutExpired:
+            assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
+            assert [p["rate"] for p in out["rates"]] == [40.0] and out["best_rate"] is None
+            assert out["stopped"].startswith("at 10 req/s")
         else:
             assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
             assert [p["rate"] for p in out["rates"]] == [40.0, 10.0] and out["best_rate"] is None
