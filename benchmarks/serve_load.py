@@ -785,7 +785,7 @@ def _peer(ckpt: Path, name: str, convs: list, args: argparse.Namespace, device: 
                 point = run_load(peer.url, name, convs, rate=rate, num_requests=n, output_len=args.output_len,
                                  drain_timeout=args.peer_drain_timeout, processes=args.client_processes)
             except subprocess.TimeoutExpired as err:    # (its load generators outlived their deadline: it hung)
-                out["stopped"] = f"at {rate:g} req/s: {err}"
+                out["stopped"] = f"at {rate:g} req/s: a load generator timed out after {err.timeout:.0f} s"
                 print(f"  transformers serve stopped {out['stopped']}", flush=True)
                 break
             latency = max(latency, latency_of(point))

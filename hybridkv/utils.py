@@ -38,7 +38,8 @@ def freeze_startup_heap() -> int:
     number set aside. For a long-running server process, once it has started: its imports and start-up (~200k
     objects with torch) would otherwise be traversed by every full collection, a pause of tens of milliseconds in
     the middle of a step or of a stream's chunks. Objects made later are collected as before; a set-aside object
-    is still freed when its last reference goes (only a cycle among them would stay)."""
+    is still freed when its last reference goes, but one dropped inside a cycle is never collected, with whatever
+    newer objects the cycle holds (a server drops few of its start-up objects)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -186,7 +186,7 @@ def test_the_peers_points_are_kept_as_they_come(monkeypatch: pytest.MonkeyPatch)
         elif stop_at_second is subprocess.TimeoutExpired:
             assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
             assert [p["rate"] for p in out["rates"]] == [40.0] and out["best_rate"] is None
-            assert out["stopped"].startswith("at 10 req/s")
+            assert out["stopped"] == "at 10 req/s: a load generator timed out after 1 s"
         else:
             assert serve_load._peer(Path("ckpt"), "m", [[]] * 4, args, device, "torch.float32", 400.0, out=out) is out
             assert [p["rate"] for p in out["rates"]] == [40.0, 10.0] and out["best_rate"] is None
