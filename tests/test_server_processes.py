@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from hybridkv.engine.affinity import parse_cpu_list
 from tests._server import ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
 from tests.test_server import GREEDY, MESSAGES, PROMPTS, TIMEOUT, engine_idle, wait_for
 
@@ -62,12 +63,27 @@ def _gone(pids: set[int]) -> bool:
                    .split()[0] for p in pids)
 
 
+def _off_the_step_loops_cpu(launcher: int, processes: set[int], cpu: int) -> None:
+    """The engine process's main thread runs on ``cpu`` alone; every other thread of the server keeps off it."""
+    for pid in {launcher, *processes}:
+        engine = b"hybridkv.engine.core" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            cpus = parse_cpu_list(next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+                                  .split()[1])
+            assert (cpus == {cpu}) if engine and tid == pid else (cpu not in cpus), (pid, tid, cpus)
+
+
 @pytest.mark.slow
 def test_two_api_processes_serve_one_engine(checkpoint: Path, offline, tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = ["--engine-cpu", str(cpus[-1])] if len(cpus) >= 2 else []
     with ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", MODEL, "--api-server-count", "2",
-                       "--disable-access-log") as server:
+                       "--disable-access-log", *pin) as server:
         wait_for(lambda: len(_descendants(server.proc.pid)) >= 3, "the engine and both API processes")
         children = _descendants(server.proc.pid)
+        if pin:
+            _off_the_step_loops_cpu(server.proc.pid, children, cpus[-1])
         prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(48)]
         want = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]
         chat_want = offline.chat(MESSAGES, GREEDY, use_tqdm=False)[0].outputs[0].text

@@ -12,7 +12,8 @@ API processes over one engine process:
 
     API -> engine   a ``CoreJob`` first (on channel 0 only); then ("add", [(id, token ids, params, output kind),
                     ...]), ("abort", [ids]), ("snapshot", seq), ("drain",), ("close", reason)
-    engine -> API   ("ready", EngineLimits) or ("failed", message) first (on every channel); then one ("out",
+    engine -> API   ("ready", EngineLimits, engine CPU or None) or ("failed", message) first (on every channel);
+                    then one ("out",
                     outputs, waiting, adds) per step with outputs of the channel's requests, ("state", waiting,
                     adds) after aborts, ("snapshot", seq, snapshot or error), ("dead", reason) before exiting on a
                     fatal step error
@@ -38,6 +39,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from hybridkv.engine.affinity import check_setting, pin_engine
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError, Submission
@@ -55,14 +57,17 @@ LLMFactory = Callable[[Any, EngineConfig], LLM]
 @dataclass(frozen=True, kw_only=True)
 class CoreJob:
     """What the engine process builds: ``factory(model, config)`` (default ``LLM(model, config=config)``);
-    ``log_level``: the ``hybridkv`` loggers' level there (None: logging left unconfigured)."""
+    ``log_level``: the ``hybridkv`` loggers' level there (None: logging left unconfigured); ``engine_cpu``: the
+    step loop's CPU, ``auto``, ``off`` or a CPU number (``engine/affinity.py``)."""
 
     model: str | Path | HybridConfig
     config: EngineConfig
     factory: LLMFactory | None = None
     log_level: str | None = None
+    engine_cpu: str | int = "auto"
 
     def __post_init__(self) -> None:
+        check_setting(self.engine_cpu)
         if not isinstance(self.model, str | Path | HybridConfig):
             raise TypeError(f"the engine process takes a checkpoint path or a HybridConfig, got "
                             f"{type(self.model).__name__}")
@@ -165,11 +170,22 @@ class EngineCore:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def run(self) -> int:
-        """Serve until every channel drained or closed, or a step failed; the exit code."""
+    def run(self, engine_cpu: str | int = "off") -> int:
+        """Report ready on every channel, then serve until every channel drained or closed, or a step failed; the
+        exit code. ``engine_cpu``: where this thread, the step loop, runs (``affinity.pin_engine``; the readers,
+        started first, keep off its CPU)."""
         for channel in self.channels:
             threading.Thread(target=channel.read, name=f"hybridkv-core-reader-{channel.index}", daemon=True).start()
         device = self.llm.engine.device
+        try:
+            cpu = pin_engine(engine_cpu, device)
+        except ValueError as err:         # (a CPU number this process may not use)
+            for channel in self.channels:
+                channel.send(("failed", str(err)))
+            self.llm.shutdown()
+            return 1
+        for channel in self.channels:     # (an API process that died meanwhile: its reader sees it)
+            channel.send(("ready", self.llm.engine.limits, cpu))
         if device.type == "cuda":
             import torch
 
@@ -227,10 +243,7 @@ def main(argv: Sequence[str]) -> int:
                 conn.send(("failed", f"{type(err).__name__}: {err}"))
         return 1
     logger.debug("engine process: %d start-up objects set aside from the collector", freeze_startup_heap())
-    for conn in conns:
-        with contextlib.suppress(OSError):      # (an API process that died meanwhile: its reader sees it)
-            conn.send(("ready", llm.engine.limits))
-    return EngineCore(llm, conns).run()
+    return EngineCore(llm, conns).run(job.engine_cpu)
 
 
 CORE_COMMAND: tuple[str, ...] = (

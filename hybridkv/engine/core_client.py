@@ -66,6 +66,7 @@ class EngineChannel:
 
     conn: Connection
     limits: EngineLimits
+    engine_cpu: int | None = None
 
 
 class EngineCoreClient:
@@ -73,10 +74,12 @@ class EngineCoreClient:
     with ``config``, in a process this constructor starts and waits for. ``max_waiting``: as ``AsyncLLM``'s;
     ``factory``: builds the engine process's ``LLM`` from (model, config) instead of ``LLM(model, config=...)``
     (importable by name); ``log_level``: the engine process's ``hybridkv`` log level (None: unconfigured);
-    ``channel``: use this channel of an engine process started elsewhere instead of starting one."""
+    ``engine_cpu``: its step loop's CPU (``engine/affinity.py``; the one it took is ``self.engine_cpu``, None if
+    none: this process is left where it runs, ``affinity.keep_off`` moves it); ``channel``: use this channel of an
+    engine process started elsewhere instead of starting one."""
 
     def __init__(self, model: str | Path | HybridConfig, config: EngineConfig, *, max_waiting: int | None = None,
-                 factory: LLMFactory | None = None, log_level: str | None = None,
+                 factory: LLMFactory | None = None, log_level: str | None = None, engine_cpu: str | int = "auto",
                  channel: EngineChannel | None = None) -> None:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive int or None, got {max_waiting!r}")
@@ -98,14 +101,18 @@ class EngineCoreClient:
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
         self.process: subprocess.Popen | None
         if channel is None:
-            job = CoreJob(model=model, config=config, factory=factory, log_level=log_level)
+            job = CoreJob(model=model, config=config, factory=factory, log_level=log_level, engine_cpu=engine_cpu)
             self.process, (self._conn,) = start_engine_process(job, channels=1)
-        elif factory is not None or log_level is not None:
-            raise ValueError("factory and log_level belong to whoever starts the engine process, not to a channel")
+        elif factory is not None or log_level is not None or engine_cpu != "auto":
+            raise ValueError("factory, log_level and engine_cpu belong to whoever starts the engine process, not to "
+                             "a channel")
         else:
             self.process, self._conn = None, channel.conn
         try:
-            self.limits: EngineLimits = await_ready(self._conn, self.process) if channel is None else channel.limits
+            if channel is None:
+                self.limits, self.engine_cpu = await_ready(self._conn, self.process)
+            else:
+                self.limits, self.engine_cpu = channel.limits, channel.engine_cpu
             self.tokenizer = _api_tokenizer(model, config) if self.limits.has_tokenizer else None
             if self.limits.has_tokenizer and self.tokenizer is None:
                 raise EngineStartError(f"the engine has a tokenizer, but none was found for {model!s} here")
@@ -379,9 +386,10 @@ def start_engine_process(job: CoreJob, *, channels: int) -> tuple[subprocess.Pop
     return process, conns
 
 
-def await_ready(conn: Connection, process: subprocess.Popen | None) -> EngineLimits:
-    """The engine's limits once it is ready on ``conn``; ``EngineStartError`` with its reason if it could not
-    start (``process``: the engine process, when this one started it)."""
+def await_ready(conn: Connection, process: subprocess.Popen | None) -> tuple[EngineLimits, int | None]:
+    """The engine's limits, and the CPU its step loop took (None: not pinned), once it is ready on ``conn``;
+    ``EngineStartError`` with its reason if it could not start (``process``: the engine process, when this one
+    started it)."""
     while not conn.poll(0.2):
         code = process.poll() if process is not None else None
         if code is not None:
@@ -394,7 +402,7 @@ def await_ready(conn: Connection, process: subprocess.Popen | None) -> EngineLim
         raise EngineStartError(f"the engine process exited with code {code} before it was ready") from None
     if message[0] == "failed":
         raise EngineStartError(f"the engine process could not start: {message[1]}")
-    return message[1]
+    return message[1], message[2]
 
 
 def _core_env() -> dict[str, str]:

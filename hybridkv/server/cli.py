@@ -46,6 +46,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _engine_cpu(text: str) -> str | int:
+    from hybridkv.engine.affinity import allowed_cpus, format_cpu_list
+
+    if text in ("auto", "off"):
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto, off or a CPU number, got {text!r}")
+    allowed = allowed_cpus()
+    if allowed and int(text) not in allowed:
+        raise argparse.ArgumentTypeError(f"CPU {text} is not one this process may use ({format_cpu_list(allowed)})")
+    return int(text)
+
+
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory (HF or hybridkv)")
     http = parser.add_argument_group("server")
@@ -68,6 +81,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="API processes (HTTP, chat templates, tokenization, streaming) over the one engine "
                       "process, sharing the port; more than one when one process's event loop cannot keep up "
                       "with the engine (default 1)")
+    http.add_argument("--engine-cpu", type=_engine_cpu, default="auto",
+                      help="the CPU the engine's step loop runs on alone (the server's other threads and processes "
+                      "keep off it): auto (on a GPU with 4 or more CPUs: the highest-numbered CPU of the GPU's NUMA "
+                      "node; default), off, or a CPU number")
     model = parser.add_argument_group("engine")
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     model.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on CUDA, float32 on the CPU), "
@@ -123,9 +140,12 @@ def run_serve(args: argparse.Namespace) -> int:
         from hybridkv.server.launcher import serve_processes
 
         return serve_processes(args, config)
+    from hybridkv.engine.affinity import keep_off
     from hybridkv.engine.core_client import EngineCoreClient
 
-    engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting, log_level=args.log_level)
+    engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting, log_level=args.log_level,
+                              engine_cpu=args.engine_cpu)
+    keep_off(engine.engine_cpu)         # (this process: off the step loop's CPU)
     return serve_app(args, engine)
 
 

@@ -2,9 +2,11 @@
 
     launcher (this process)   binds the port, starts the engine process with a channel per API process, waits
                               until it is ready (a start-up failure is the CLI's one-line error), starts the
-                              API processes, waits; on SIGTERM / Ctrl-C they all drain, then it exits
-    engine process            ``engine/core.py``: the model, the KV cache and the step loop; exits once the last
-                              API process closes its channel
+                              API processes off the step loop's CPU, waits; on SIGTERM / Ctrl-C they all drain,
+                              then it exits
+    engine process            ``engine/core.py``: the model, the KV cache and the step loop (on a CPU of its own:
+                              ``--engine-cpu``, ``engine/affinity.py``); exits once the last API process closes
+                              its channel
     API process i             uvicorn and the app over an ``EngineCoreClient`` on channel i, accepting on the
                               shared listening socket (whichever process is free takes the next connection)
 
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from hybridkv.engine.affinity import keep_off
 from hybridkv.engine.config import EngineConfig
 from hybridkv.envs import child_environment
 
@@ -56,13 +59,14 @@ def serve_processes(args: argparse.Namespace, config: EngineConfig) -> int:
     listener = socket.create_server((args.host, args.port), backlog=LISTEN_BACKLOG,
                                     family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     metrics_dir = tempfile.mkdtemp(prefix="hybridkv-metrics-")
-    engine, channels = start_engine_process(CoreJob(model=args.model, config=config, log_level=args.log_level),
-                                            channels=count)
+    engine, channels = start_engine_process(CoreJob(model=args.model, config=config, log_level=args.log_level,
+                                                    engine_cpu=args.engine_cpu), channels=count)
     env = child_environment(path_first=_package_root(), metrics_dir=metrics_dir)
     workers: list[subprocess.Popen] = []
     controls: list[Connection] = []
     try:
-        limits = [await_ready(channel, engine) for channel in channels]    # (EngineStartError: why it cannot)
+        ready = [await_ready(channel, engine) for channel in channels]     # (EngineStartError: why it cannot)
+        keep_off(ready[0][1])           # (this process and the API processes it starts: off the step loop's CPU)
         for index, channel in enumerate(channels):
             ours, theirs = socket.socketpair()
             fds = (listener.fileno(), channel.fileno(), theirs.fileno())
@@ -71,7 +75,7 @@ def serve_processes(args: argparse.Namespace, config: EngineConfig) -> int:
             theirs.close()
             channel.close()
             control = Connection(ours.detach())
-            control.send((args, config, limits[index]))
+            control.send((args, config, ready[index][0]))
             controls.append(control)
         port = listener.getsockname()[1]
         listener.close()
