@@ -11,7 +11,8 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    (32 short prompts decoding together: mean time between tokens).
 2. **HTTP**: ``hybridkv serve`` started as users start it (a subprocess; prefix caching off, as the runs repeat
    the conversations), once per ``--api-server-counts`` value (API processes over the one engine process; the
-   load comes from ``--client-processes`` processes of its own): the same conversations all at once, streamed
+   load comes from ``--client-processes`` processes of its own, which keep off the CPU the engine's step loop
+   took, as clients on other machines do: ``--engine-cpu``): the same conversations all at once, streamed
    and not (throughput vs offline, medians of ``--throughput-runs``); then, on the last count, Poisson arrivals,
    streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C, then up to ``--extra-rate-points`` more at 1.25x
    each while the last still keeps p99 TTFT <= 2 s): TTFT, TPOT (per request: time after the first token /
@@ -445,9 +446,39 @@ class CLIServer:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         _await_health(self.proc, self.url, log, "hybridkv serve", timeout=600)
+        # This process, and the load generators it starts, keep off the engine's step loop's CPU while the server
+        # runs, as clients on other machines do (``--engine-cpu``, ``hybridkv/engine/affinity.py``).
+        from hybridkv.engine import affinity
+
+        self._cpus = affinity.allowed_cpus()
+        self.engine_cpu = engine_cpu(self.proc.pid)
+        affinity.keep_off(self.engine_cpu)
 
     def stop(self) -> None:
         _terminate(self.proc, 90)
+        if self.engine_cpu is not None:
+            from hybridkv.engine.affinity import set_process_cpus
+
+            set_process_cpus(self._cpus)
+
+
+def engine_cpu(server: int) -> int | None:
+    """The CPU the step loop of ``hybridkv serve`` (process ``server``) runs on alone, or None: the one CPU its
+    engine process's main thread may use (Linux, ``/proc``)."""
+    from hybridkv.engine.affinity import parse_cpu_list
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != server or b"hybridkv.engine.core" not in (stat.parent / "cmdline").read_bytes():
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):      # (a process that ended meanwhile)
+            continue
+        line = next((ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:")), "x: ")
+        cpus = parse_cpu_list(line.split(":", 1)[1])
+        return cpus.pop() if len(cpus) == 1 else None
+    return None
 
 
 class PeerServer:

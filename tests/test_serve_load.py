@@ -4,6 +4,7 @@ lower bound (the last point run still met the TTFT target)."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,22 @@ def test_a_load_generator_waits_its_drain_timeout_after_the_last_arrival() -> No
     assert shard["results"] == []
     assert shard["last_arrival"] > 0.5
     assert shard["wall_s"] < shard["last_arrival"] + 0.2 + 0.5
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 CPUs")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_engine_cpu_of_a_server(pinned: bool) -> None:
+    """``engine_cpu`` finds the CPU an engine process (a child of the server's process, named by its command line)
+    runs on alone; None when it is not pinned (here this test process is the server's)."""
+    from serve_load import engine_cpu
+
+    cpu = max(os.sched_getaffinity(0))
+    pin = f"os.sched_setaffinity(0, {{{cpu}}}); " if pinned else ""
+    code = f"import os, sys, time; {pin}print('up', flush=True); sys.stdin.read()  # hybridkv.engine.core"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert engine_cpu(os.getpid()) == (cpu if pinned else None)
+    finally:
+        child.communicate(timeout=30)

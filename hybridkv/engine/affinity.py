@@ -119,12 +119,16 @@ def keep_off(cpu: int | None) -> None:
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         return
     others = allowed_cpus() - {cpu}
-    if not others:
-        return
+    if others:
+        set_process_cpus(others)
+
+
+def set_process_cpus(cpus: Collection[int]) -> None:
+    """Let every thread of this process run on ``cpus`` (Linux)."""
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError, PermissionError):     # (a thread that ended meanwhile)
-            os.sched_setaffinity(int(task), others)
+            os.sched_setaffinity(int(task), cpus)
 
 
 __all__ = ["MIN_CPUS_TO_PIN", "check_setting", "choose_engine_cpu", "format_cpu_list", "keep_off",
-           "parse_cpu_list", "pin_engine"]
+           "parse_cpu_list", "pin_engine", "set_process_cpus"]
