@@ -455,11 +455,13 @@ class CLIServer:
         affinity.keep_off(self.engine_cpu)
 
     def stop(self) -> None:
-        _terminate(self.proc, 90)
-        if self.engine_cpu is not None:
-            from hybridkv.engine.affinity import set_process_cpus
+        try:
+            _terminate(self.proc, 90)
+        finally:
+            if self.engine_cpu is not None:
+                from hybridkv.engine.affinity import set_process_cpus
 
-            set_process_cpus(self._cpus)
+                set_process_cpus(self._cpus)
 
 
 def engine_cpu(server: int) -> int | None:

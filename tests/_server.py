@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from hybridkv.engine.affinity import parse_cpu_list
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model, save_model
 from tests.test_tokenizers import _bpe_dir
@@ -123,3 +124,16 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def cpus_allowed(pid: int) -> dict[int, set[int]]:
+    """The CPUs each live thread of process ``pid`` may run on (Linux)."""
+    out = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:       # (a thread that ended meanwhile)
+            continue
+        line = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        out[tid] = parse_cpu_list(line.split()[1])
+    return out

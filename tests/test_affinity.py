@@ -65,10 +65,10 @@ def test_pin_engine_keeps_the_other_threads_off_its_cpu() -> None:
         allowed = allowed_cpus()
         cpu = max(allowed)
         stop = threading.Event()
-        before = threading.Thread(target=stop.wait)          # started before the pin
+        before = threading.Thread(target=stop.wait, daemon=True)          # started before the pin
         before.start()
         assert pin_engine(cpu, torch.device("cpu")) == cpu
-        after = threading.Thread(target=stop.wait)           # started by the pinned thread
+        after = threading.Thread(target=stop.wait, daemon=True)           # started by the pinned thread
         after.start()
         print(json.dumps({"main": cpus(threading.get_native_id()), "before": cpus(before.native_id),
                           "after": cpus(after.native_id), "cpu": cpu, "others": sorted(allowed - {cpu})}))

@@ -29,12 +29,11 @@ import pytest
 
 from hybridkv import SamplingParams
 from hybridkv.engine import core_client
-from hybridkv.engine.affinity import parse_cpu_list
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError
-from tests._server import ENGINE_ARGS, ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
+from tests._server import ENGINE_ARGS, ROOT, ServerProcess, cpus_allowed, free_port, offline_llm, tiny_checkpoint
 
 TIMEOUT = 60.0
 PROMPTS = ["The lazy fox", "Hybrid models mix", "def add(a, b):", "1234 blocks"]
@@ -119,31 +118,31 @@ def test_an_abort_frees_the_request_in_the_engine_process(client: EngineCoreClie
     run(main())
 
 
-def _cpus_allowed(pid: int, tid: int) -> set[int]:
-    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return parse_cpu_list(line.split()[1])
-    raise AssertionError("no Cpus_allowed_list")
-
-
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and at least 2 CPUs")
 def test_the_step_loop_runs_alone_on_its_cpu(client: EngineCoreClient, checkpoint: Path, offline) -> None:
-    assert client.engine_cpu is None                    # auto: a CPU engine is not pinned
+    assert client.engine_cpu is None                    # off by default outside the CLI
     cpu = max(os.sched_getaffinity(0))
     engine = EngineCoreClient(checkpoint, CONFIG, engine_cpu=cpu)
     try:
         assert engine.engine_cpu == cpu
         pid = engine.process.pid
-        tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        assert _cpus_allowed(pid, pid) == {cpu}           # the main thread: the step loop
-        assert all(cpu not in _cpus_allowed(pid, t) for t in tasks if t != pid)    # readers, torch's, ...
+        threads = cpus_allowed(pid)
+        assert threads.pop(pid) == {cpu}                  # the main thread: the step loop
+        assert threads and all(cpu not in cpus for cpus in threads.values())    # readers, torch's, ...
         want = offline.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert run(collect(engine, PROMPTS[0], GREEDY, stream=True))[0][0] == list(want)
     finally:
         engine.shutdown(timeout=TIMEOUT)
+    auto = EngineCoreClient(checkpoint, CONFIG, engine_cpu="auto")
+    try:
+        assert auto.engine_cpu is None                    # auto: a CPU engine is not pinned
+    finally:
+        auto.shutdown(timeout=TIMEOUT)
     with pytest.raises(ValueError, match="engine_cpu must be"):
         EngineCoreClient(checkpoint, CONFIG, engine_cpu="on")
+    with pytest.raises(EngineStartError, match="engine_cpu 100000: not one of the CPUs this process may use"):
+        EngineCoreClient(checkpoint, CONFIG, engine_cpu=100000)
 
 
 def test_the_api_side_checks_are_the_engines(client: EngineCoreClient, offline) -> None:

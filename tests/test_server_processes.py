@@ -22,8 +22,7 @@ import httpx
 import openai
 import pytest
 
-from hybridkv.engine.affinity import parse_cpu_list
-from tests._server import ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
+from tests._server import ROOT, ServerProcess, cpus_allowed, free_port, offline_llm, tiny_checkpoint
 from tests.test_server import GREEDY, MESSAGES, PROMPTS, TIMEOUT, engine_idle, wait_for
 
 MODEL = "tiny"
@@ -63,14 +62,11 @@ def _gone(pids: set[int]) -> bool:
                    .split()[0] for p in pids)
 
 
-def _off_the_step_loops_cpu(launcher: int, processes: set[int], cpu: int) -> None:
+def _off_the_step_loops_cpu(server: int, processes: set[int], cpu: int) -> None:
     """The engine process's main thread runs on ``cpu`` alone; every other thread of the server keeps off it."""
-    for pid in {launcher, *processes}:
+    for pid in {server, *processes}:
         engine = b"hybridkv.engine.core" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-            cpus = parse_cpu_list(next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-                                  .split()[1])
+        for tid, cpus in cpus_allowed(pid).items():
             assert (cpus == {cpu}) if engine and tid == pid else (cpu not in cpus), (pid, tid, cpus)
 
 
@@ -131,6 +127,20 @@ def test_two_api_processes_serve_one_engine(checkpoint: Path, offline, tmp_path:
         assert list(stream)[-1].usage.completion_tokens == 60
         assert server.proc.wait(60) == 0, server.log_text()
         wait_for(lambda: _gone(children), "the engine and API processes to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 CPUs")
+def test_one_api_process_keeps_off_the_step_loops_cpu(checkpoint: Path, offline, tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    with ServerProcess(checkpoint, tmp_path / "server.log", "--served-model-name", MODEL, "--engine-cpu",
+                       str(cpu)) as server:
+        _off_the_step_loops_cpu(server.proc.pid, _descendants(server.proc.pid), cpu)
+        want = offline.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].text
+        got = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT).completions \
+            .create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert got.choices[0].text == want
 
 
 @pytest.mark.slow

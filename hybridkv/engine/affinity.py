@@ -3,17 +3,17 @@
 The step loop is one Python thread that prepares step N+1 while the GPU runs step N; at half the serving rate its
 host work is most of a step. Sharing CPUs with the API processes, their tokenizer threads and the load's clients, it
 is preempted and migrated now and then, and each time the steps in flight wait for it: on one H200 (16 CPUs, the
-Gemma-3-like model of ``benchmarks/serve_trace.py`` at 325 req/s) the engine's p99 step interval was 4.2-4.3 ms
+Gemma-3-like model of ``benchmarks/serve_trace.py`` at 325 req/s) the engine's p99 step interval was 4.2-4.7 ms
 unpinned and 3.0 ms with the step loop alone on a CPU (``docs/design.md``, "The engine's step loop on a CPU of its
 own").
 
-``hybridkv serve --engine-cpu`` (``CoreJob.engine_cpu``): ``auto`` (the default) pins a CUDA engine's step loop
-when the server may use at least ``MIN_CPUS_TO_PIN`` CPUs (fewer, and giving one away would starve the API
-processes), to the highest-numbered of them on the GPU's NUMA node (the PCI device's ``local_cpulist``), else the
-highest-numbered; a CPU number pins to that one (any device); ``off`` leaves every process where the OS puts it.
-The engine process keeps its other threads (socket readers, the CUDA driver's) off that CPU, and the launcher and
-API processes keep off it once the engine says which it took (``keep_off``). Linux only (``os.sched_setaffinity``);
-elsewhere nothing is pinned.
+``hybridkv serve --engine-cpu`` (``CoreJob.engine_cpu``; off unless asked for outside the CLI): ``auto`` (the
+CLI's default) pins a CUDA engine's step loop when the server may use at least ``MIN_CPUS_TO_PIN`` CPUs (fewer, and
+giving one away would starve the API processes), to the highest-numbered of them on the GPU's NUMA node (the PCI
+device's ``local_cpulist``), else the highest-numbered; a CPU number pins to that one (any device); ``off`` leaves
+every process where the OS puts it. The engine process keeps its other threads (socket readers, the CUDA driver's)
+off that CPU, and the launcher and API processes keep off it once the engine says which it took (``keep_off``).
+Tensor-parallel ranks' processes are not pinned. Linux only (``os.sched_setaffinity``); elsewhere nothing is pinned.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def gpu_local_cpus(device: object) -> set[int] | None:
 
 def pin_engine(setting: str | int, device: object) -> int | None:
     """In the engine process, before it serves: choose its CPU (``choose_engine_cpu``), move every thread of this
-    process but the calling one off it and pin the calling one (the step loop) to it; the CPU, or None."""
+    process but the calling one off it and pin the calling one (the step loop) to it; the CPU, or None. A CPU the OS
+    refuses (a cpuset's rules) is ``ValueError`` when asked for by number; ``auto`` then runs unpinned."""
     allowed = allowed_cpus()
     cuda = getattr(device, "type", None) == "cuda"
     cpu = choose_engine_cpu(setting, allowed=allowed, cuda=cuda,
@@ -106,29 +107,43 @@ def pin_engine(setting: str | int, device: object) -> int | None:
     if cpu is None:
         if setting == "auto" and cuda and allowed:
             logger.info("engine step loop not pinned: %d CPUs (pinned from %d)", len(allowed), MIN_CPUS_TO_PIN)
+        elif setting != "off" and not allowed:
+            logger.warning("engine step loop not pinned: this OS does not say which CPUs a process may use")
         return None
-    keep_off(cpu)
-    os.sched_setaffinity(0, {cpu})
+    try:
+        keep_off(cpu)
+        os.sched_setaffinity(0, {cpu})
+    except OSError as err:
+        if setting != "auto":
+            raise ValueError(f"engine_cpu {cpu}: the OS refused it ({err})") from err
+        logger.warning("engine step loop not pinned: the OS refused CPU %d (%s)", cpu, err)
+        return None
     logger.info("engine step loop pinned to CPU %d; the server's other threads and processes keep off it", cpu)
     return cpu
 
 
 def keep_off(cpu: int | None) -> None:
-    """Move every thread of this process off ``cpu`` (threads started later inherit their starter's CPUs); nothing
-    for None, where the OS does not pin, or where ``cpu`` is all this process may use."""
+    """Take ``cpu`` out of the CPUs of every thread of this process (threads started later inherit their starter's);
+    nothing for None, where the OS does not pin, or for a thread that has no other CPU."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         return
-    others = allowed_cpus() - {cpu}
-    if others:
-        set_process_cpus(others)
+    for tid in _threads():
+        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
+            others = os.sched_getaffinity(tid) - {cpu}
+            if others:
+                os.sched_setaffinity(tid, others)
 
 
 def set_process_cpus(cpus: Collection[int]) -> None:
     """Let every thread of this process run on ``cpus`` (Linux)."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError, PermissionError):     # (a thread that ended meanwhile)
-            os.sched_setaffinity(int(task), cpus)
+    for tid in _threads():
+        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
+            os.sched_setaffinity(tid, cpus)
 
 
-__all__ = ["MIN_CPUS_TO_PIN", "check_setting", "choose_engine_cpu", "format_cpu_list", "keep_off",
-           "parse_cpu_list", "pin_engine", "set_process_cpus"]
+def _threads() -> list[int]:
+    return [int(task) for task in os.listdir("/proc/self/task")]
+
+
+__all__ = ["MIN_CPUS_TO_PIN", "allowed_cpus", "check_setting", "choose_engine_cpu", "format_cpu_list",
+           "gpu_local_cpus", "keep_off", "parse_cpu_list", "pin_engine", "set_process_cpus"]

@@ -64,7 +64,7 @@ class CoreJob:
     config: EngineConfig
     factory: LLMFactory | None = None
     log_level: str | None = None
-    engine_cpu: str | int = "auto"
+    engine_cpu: str | int = "off"
 
     def __post_init__(self) -> None:
         check_setting(self.engine_cpu)
@@ -177,19 +177,19 @@ class EngineCore:
         for channel in self.channels:
             threading.Thread(target=channel.read, name=f"hybridkv-core-reader-{channel.index}", daemon=True).start()
         device = self.llm.engine.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
         try:
             cpu = pin_engine(engine_cpu, device)
-        except ValueError as err:         # (a CPU number this process may not use)
+        except ValueError as err:         # (a CPU number this process may not use, or that the OS refused)
             for channel in self.channels:
                 channel.send(("failed", str(err)))
             self.llm.shutdown()
             return 1
         for channel in self.channels:     # (an API process that died meanwhile: its reader sees it)
             channel.send(("ready", self.llm.engine.limits, cpu))
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(device)
         self.front.serve(self._stop)
         dead = self.front.dead
         if dead is not None and not self._stop.is_set():      # a fatal step error (its outputs are sent)

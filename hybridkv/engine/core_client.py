@@ -62,7 +62,7 @@ class EngineStartError(RuntimeError):
 @dataclass(frozen=True)
 class EngineChannel:
     """An API process's channel to an engine process started by someone else (``hybridkv serve
-    --api-server-count``), and the limits the engine reported on it when it was ready."""
+    --api-server-count``), and the limits and step loop's CPU the engine reported on it when it was ready."""
 
     conn: Connection
     limits: EngineLimits
@@ -74,12 +74,12 @@ class EngineCoreClient:
     with ``config``, in a process this constructor starts and waits for. ``max_waiting``: as ``AsyncLLM``'s;
     ``factory``: builds the engine process's ``LLM`` from (model, config) instead of ``LLM(model, config=...)``
     (importable by name); ``log_level``: the engine process's ``hybridkv`` log level (None: unconfigured);
-    ``engine_cpu``: its step loop's CPU (``engine/affinity.py``; the one it took is ``self.engine_cpu``, None if
-    none: this process is left where it runs, ``affinity.keep_off`` moves it); ``channel``: use this channel of an
-    engine process started elsewhere instead of starting one."""
+    ``engine_cpu``: its step loop's CPU (``engine/affinity.py``; default off; the one it took is ``self.engine_cpu``,
+    None if none: this process stays where it runs, ``affinity.keep_off`` moves it off); ``channel``: use this
+    channel of an engine process started elsewhere instead of starting one."""
 
     def __init__(self, model: str | Path | HybridConfig, config: EngineConfig, *, max_waiting: int | None = None,
-                 factory: LLMFactory | None = None, log_level: str | None = None, engine_cpu: str | int = "auto",
+                 factory: LLMFactory | None = None, log_level: str | None = None, engine_cpu: str | int = "off",
                  channel: EngineChannel | None = None) -> None:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive int or None, got {max_waiting!r}")
@@ -103,7 +103,7 @@ class EngineCoreClient:
         if channel is None:
             job = CoreJob(model=model, config=config, factory=factory, log_level=log_level, engine_cpu=engine_cpu)
             self.process, (self._conn,) = start_engine_process(job, channels=1)
-        elif factory is not None or log_level is not None or engine_cpu != "auto":
+        elif factory is not None or log_level is not None or engine_cpu != "off":
             raise ValueError("factory, log_level and engine_cpu belong to whoever starts the engine process, not to "
                              "a channel")
         else:

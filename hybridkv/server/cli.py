@@ -51,7 +51,7 @@ def _engine_cpu(text: str) -> str | int:
 
     if text in ("auto", "off"):
         return text
-    if not text.isdigit():
+    if not (text.isascii() and text.isdecimal()):
         raise argparse.ArgumentTypeError(f"expected auto, off or a CPU number, got {text!r}")
     allowed = allowed_cpus()
     if allowed and int(text) not in allowed:
@@ -60,6 +60,8 @@ def _engine_cpu(text: str) -> str | int:
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.engine.affinity import MIN_CPUS_TO_PIN
+
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory (HF or hybridkv)")
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)")
@@ -83,8 +85,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                       "with the engine (default 1)")
     http.add_argument("--engine-cpu", type=_engine_cpu, default="auto",
                       help="the CPU the engine's step loop runs on alone (the server's other threads and processes "
-                      "keep off it): auto (on a GPU with 4 or more CPUs: the highest-numbered CPU of the GPU's NUMA "
-                      "node; default), off, or a CPU number")
+                      f"keep off it): auto (on a GPU with {MIN_CPUS_TO_PIN} or more CPUs: the highest-numbered CPU "
+                      "of the GPU's NUMA node; default), off, or a CPU number")
     model = parser.add_argument_group("engine")
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     model.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on CUDA, float32 on the CPU), "

@@ -44,8 +44,8 @@ logger = logging.getLogger("hybridkv.server")
 API_COMMAND: tuple[str, ...] = (
     "-c", "import sys; from hybridkv.server.launcher import api_main; sys.exit(api_main(sys.argv[1:]))")
 """``python <API_COMMAND...> <index> <listening socket fd> <engine channel fd> <launcher socket fd>`` starts an
-API process; it reads (args, config, the engine's limits) from the launcher socket, whose end of file later tells
-it to stop."""
+API process; it reads (args, config, the engine's limits, its step loop's CPU) from the launcher socket, whose end of
+file later tells it to stop."""
 
 LISTEN_BACKLOG = 4096
 
@@ -75,7 +75,7 @@ def serve_processes(args: argparse.Namespace, config: EngineConfig) -> int:
             theirs.close()
             channel.close()
             control = Connection(ours.detach())
-            control.send((args, config, ready[index][0]))
+            control.send((args, config, *ready[index]))
             controls.append(control)
         port = listener.getsockname()[1]
         listener.close()
@@ -135,11 +135,11 @@ def api_main(argv: Sequence[str]) -> int:
 
     index, listen_fd, channel_fd, control_fd = map(int, argv)
     control = Connection(control_fd)
-    args, config, limits = control.recv()
+    args, config, limits, engine_cpu = control.recv()
     configure_logging(args.log_level)
     listener = socket.socket(fileno=listen_fd)
     engine = EngineCoreClient(args.model, config, max_waiting=args.max_waiting,
-                              channel=EngineChannel(Connection(channel_fd), limits))
+                              channel=EngineChannel(Connection(channel_fd), limits, engine_cpu))
     threading.Thread(target=_stop_with_launcher, args=(control,), name="hybridkv-launcher-watch",
                      daemon=True).start()
     return serve_app(args, engine, [listener], stats=index == 0)
