@@ -9,23 +9,23 @@ transformers, saved with ``save_pretrained`` plus a byte-level BPE tokenizer wit
    tokens, ``--output-len`` new tokens, greedy, ``ignore_eos``): output tok/s and requests/s (the capacity
    C; the median of ``--throughput-runs`` runs, as for the HTTP throughput below); and the batch-32 decode step
    (32 short prompts decoding together: mean time between tokens).
-2. **HTTP**: ``hybridkv serve`` started as users start it (a subprocess; prefix caching off, as the runs repeat
-   the conversations), once per ``--api-server-counts`` value (API processes over the one engine process; the
-   load comes from ``--client-processes`` processes of its own, which keep off the CPU the engine's step loop
-   took, as clients on other machines do: ``--engine-cpu``): the same conversations all at once, streamed
-   and not (throughput vs offline, medians of ``--throughput-runs``); then, on the last count, Poisson arrivals,
-   streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C, then up to ``--extra-rate-points`` more at 1.25x
-   each while the last still keeps p99 TTFT <= 2 s): TTFT, TPOT (per request: time after the first token /
-   tokens after it), ITL (time between streamed chunks, as a client sees it) p50 / p99 over the whole run and
-   the p99 over its middle alone (``middle_gaps``: neither filling up nor draining), output tok/s; and from
-   the server's ``/metrics`` the p50 / p99 of the engine's step intervals and of the API side's inter-token gaps.
-   Each rate point runs ``--seconds-per-rate`` of arrivals (at least 16 requests, at most
-   ``--max-requests-per-rate``), then waits for them to finish (bounded). A point meets the target when no request
-   failed, p99 TTFT <= 2 s and the server kept up (late in the arrival span, once full, it streamed at least 0.9 of
-   the tokens per second asked by the requests streaming then, ``kept_up``: a short run can hide a growing backlog
-   under the TTFT target, in a queue or in an ever larger batch). The half-rate point runs again on a server
-   started with ``--itl-server-flags`` (default ``--prefill-spread 1``: each step takes every waiting prompt its
-   token budget holds, as before the engine spread bursts of prompts over steps: what the spreading buys).
+2. **HTTP**: ``hybridkv serve`` started as users start it (a subprocess; prefix caching off, as the runs repeat the
+   conversations; ``--server-flags`` adds flags), once per ``--api-server-counts`` value (API processes over the one
+   engine process; the load comes from ``--client-processes`` processes of its own, which keep off the CPU the
+   engine's step loop took, as clients on other machines do: ``--engine-cpu``): the same conversations all at once,
+   streamed and not (throughput vs offline, medians of ``--throughput-runs``); then, on the last count, Poisson
+   arrivals, streamed, at ``--rates`` (default: 0.5, 0.8, 1.0, 1.25 x C, then up to ``--extra-rate-points`` more at
+   1.25x each while the last still keeps p99 TTFT <= 2 s): TTFT, TPOT (per request: time after the first token /
+   tokens after it), ITL (time between streamed chunks, as a client sees it) p50 / p99 over the whole run and the p99
+   over its middle alone (``middle_gaps``: neither filling up nor draining), output tok/s; and from the server's
+   ``/metrics`` the p50 / p99 of the engine's step intervals and of the API side's inter-token gaps. Each rate point
+   runs ``--seconds-per-rate`` of arrivals (at least 16 requests, at most ``--max-requests-per-rate``), then waits
+   for them to finish (bounded). A point meets the target when no request failed, p99 TTFT <= 2 s and the server kept
+   up (late in the arrival span, once full, it streamed at least 0.9 of the tokens per second asked by the requests
+   streaming then, ``kept_up``: a short run can hide a growing backlog under the TTFT target, in a queue or in an
+   ever larger batch). The half-rate point runs again on a server started with ``--itl-server-flags`` as well
+   (default ``--prefill-spread 1``: each step takes every waiting prompt its token budget holds, as before the engine
+   spread bursts of prompts over steps: what the spreading buys).
 3. **Peer**: ``transformers serve`` on the same checkpoint and conversations, with its continuous batching
    (without where that refuses the model: Mamba layers), streamed chat completions from a tenth of hybridkv's
    best rate, points as hybridkv's: up 2x while they meet the target, down 4x while none has, for at most
@@ -680,7 +680,8 @@ def bench_family(family: str, args: argparse.Namespace, device: Any, dtype: Any,
         if device.type == "cuda":
             torch.cuda.empty_cache()
         flags = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--backend", args.backend,
-                 "--kv-memory", args.kv_memory, "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching"]
+                 "--kv-memory", args.kv_memory, "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
+                 *shlex.split(args.server_flags)]
         extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
         log = Path(tmp) / "server.log"
         result["http_by_api_servers"] = {}
@@ -926,6 +927,9 @@ def main() -> None:
     ap.add_argument("--api-server-counts", default="1,4",
                     help="hybridkv serve --api-server-count values, comma-separated: each gets the all-at-once "
                     "throughput runs; the last also gets the rate points (default 1,4)")
+    ap.add_argument("--server-flags", default="",
+                    help="more hybridkv serve flags for every hybridkv server of the run, as one string (e.g. "
+                    "\"--engine-cpu off\")")
     ap.add_argument("--itl-server-flags", default="--prefill-spread 1",
                     help="also run the half-rate point on a server started with these extra flags (default: "
                     "--prefill-spread 1; empty: skip)")
