@@ -12,11 +12,10 @@ API processes over one engine process:
 
     API -> engine   a ``CoreJob`` first (on channel 0 only); then ("add", [(id, token ids, params, output kind),
                     ...]), ("abort", [ids]), ("snapshot", seq), ("drain",), ("close", reason)
-    engine -> API   ("ready", EngineLimits, engine CPU or None) or ("failed", message) first (on every channel);
-                    then one ("out",
-                    outputs, waiting, adds) per step with outputs of the channel's requests, ("state", waiting,
-                    adds) after aborts, ("snapshot", seq, snapshot or error), ("dead", reason) before exiting on a
-                    fatal step error
+    engine -> API   ("ready", EngineLimits, the step loop's CPU or None) or ("failed", message) first (on every
+                    channel); then one ("out", outputs, waiting, adds) per step with outputs of the channel's
+                    requests, ("state", waiting, adds) after aborts, ("snapshot", seq, snapshot or error), ("dead",
+                    reason) before exiting on a fatal step error
 
 ``waiting`` is ``EngineFront.num_waiting()`` and ``adds`` the submissions the channel had sent when it was read
 (each API process bounds its queue with them). A streamed request's output of a step travels as (id, new token
