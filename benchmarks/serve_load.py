@@ -467,19 +467,14 @@ class CLIServer:
 def engine_cpu(server: int) -> int | None:
     """The CPU the step loop of ``hybridkv serve`` (process ``server``) runs on alone, or None: the one CPU its
     engine process's main thread may use (Linux, ``/proc``)."""
-    from hybridkv.engine.affinity import parse_cpu_list
-
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != server or b"hybridkv.engine.core" not in (stat.parent / "cmdline").read_bytes():
-                continue
-            status = (stat.parent / "status").read_text()
+            if (int(stat.read_text().rsplit(")", 1)[1].split()[1]) == server
+                    and b"hybridkv.engine.core" in (stat.parent / "cmdline").read_bytes()):
+                cpus = os.sched_getaffinity(int(stat.parent.name))
+                return next(iter(cpus)) if len(cpus) == 1 else None
         except (OSError, IndexError, ValueError):      # (a process that ended meanwhile)
             continue
-        line = next((ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:")), "x: ")
-        cpus = parse_cpu_list(line.split(":", 1)[1])
-        return cpus.pop() if len(cpus) == 1 else None
     return None
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 
-from hybridkv.engine.affinity import parse_cpu_list
 from hybridkv.models import MLP, Attention, HybridConfig, Layer, Mamba2
 from hybridkv.models.hybrid import build_model, save_model
 from tests.test_tokenizers import _bpe_dir
@@ -131,9 +130,7 @@ def cpus_allowed(pid: int) -> dict[int, set[int]]:
     out = {}
     for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except FileNotFoundError:       # (a thread that ended meanwhile)
+            out[tid] = os.sched_getaffinity(tid)
+        except ProcessLookupError:      # (a thread that ended meanwhile)
             continue
-        line = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-        out[tid] = parse_cpu_list(line.split()[1])
     return out

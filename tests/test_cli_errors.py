@@ -143,9 +143,10 @@ def test_device_cuda_without_cuda(native: Path, capsys: pytest.CaptureFixture[st
     assert "'gpu0' is not a device" in err
 
 
-@pytest.mark.parametrize(("value", "needle"), [("x", "expected auto, off or a CPU number, got 'x'"),
-                                               ("-1", "expected auto, off or a CPU number"),
-                                               ("100000", "CPU 100000 is not one this process may use")])
+@pytest.mark.parametrize(("value", "needle"), [
+    ("x", "expected auto, off or a CPU number, got 'x'"),
+    ("-1", "expected auto, off or a CPU number"),
+    ("100000", "engine_cpu 100000: not one of the CPUs this process may use")])
 def test_serve_engine_cpu(value: str, needle: str, native: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = one_line_error(capsys, ["serve", str(native), "--engine-cpu", value])
     assert "argument --engine-cpu" in err and needle in err, err

@@ -3,9 +3,9 @@
 The step loop is one Python thread that prepares step N+1 while the GPU runs step N; at half the serving rate its
 host work is most of a step. Sharing CPUs with the API processes, their tokenizer threads and the load's clients, it
 is preempted and migrated now and then, and each time the steps in flight wait for it: on one H200 (16 CPUs, the
-Gemma-3-like model of ``benchmarks/serve_trace.py`` at 325 req/s) the engine's p99 step interval was 4.2-4.7 ms
-unpinned and 3.0 ms with the step loop alone on a CPU (``docs/design.md``, "The engine's step loop on a CPU of its
-own").
+Gemma-3-like model of ``benchmarks/serve_trace.py`` at 325 req/s) the engine's p99 step interval was 4.7 ms with
+``--engine-cpu off`` and 3.0 ms with the step loop alone on a CPU (``docs/design.md``, "The engine's step loop on a
+CPU of its own").
 
 ``hybridkv serve --engine-cpu`` (``CoreJob.engine_cpu``; off unless asked for outside the CLI): ``auto`` (the
 CLI's default) pins a CUDA engine's step loop when the server may use at least ``MIN_CPUS_TO_PIN`` CPUs (fewer, and

@@ -47,15 +47,16 @@ def _seconds(text: str) -> float:
 
 
 def _engine_cpu(text: str) -> str | int:
-    from hybridkv.engine.affinity import allowed_cpus, format_cpu_list
+    from hybridkv.engine.affinity import allowed_cpus, choose_engine_cpu
 
     if text in ("auto", "off"):
         return text
     if not (text.isascii() and text.isdecimal()):
         raise argparse.ArgumentTypeError(f"expected auto, off or a CPU number, got {text!r}")
-    allowed = allowed_cpus()
-    if allowed and int(text) not in allowed:
-        raise argparse.ArgumentTypeError(f"CPU {text} is not one this process may use ({format_cpu_list(allowed)})")
+    try:            # (the engine process checks it again; here it is a usage error before any start-up)
+        choose_engine_cpu(int(text), allowed=allowed_cpus(), cuda=False)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return int(text)
 
 
