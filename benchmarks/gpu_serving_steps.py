@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate R] [--seconds 8] [--prompt 260]
                                            [--output 64] [--max-num-batched-tokens 2048]
-                                           [--prefill-spread 8 [1 ...]] [--tiny]
+                                           [--prefill-spread 16 [1 ...]] [--prefill-floor 128 [...]]
+                                           [--engine-cpu auto|off|N] [--tiny]
 
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) on
 ``serve_load.py``'s engine settings (``max_num_seqs`` 256, 24 GiB of KV cache, prefix caching off), driven in this
@@ -22,14 +23,17 @@ slowest steps (``gpu_mixed_step.py``'s phases, nested as there, and the garbage 
 collected, ``gc0``-``gc2``, nested in whichever phase it interrupted), the slowest steps, and the time to first token
 (a request's arrival to the end of the step that returned its first token). Several ``--prefill-spread`` values
 run in turn on the same model and arrivals (the engine's setting, ``Scheduler._spread``), each after its own
-warm-up. ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of this script; its numbers mean
-nothing. Writes ``gpu_serving_steps.json`` (``_results.py``).
+warm-up; likewise every ``--prefill-floor`` (``EngineConfig.prefill_floor``) with each of them. The step loop runs on
+a CPU of its own as ``hybridkv serve``'s engine does (``--engine-cpu``, default auto: ``engine/affinity.py``).
+``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of this script; its numbers mean nothing.
+Writes ``gpu_serving_steps.json`` (``_results.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -42,6 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, half_best_rate, write_json  # noqa: E402
 from gpu_mixed_step import WAIT, time_phases  # noqa: E402
+
+from hybridkv.engine.affinity import check_setting, pin_engine  # noqa: E402
+from hybridkv.engine.scheduler import DEFAULT_PREFILL_FLOOR, DEFAULT_PREFILL_SPREAD  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridkv.engine.engine import LLMEngine
@@ -186,8 +193,13 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="the step's token budget (default 2048, the engine's; hybridkv serve's flag of that name)")
-    ap.add_argument("--prefill-spread", type=int, nargs="+", default=[8],
-                    help="the engine's prefill_spread, one run per value (default 8, the engine's; 1: off)")
+    ap.add_argument("--prefill-spread", type=int, nargs="+", default=[DEFAULT_PREFILL_SPREAD],
+                    help=f"the engine's prefill_spread, one run per value (default {DEFAULT_PREFILL_SPREAD}, the "
+                    f"engine's; 1: off)")
+    ap.add_argument("--prefill-floor", type=int, nargs="+", default=[DEFAULT_PREFILL_FLOOR],
+                    help=f"the engine's prefill_floor, one run per value and spread (default {DEFAULT_PREFILL_FLOOR})")
+    ap.add_argument("--engine-cpu", default="auto", type=lambda t: int(t) if t.isdecimal() else t,
+                    help="the step loop's CPU, as hybridkv serve's flag (default auto; off: not pinned)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")
     args = ap.parse_args()
@@ -212,21 +224,23 @@ def main() -> None:
         llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False,
                          max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
+    cpu = pin_engine(check_setting(args.engine_cpu), eng.device)
     cur = instrument(eng)
     runs = []
-    for spread in args.prefill_spread:
+    for floor, spread in itertools.product(args.prefill_floor, args.prefill_spread):
         # (one model for every value: the scheduler reads its config each step)
-        eng.scheduler.config = replace(eng.scheduler.config, prefill_spread=spread)
+        eng.scheduler.config = replace(eng.scheduler.config, prefill_spread=spread, prefill_floor=floor)
         rng = np.random.default_rng(0)
         kw = dict(rate=args.rate, prompt=args.prompt, output=args.output, rng=rng)
-        replay(eng, cur, seconds=min(2.0, args.seconds), tag=f"w{spread}-", **kw)
-        result = {"prefill_spread": spread, **summarize(*replay(eng, cur, seconds=args.seconds, tag=f"r{spread}-",
-                                                                **kw))}
+        tag = f"{floor}-{spread}-"
+        replay(eng, cur, seconds=min(2.0, args.seconds), tag=f"w{tag}", **kw)
+        result = {"prefill_spread": spread, "prefill_floor": floor,
+                  **summarize(*replay(eng, cur, seconds=args.seconds, tag=f"r{tag}", **kw))}
         runs.append(result)
         i, t = result["interval_ms"], result["ttft_ms"]
         print(f"{args.family}: {args.rate:g} req/s, {args.prompt}-token prompts, {args.output} new, prefill_spread "
-              f"{spread}: {result['steps']} steps, interval p50 / p90 / p99 {i['p50']:.2f} / {i['p90']:.2f} / "
-              f"{i['p99']:.2f} ms, first token p50 / p99 {t['p50']:.1f} / {t['p99']:.1f} ms")
+              f"{spread}, prefill_floor {floor}: {result['steps']} steps, interval p50 / p90 / p99 {i['p50']:.2f} / "
+              f"{i['p90']:.2f} / {i['p99']:.2f} ms, first token p50 / p99 {t['p50']:.1f} / {t['p99']:.1f} ms")
         print(f"  {'prompt tokens here or in flight':32s} {'share':>6s} {'p50':>6s} {'p99':>6s} {'host':>6s} "
               f"{'wait':>6s} {'decodes':>7s}   (ms)")
         for name, g in result["groups"].items():
@@ -245,7 +259,7 @@ def main() -> None:
         "meta": {"device": torch.cuda.get_device_name(0) if not args.tiny else "cpu", "commit": commit(),
                  "command": " ".join(sys.argv), "torch": torch.__version__, "rate": args.rate,
                  "seconds": args.seconds, "prompt": args.prompt, "output": args.output,
-                 "max_num_batched_tokens": args.max_num_batched_tokens}, "runs": runs})
+                 "max_num_batched_tokens": args.max_num_batched_tokens, "engine_cpu": cpu}, "runs": runs})
 
 
 if __name__ == "__main__":

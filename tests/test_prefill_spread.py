@@ -1,4 +1,4 @@
-"""``prefill_spread``: while requests decode, a step's prompt tokens are capped at max(``PREFILL_FLOOR``, pending /
+"""``prefill_spread``: while requests decode, a step's prompt tokens are capped at max(``prefill_floor``, pending /
 spread) (the step rounded up to the runner's next step size, when it has any), so a burst of prompts runs over
 several steps instead of stretching the decodes' next token.
 
@@ -46,10 +46,10 @@ def tiny_config(mamba: bool = False) -> HybridConfig:
                         dtype="float32")
 
 
-def make_llm(*, budget: int = 64, spread: int = 4, max_num_seqs: int = 32, memory: int = 4 << 20,
+def make_llm(*, budget: int = 64, spread: int = 4, floor: int = 8, max_num_seqs: int = 32, memory: int = 4 << 20,
              prefix_caching: bool = False, mamba: bool = False, async_scheduling: bool = False) -> LLM:
     return LLM(tiny_config(mamba), device="cpu", block_size=4, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=budget, prefill_spread=spread, kv_cache_memory=memory,
+               max_num_batched_tokens=budget, prefill_spread=spread, prefill_floor=floor, kv_cache_memory=memory,
                enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
 
 
@@ -70,9 +70,7 @@ def check_queue(sched: scheduler_module.Scheduler) -> None:
     (64, 4, ["tail", "tail", 30], 100, 64),   # prompts' one-token tails are no decodes: the budget
     (64, 4, [1, "tail", 30], 100, 1 + 33),    # ... but pending (131 over 4 steps)
 ])
-def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int,
-                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
+def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int) -> None:
     sched = make_llm(budget=budget, spread=spread).engine.scheduler
     sched._queued_tokens = queued
     generating = np.asarray([r != "tail" for r in rem])
@@ -90,9 +88,7 @@ def test_the_cap(budget: int, spread: int, rem: list, queued: int, expected: int
     ([1, 1, 30], 100, (16, 96), 64),            # ... and a size past the budget
     ([5, 30], 0, (16, 32), 64),                 # nobody decodes: the budget
 ])
-def test_the_cap_rounds_up_to_the_runners_step_sizes(rem: list, queued: int, sizes: tuple, expected: int,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
+def test_the_cap_rounds_up_to_the_runners_step_sizes(rem: list, queued: int, sizes: tuple, expected: int) -> None:
     sched = make_llm(budget=64, spread=4).engine.scheduler
     assert sched.step_sizes.size == 0                   # (the CPU runner pads no step)
     sched.step_sizes, sched._queued_tokens = np.asarray(sizes), queued
@@ -117,12 +113,11 @@ def test_the_engine_gives_the_scheduler_its_runners_step_sizes() -> None:
 
 
 @pytest.mark.parametrize("streamed", [True, False])
-def test_the_worked_example(streamed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worked_example(streamed: bool) -> None:
     """The module docstring's diagram, step by step; without a streamed request (outputs only at the end, as
     ``LLM.generate`` asks) the steps take their whole budget."""
     from hybridkv.engine.request import OutputKind
 
-    monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 8)
     eng = make_llm().engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     kind = OutputKind.DELTA if streamed else OutputKind.FINAL
@@ -181,56 +176,50 @@ def test_every_step_takes_what_the_brute_force_cap_allows(seed: int, spread: int
     """Each step computes min(cap, what there is) tokens, the cap as the module docstring computes it from every
     request's state (plenty of memory and sequences: nothing else limits it), rounded up to the runner's step
     sizes when it has any; the queue's count stays exact."""
-    scheduler_module.PREFILL_FLOOR, saved = floor, scheduler_module.PREFILL_FLOOR
-    try:
-        rng = np.random.default_rng(seed)
-        eng = make_llm(budget=budget, spread=spread, max_num_seqs=64, memory=16 << 20).engine
-        eng.scheduler.step_sizes = np.asarray(sizes, np.int64)
-        schedule = eng.scheduler.schedule
+    rng = np.random.default_rng(seed)
+    eng = make_llm(budget=budget, spread=spread, floor=floor, max_num_seqs=64, memory=16 << 20).engine
+    eng.scheduler.step_sizes = np.asarray(sizes, np.int64)
+    schedule = eng.scheduler.schedule
 
-        def checked_schedule(**kw):
-            assert kw == {"spread": True}                   # (every request streams)
-            cap, decodes, available = _brute_force_cap(eng, spread, floor, sizes)
-            batch = schedule(**kw)
-            assert not batch.preempted
-            assert batch.num_tokens == min(cap, available), (cap, decodes, available)
-            return batch
+    def checked_schedule(**kw):
+        assert kw == {"spread": True}                   # (every request streams)
+        cap, decodes, available = _brute_force_cap(eng, spread, floor, sizes)
+        batch = schedule(**kw)
+        assert not batch.preempted
+        assert batch.num_tokens == min(cap, available), (cap, decodes, available)
+        return batch
 
-        eng.scheduler.schedule = checked_schedule
-        n = 0
-        for _ in range(40):
-            for _ in range(int(rng.poisson(0.6))):
-                prompt = rng.integers(1, VOCAB, int(rng.integers(1, 60))).tolist()
-                eng.add_request(f"r{n}", prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 12)),
-                                                                ignore_eos=True))
-                n += 1
-            check_queue(eng.scheduler)
-            if eng.has_unfinished:
-                eng.step()
-        while eng.has_unfinished:
-            eng.step()
+    eng.scheduler.schedule = checked_schedule
+    n = 0
+    for _ in range(40):
+        for _ in range(int(rng.poisson(0.6))):
+            prompt = rng.integers(1, VOCAB, int(rng.integers(1, 60))).tolist()
+            eng.add_request(f"r{n}", prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 12)),
+                                                            ignore_eos=True))
+            n += 1
         check_queue(eng.scheduler)
-        assert eng.scheduler._queued_tokens == 0
-    finally:
-        scheduler_module.PREFILL_FLOOR = saved
+        if eng.has_unfinished:
+            eng.step()
+    while eng.has_unfinished:
+        eng.step()
+    check_queue(eng.scheduler)
+    assert eng.scheduler._queued_tokens == 0
 
 
 @pytest.mark.parametrize(("mamba", "memory", "asynchronous"),
                          [(False, 72 << 10, False), (True, 80 << 10, False), (False, 72 << 10, True)])
-def test_spreading_changes_no_token(mamba: bool, memory: int, asynchronous: bool,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spreading_changes_no_token(mamba: bool, memory: int, asynchronous: bool) -> None:
     """Greedy tokens with spreading are the no-cache reference's, as without it, through prefix hits, preemption
     (tight memory) and an abort of a waiting request, with a Mamba2 layer (chunks aligned for its checkpoints) and
     with asynchronous scheduling (a request's last token still on its way); everything is freed and the queue's
     count is back to 0."""
-    monkeypatch.setattr(scheduler_module, "PREFILL_FLOOR", 4)
     rng = np.random.default_rng(1)
     prefix = rng.integers(1, VOCAB, 12).tolist()
     prompts = [prefix + rng.integers(1, VOCAB, int(rng.integers(1, 40))).tolist() for _ in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for spread in (1, 3):
-        llm = make_llm(budget=48, spread=spread, max_num_seqs=8, memory=memory, prefix_caching=True, mamba=mamba,
-                       async_scheduling=asynchronous)
+        llm = make_llm(budget=48, spread=spread, floor=4, max_num_seqs=8, memory=memory, prefix_caching=True,
+                       mamba=mamba, async_scheduling=asynchronous)
         eng = llm.engine
         capped = []
         spread_cap = eng.scheduler._spread
@@ -270,14 +259,19 @@ def test_spreading_changes_no_token(mamba: bool, memory: int, asynchronous: bool
             assert final[f"r{i}"] == seq[len(prompt):], (spread, i)
 
 
-def test_the_setting_is_validated_and_reaches_the_scheduler() -> None:
+def test_the_settings_are_validated_and_reach_the_scheduler() -> None:
     from hybridkv.cli import build_parser
     from hybridkv.server.cli import engine_config
 
-    with pytest.raises(ValueError, match="prefill_spread must be a positive int"):
-        EngineConfig(prefill_spread=0)
-    assert make_llm(spread=5).engine.scheduler.config.prefill_spread == 5
-    assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 8
+    for name in ("prefill_spread", "prefill_floor"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            EngineConfig(**{name: 0})
+    config = make_llm(spread=5, floor=7).engine.scheduler.config
+    assert (config.prefill_spread, config.prefill_floor) == (5, 7)
+    assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 16
+    assert EngineConfig().prefill_floor == scheduler_module.DEFAULT_PREFILL_FLOOR == 128
     parser = build_parser()
-    assert engine_config(parser.parse_args(["serve", "m", "--prefill-spread", "3"])).prefill_spread == 3
-    assert engine_config(parser.parse_args(["serve", "m"])).prefill_spread == 8
+    config = engine_config(parser.parse_args(["serve", "m", "--prefill-spread", "3", "--prefill-floor", "64"]))
+    assert (config.prefill_spread, config.prefill_floor) == (3, 64)
+    config = engine_config(parser.parse_args(["serve", "m"]))
+    assert (config.prefill_spread, config.prefill_floor) == (16, 128)

@@ -21,7 +21,7 @@ import torch
 
 from hybridkv.backends.base import KernelBackend
 from hybridkv.backends.registry import available_backends
-from hybridkv.engine.scheduler import DEFAULT_PREFILL_SPREAD
+from hybridkv.engine.scheduler import DEFAULT_PREFILL_FLOOR, DEFAULT_PREFILL_SPREAD
 from hybridkv.kv_groups.plan import HOST_STAGING_SLOTS, KVCachePlan, checkpoint_slots, plan_kv_cache
 from hybridkv.models.config import HybridConfig
 from hybridkv.utils import parse_bytes
@@ -49,8 +49,9 @@ class EngineConfig:
     or what every chunked layer's chunk is a multiple of. ``max_model_len`` None: the model's max positions.
     ``max_num_batched_tokens`` None: max(2048, min(max_model_len, 8192)) tokens per step. ``prefill_spread``:
     while requests decode and some request streams, a step's prompt tokens are capped at the pending ones / this
-    (at least 192, and the step rounded up to its CUDA-graph bucket; 1: no cap), so a burst of arrivals spreads over
-    several steps instead of stretching the streamed requests' next token (``Scheduler._spread``).
+    (at least ``prefill_floor``, and the step rounded up to its CUDA-graph bucket; 1: no cap), so a burst of
+    arrivals spreads over several steps instead of stretching the streamed requests' next token
+    (``Scheduler._spread``).
     ``tokenizer``: a directory, a tokenizer object (``encode`` / ``decode``), or None for the checkpoint's own.
     ``tensor_parallel_size`` > 1 shards the model (docs/parallelism.md); ``distributed_timeout`` (seconds)
     bounds every collective. ``cuda_graphs``, ``async_scheduling``, ``warmup``: None = on where the device
@@ -64,6 +65,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     prefill_spread: int = DEFAULT_PREFILL_SPREAD
+    prefill_floor: int = DEFAULT_PREFILL_FLOOR
     kv_cache_memory: int | str | None = None
     host_cache_memory: int | str = 0
     enable_prefix_caching: bool = True
@@ -106,6 +108,7 @@ class EngineConfig:
             positive(name, optional=True)
         positive("max_num_seqs")
         positive("prefill_spread")
+        positive("prefill_floor")
         positive("tensor_parallel_size")
         flag("enable_prefix_caching")
         for name in ("cuda_graphs", "async_scheduling", "warmup"):

@@ -55,7 +55,13 @@ from hybridkv.engine.sampler import (
     sample,
 )
 from hybridkv.engine.sampling_params import SamplingParams, effective_seed
-from hybridkv.engine.scheduler import DEFAULT_PREFILL_SPREAD, ScheduledBatch, Scheduler, SchedulerConfig
+from hybridkv.engine.scheduler import (
+    DEFAULT_PREFILL_FLOOR,
+    DEFAULT_PREFILL_SPREAD,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+)
 from hybridkv.kv_groups.block_table import token_ranges
 from hybridkv.kv_groups.coordinator import KVCacheCoordinator
 from hybridkv.kv_groups.plan import KVCachePlan
@@ -144,7 +150,8 @@ class LLMEngine:
     appends the sampled tokens on the device. A step without such requests pays nothing for it."""
 
     def __init__(self, model: HybridModel, plan: KVCachePlan, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_spread: int = DEFAULT_PREFILL_SPREAD, enable_prefix_caching: bool = True,
+                 prefill_spread: int = DEFAULT_PREFILL_SPREAD, prefill_floor: int = DEFAULT_PREFILL_FLOOR,
+                 enable_prefix_caching: bool = True,
                  backend: str = "auto", tokenizer: object | None = None, seed: int = 0,
                  runner: StepRunner | None = None, cuda_graphs: bool | None = None,
                  async_scheduling: bool | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
@@ -162,7 +169,7 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(           # (validated before the runner's minutes of start-up)
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=plan.max_model_len, align_prefill_chunks=has_mamba and enable_prefix_caching,
-            prefill_spread=prefill_spread)
+            prefill_spread=prefill_spread, prefill_floor=prefill_floor)
         self.runner = runner if runner is not None else ModelRunner(
             model, plan, backend=backend, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)

@@ -192,7 +192,7 @@ class LLM:
         logger.info("KV cache plan: %s (budget %s%s)", self.plan.summary(), format_bytes(budget), per_rank)
         self.engine = LLMEngine(self.model, self.plan, max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.step_tokens(self.plan.max_model_len),
-                                prefill_spread=config.prefill_spread,
+                                prefill_spread=config.prefill_spread, prefill_floor=config.prefill_floor,
                                 enable_prefix_caching=config.enable_prefix_caching, backend=config.backend,
                                 tokenizer=self.tokenizer, seed=config.seed, runner=runner,
                                 cuda_graphs=config.cuda_graphs, async_scheduling=config.async_scheduling,

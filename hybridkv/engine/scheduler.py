@@ -43,12 +43,13 @@ _NEVER = np.iinfo(np.int64).max
 # A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
-# The smallest prefill cap ``prefill_spread`` sets (before the step is rounded up to its graph bucket). Smaller chunks
-# add steps to a prompt's first token and cost more in all (a step's fixed cost is most of a short one's); at half the
-# serving rate 192 gave shorter steps at the p50 and p99 and earlier first tokens than 128 (docs/design.md; measured
-# before the rounding).
-PREFILL_FLOOR = 192
-DEFAULT_PREFILL_SPREAD = 8
+# The smallest prefill cap ``prefill_spread`` sets (``prefill_floor``; the step is then rounded up to its graph
+# bucket) and the spread. At half the serving rate in process (``gpu_serving_steps.py --prefill-floor 192 128
+# --prefill-spread 8 16``) 128 and 16 gave the shortest p99 step of the four for the Gemma-3-like and NemotronH-like
+# models, for a later first token (docs/design.md): ~33 decodes + 128 round up to a 192-token step, a little over what
+# arrives a step there (~134 tokens), so the steps stay even and a burst drains over more of them.
+DEFAULT_PREFILL_FLOOR = 128
+DEFAULT_PREFILL_SPREAD = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +59,10 @@ class SchedulerConfig:
     max_model_len: int = 4096
     align_prefill_chunks: bool = False     # end prefill chunks on block boundaries and at shared-prefix stops
     prefill_spread: int = DEFAULT_PREFILL_SPREAD    # while requests decode: prefill <= pending / this a step (_spread)
+    prefill_floor: int = DEFAULT_PREFILL_FLOOR      # ... but never capped below this (_spread)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_spread"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_spread", "prefill_floor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
 
@@ -359,7 +361,7 @@ class Scheduler:
     def _spread(self, budget: int, rem: np.ndarray, generating: np.ndarray) -> int:
         """``budget`` capped, while any of the running requests decodes (``rem``: their tokens to compute;
         ``generating``: whether each is past its prompt, so a prompt's one-token tail is no decode), at the decodes
-        plus max(``PREFILL_FLOOR``, the pending prompt tokens (running and waiting) / ``prefill_spread``), rounded
+        plus max(``prefill_floor``, the pending prompt tokens (running and waiting) / ``prefill_spread``), rounded
         up to the next of ``step_sizes``: the step runs padded to that size, so the padding's rows take prompt
         tokens at no extra cost in the GEMMs (at half the serving rate: a shorter mean step, its p90 and first
         tokens, ``docs/design.md``).
@@ -369,12 +371,12 @@ class Scheduler:
         the cap reaches the budget. The cost is steps: a steady trickle's first tokens come ~``prefill_spread``
         steps later, and a large burst's last ones more (what is left shrinks by 1/``prefill_spread`` a step down
         to the floor), which is why only steps with a streamed request spread (``schedule``)."""
-        spread = self.config.prefill_spread
+        spread, floor = self.config.prefill_spread, self.config.prefill_floor
         decodes = int(np.count_nonzero((rem == 1) & generating))
         if spread == 1 or not decodes:
             return budget
         pending = int(rem.sum()) - decodes + self._queued_tokens
-        cap = decodes + max(PREFILL_FLOOR, -(-pending // spread))
+        cap = decodes + max(floor, -(-pending // spread))
         sizes = self.step_sizes
         if sizes.size and cap <= sizes[-1]:
             cap = int(sizes[np.searchsorted(sizes, cap)])

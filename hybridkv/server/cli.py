@@ -107,8 +107,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step")
     model.add_argument("--prefill-spread", type=positive_int, default=None,
                        help="while requests decode, a step computes at most the pending prompt tokens / this "
-                            "(at least 192, rounded up to the step's CUDA-graph bucket): bursts of prompts spread "
-                            "over steps (default: the engine's, 8; 1: off)")
+                            "(at least --prefill-floor, rounded up to the step's CUDA-graph bucket): bursts of "
+                            "prompts spread over steps (default: the engine's, 16; 1: off)")
+    model.add_argument("--prefill-floor", type=positive_int, default=None,
+                       help="the fewest prompt tokens a spread step may take (default: the engine's, 128)")
     model.add_argument("--no-prefix-caching", action="store_true")
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     model.add_argument("--seed", type=int, default=0)
@@ -122,7 +124,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         kv_cache_memory=args.kv_memory, host_cache_memory=args.host_cache_memory,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        **({} if args.prefill_spread is None else {"prefill_spread": args.prefill_spread}),
+                        **{name: getattr(args, name) for name in ("prefill_spread", "prefill_floor")
+                           if getattr(args, name) is not None},
                         enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=False if args.enforce_eager else None, seed=args.seed)
 
