@@ -268,10 +268,10 @@ def test_the_settings_are_validated_and_reach_the_scheduler() -> None:
             EngineConfig(**{name: 0})
     config = make_llm(spread=5, floor=7).engine.scheduler.config
     assert (config.prefill_spread, config.prefill_floor) == (5, 7)
-    assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 16
-    assert EngineConfig().prefill_floor == scheduler_module.DEFAULT_PREFILL_FLOOR == 128
+    assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 8
+    assert EngineConfig().prefill_floor == scheduler_module.DEFAULT_PREFILL_FLOOR == 192
     parser = build_parser()
     config = engine_config(parser.parse_args(["serve", "m", "--prefill-spread", "3", "--prefill-floor", "64"]))
     assert (config.prefill_spread, config.prefill_floor) == (3, 64)
     config = engine_config(parser.parse_args(["serve", "m"]))
-    assert (config.prefill_spread, config.prefill_floor) == (16, 128)
+    assert (config.prefill_spread, config.prefill_floor) == (8, 192)

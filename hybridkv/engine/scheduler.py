@@ -44,12 +44,13 @@ _NEVER = np.iinfo(np.int64).max
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
 # The smallest prefill cap ``prefill_spread`` sets (``prefill_floor``; the step is then rounded up to its graph
-# bucket) and the spread. At half the serving rate in process (``gpu_serving_steps.py --prefill-floor 192 128
-# --prefill-spread 8 16``) 128 and 16 gave the shortest p99 step of the four for the Gemma-3-like and NemotronH-like
-# models, for a later first token (docs/design.md): ~33 decodes + 128 round up to a 192-token step, a little over what
-# arrives a step there (~134 tokens), so the steps stay even and a burst drains over more of them.
-DEFAULT_PREFILL_FLOOR = 128
-DEFAULT_PREFILL_SPREAD = 16
+# bucket). ~33 decodes + 192 round up to a 256-token step, above the ~140-160 prompt tokens that arrive a step at half
+# the serving rate, so the cap follows a burst without falling behind the arrivals. A floor of 128 with a spread of 16
+# evened the NemotronH-like steps at its half rate (p99 3.6 against 4.1 ms at the client) but fell behind the
+# Gemma-3-like arrivals at its own (273 req/s: a ~192-token step takes ~159 of the ~161 that arrive; p99 3.6 against
+# 3.3 ms, first tokens 41 against 13 ms at the p50), and lowered the streamed HTTP throughput (docs/design.md).
+DEFAULT_PREFILL_FLOOR = 192
+DEFAULT_PREFILL_SPREAD = 8
 
 
 @dataclass(frozen=True, kw_only=True)
