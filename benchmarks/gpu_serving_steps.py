@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_serving_steps.py [--family gemma3] [--rate R] [--seconds 8] [--prompt 260]
                                            [--output 64] [--max-num-batched-tokens 2048]
-                                           [--prefill-spread 16 [1 ...]] [--prefill-floor 128 [...]]
+                                           [--prefill-spread 8 [1 ...]] [--prefill-floor 192 [...]]
                                            [--engine-cpu auto|off|N] [--tiny]
 
 The model of ``gpu_decode.py`` (random init, bf16, triton backend, CUDA graphs, asynchronous scheduling) on
@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _results import add_output_args, commit, half_best_rate, write_json  # noqa: E402
 from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 
+from hybridkv.commands import positive_int  # noqa: E402
 from hybridkv.engine.affinity import check_setting, pin_engine  # noqa: E402
 from hybridkv.engine.scheduler import DEFAULT_PREFILL_FLOOR, DEFAULT_PREFILL_SPREAD  # noqa: E402
 
@@ -183,6 +184,14 @@ def mean_phases(steps: list[Step]) -> dict[str, float]:
     return dict(sorted(means.items(), key=lambda kv: -kv[1]))
 
 
+def engine_cpu_setting(text: str) -> str | int:
+    """``--engine-cpu``: auto, off or a CPU number, checked as the engine checks it."""
+    try:
+        return check_setting(int(text) if text.isascii() and text.isdecimal() else text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gemma3")
@@ -193,12 +202,13 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="the step's token budget (default 2048, the engine's; hybridkv serve's flag of that name)")
-    ap.add_argument("--prefill-spread", type=int, nargs="+", default=[DEFAULT_PREFILL_SPREAD],
+    ap.add_argument("--prefill-spread", type=positive_int, nargs="+", default=[DEFAULT_PREFILL_SPREAD],
                     help=f"the engine's prefill_spread, one run per value (default {DEFAULT_PREFILL_SPREAD}, the "
-                    f"engine's; 1: off)")
-    ap.add_argument("--prefill-floor", type=int, nargs="+", default=[DEFAULT_PREFILL_FLOOR],
+                    "engine's; 1: off)")
+    ap.add_argument("--prefill-floor", type=positive_int, nargs="+", default=[DEFAULT_PREFILL_FLOOR],
                     help=f"the engine's prefill_floor, one run per value and spread (default {DEFAULT_PREFILL_FLOOR})")
-    ap.add_argument("--engine-cpu", default="auto", type=lambda t: int(t) if t.isdecimal() else t,
+    ap.add_argument("--engine-cpu", default="auto",
+                    type=engine_cpu_setting,
                     help="the step loop's CPU, as hybridkv serve's flag (default auto; off: not pinned)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")
@@ -224,7 +234,7 @@ def main() -> None:
         llm = random_llm(args.family, max_num_seqs=256, kv_cache_memory="24GiB", enable_prefix_caching=False,
                          max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
-    cpu = pin_engine(check_setting(args.engine_cpu), eng.device)
+    cpu = pin_engine(args.engine_cpu, eng.device)
     cur = instrument(eng)
     runs = []
     for floor, spread in itertools.product(args.prefill_floor, args.prefill_spread):

@@ -152,6 +152,12 @@ def test_serve_engine_cpu(value: str, needle: str, native: Path, capsys: pytest.
     assert "argument --engine-cpu" in err and needle in err, err
 
 
+@pytest.mark.parametrize("flag", ["--prefill-floor", "--prefill-spread"])
+def test_serve_prefill_settings(flag: str, native: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_error(capsys, ["serve", str(native), flag, "0"])
+    assert f"argument {flag}: expected a positive integer, got '0'" in err, err
+
+
 def test_a_model_too_large_for_memory(native: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 4096)

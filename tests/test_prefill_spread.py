@@ -266,6 +266,8 @@ def test_the_settings_are_validated_and_reach_the_scheduler() -> None:
     for name in ("prefill_spread", "prefill_floor"):
         with pytest.raises(ValueError, match=f"{name} must be a positive int"):
             EngineConfig(**{name: 0})
+        with pytest.raises(ValueError, match=f"SchedulerConfig.{name} must be positive"):
+            scheduler_module.SchedulerConfig(**{name: 0})
     config = make_llm(spread=5, floor=7).engine.scheduler.config
     assert (config.prefill_spread, config.prefill_floor) == (5, 7)
     assert EngineConfig().prefill_spread == scheduler_module.DEFAULT_PREFILL_SPREAD == 8

@@ -43,12 +43,10 @@ _NEVER = np.iinfo(np.int64).max
 # A shared prefix is computed once (its sharers wait for it) when that saves at least a step's token budget:
 # the wait costs the sharers about a step; a shorter one is computed by each of them in parallel.
 STOP_MIN_SAVING = 1.0
-# The smallest prefill cap ``prefill_spread`` sets (``prefill_floor``; the step is then rounded up to its graph
-# bucket). ~33 decodes + 192 round up to a 256-token step, above the ~140-160 prompt tokens that arrive a step at half
-# the serving rate, so the cap follows a burst without falling behind the arrivals. A floor of 128 with a spread of 16
-# evened the NemotronH-like steps at its half rate (p99 3.6 against 4.1 ms at the client) but fell behind the
-# Gemma-3-like arrivals at its own (273 req/s: a ~192-token step takes ~159 of the ~161 that arrive; p99 3.6 against
-# 3.3 ms, first tokens 41 against 13 ms at the p50), and lowered the streamed HTTP throughput (docs/design.md).
+# The lowest a spread step's prompt cap goes (``prefill_floor``; the step is then rounded up to its graph bucket). It
+# must stay above the prompt tokens that arrive a step, or the queue stands and the cap runs at pending / spread:
+# ~33 decodes + 192 round up to a 256-token step (~223 prompt tokens) against ~140-160 arriving at the Gemma-3-like
+# half rate; 128 evened the NemotronH-like steps (~66 arriving) but fell behind those (docs/design.md).
 DEFAULT_PREFILL_FLOOR = 192
 DEFAULT_PREFILL_SPREAD = 8
 

@@ -110,7 +110,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                             "(at least --prefill-floor, rounded up to the step's CUDA-graph bucket): bursts of "
                             "prompts spread over steps (default: the engine's, 8; 1: off)")
     model.add_argument("--prefill-floor", type=positive_int, default=None,
-                       help="the fewest prompt tokens a spread step may take (default: the engine's, 192)")
+                       help="the lowest a spread step's prompt-token cap goes: max(this, pending / --prefill-spread) "
+                            "(default: the engine's, 192)")
     model.add_argument("--no-prefix-caching", action="store_true")
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     model.add_argument("--seed", type=int, default=0)
