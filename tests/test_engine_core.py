@@ -132,6 +132,9 @@ def test_the_step_loop_runs_alone_on_its_cpu(client: EngineCoreClient, checkpoin
         assert threads and all(cpu not in cpus for cpus in threads.values())    # readers, torch's, ...
         want = offline.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert run(collect(engine, PROMPTS[0], GREEDY, stream=True))[0][0] == list(want)
+        later = cpus_allowed(pid)                        # (and no thread started while serving shares it)
+        assert later.pop(pid) == {cpu}
+        assert all(cpu not in cpus for cpus in later.values()), later
     finally:
         engine.shutdown(timeout=TIMEOUT)
     auto = EngineCoreClient(checkpoint, CONFIG, engine_cpu="auto")
