@@ -24,7 +24,8 @@ collected, ``gc0``-``gc2``, nested in whichever phase it interrupted), the slowe
 (a request's arrival to the end of the step that returned its first token). Several ``--prefill-spread`` values
 run in turn on the same model and arrivals (the engine's setting, ``Scheduler._spread``), each after its own
 warm-up; likewise every ``--prefill-floor`` (``EngineConfig.prefill_floor``) with each of them. The step loop runs on
-a CPU of its own as ``hybridkv serve``'s engine does (``--engine-cpu``, default auto: ``engine/affinity.py``).
+a CPU of its own as ``hybridkv serve``'s engine does (``--engine-cpu``, default auto: ``engine/affinity.py``); at the
+end it reports the threads started since the pin that share that CPU (``affinity.sharing``: they inherit it).
 ``--tiny``: a tiny model on the CPU (synchronous steps), a smoke test of this script; its numbers mean nothing.
 Writes ``gpu_serving_steps.json`` (``_results.py``).
 """
@@ -48,7 +49,7 @@ from _results import add_output_args, commit, half_best_rate, write_json  # noqa
 from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 
 from hybridkv.commands import positive_int  # noqa: E402
-from hybridkv.engine.affinity import check_setting, pin_engine  # noqa: E402
+from hybridkv.engine.affinity import check_setting, pin_engine, sharing  # noqa: E402
 from hybridkv.engine.scheduler import DEFAULT_PREFILL_FLOOR, DEFAULT_PREFILL_SPREAD  # noqa: E402
 
 if TYPE_CHECKING:
@@ -265,11 +266,15 @@ def main() -> None:
         print("  slowest: " + "; ".join(f"{s['interval_ms']:.2f} ms ({s['tokens']} tokens, {s['decodes']} decodes, "
                                         f"host {s['host_ms']:.2f}, wait {s['wait_ms']:.2f})"
                                         for s in result["slowest"][:4]))
+    shared = sharing(cpu) if cpu is not None else []
+    if shared:
+        print(f"  {len(shared)} thread(s) started since the pin share the step loop's CPU {cpu}: {shared}")
     write_json(args, "gpu_serving_steps", {
         "meta": {"device": torch.cuda.get_device_name(0) if not args.tiny else "cpu", "commit": commit(),
                  "command": " ".join(sys.argv), "torch": torch.__version__, "rate": args.rate,
                  "seconds": args.seconds, "prompt": args.prompt, "output": args.output,
-                 "max_num_batched_tokens": args.max_num_batched_tokens, "engine_cpu": cpu}, "runs": runs})
+                 "max_num_batched_tokens": args.max_num_batched_tokens, "engine_cpu": cpu,
+                 "threads_sharing_engine_cpu": len(shared)}, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def test_cpu_lists(text: str, cpus: set[int]) -> None:
 def test_pin_engine_keeps_the_other_threads_off_its_cpu() -> None:
     code = textwrap.dedent("""
         import json, os, threading, torch
-        from hybridkv.engine.affinity import allowed_cpus, pin_engine
+        from hybridkv.engine.affinity import allowed_cpus, pin_engine, sharing
         def cpus(tid):
             return sorted(os.sched_getaffinity(tid))
         allowed = allowed_cpus()
@@ -66,8 +66,10 @@ def test_pin_engine_keeps_the_other_threads_off_its_cpu() -> None:
         before = threading.Thread(target=stop.wait, daemon=True)          # started before the pin
         before.start()
         assert pin_engine(cpu, torch.device("cpu")) == cpu
+        assert sharing(cpu) == []
         after = threading.Thread(target=stop.wait, daemon=True)           # started by the pinned thread
         after.start()
+        assert sharing(cpu) == [after.native_id]
         print(json.dumps({"main": cpus(threading.get_native_id()), "before": cpus(before.native_id),
                           "after": cpus(after.native_id), "cpu": cpu, "others": sorted(allowed - {cpu})}))
         stop.set()

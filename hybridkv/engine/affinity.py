@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Collection
 from pathlib import Path
 
@@ -134,6 +135,18 @@ def keep_off(cpu: int | None) -> None:
                 os.sched_setaffinity(tid, others)
 
 
+def sharing(cpu: int) -> list[int]:
+    """The threads of this process but the calling one that may run on ``cpu``: after ``pin_engine``, those started
+    since by the pinned thread (they inherit its CPU: a library's lazily started pool would share the step loop's)."""
+    me = threading.get_native_id()
+    found = []
+    for tid in _threads():
+        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
+            if tid != me and cpu in os.sched_getaffinity(tid):
+                found.append(tid)
+    return found
+
+
 def set_process_cpus(cpus: Collection[int]) -> None:
     """Let every thread of this process run on ``cpus`` (Linux)."""
     for tid in _threads():
@@ -146,4 +159,4 @@ def _threads() -> list[int]:
 
 
 __all__ = ["MIN_CPUS_TO_PIN", "allowed_cpus", "check_setting", "choose_engine_cpu", "format_cpu_list",
-           "gpu_local_cpus", "keep_off", "parse_cpu_list", "pin_engine", "set_process_cpus"]
+           "gpu_local_cpus", "keep_off", "parse_cpu_list", "pin_engine", "set_process_cpus", "sharing"]
