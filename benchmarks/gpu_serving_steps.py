@@ -49,8 +49,9 @@ from _results import add_output_args, commit, half_best_rate, write_json  # noqa
 from gpu_mixed_step import WAIT, time_phases  # noqa: E402
 
 from hybridkv.commands import positive_int  # noqa: E402
-from hybridkv.engine.affinity import check_setting, pin_engine, sharing  # noqa: E402
+from hybridkv.engine.affinity import pin_engine, sharing  # noqa: E402
 from hybridkv.engine.scheduler import DEFAULT_PREFILL_FLOOR, DEFAULT_PREFILL_SPREAD  # noqa: E402
+from hybridkv.server.cli import engine_cpu_arg  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridkv.engine.engine import LLMEngine
@@ -185,14 +186,6 @@ def mean_phases(steps: list[Step]) -> dict[str, float]:
     return dict(sorted(means.items(), key=lambda kv: -kv[1]))
 
 
-def engine_cpu_setting(text: str) -> str | int:
-    """``--engine-cpu``: auto, off or a CPU number, checked as the engine checks it."""
-    try:
-        return check_setting(int(text) if text.isascii() and text.isdecimal() else text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gemma3")
@@ -208,8 +201,7 @@ def main() -> None:
                     "engine's; 1: off)")
     ap.add_argument("--prefill-floor", type=positive_int, nargs="+", default=[DEFAULT_PREFILL_FLOOR],
                     help=f"the engine's prefill_floor, one run per value and spread (default {DEFAULT_PREFILL_FLOOR})")
-    ap.add_argument("--engine-cpu", default="auto",
-                    type=engine_cpu_setting,
+    ap.add_argument("--engine-cpu", default="auto", type=engine_cpu_arg,
                     help="the step loop's CPU, as hybridkv serve's flag (default auto; off: not pinned)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     add_output_args(ap, "gpu_serving_steps")

@@ -124,13 +124,3 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.kill()
 
-
-def cpus_allowed(pid: int) -> dict[int, set[int]]:
-    """The CPUs each live thread of process ``pid`` may run on (Linux)."""
-    out = {}
-    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-        try:
-            out[tid] = os.sched_getaffinity(tid)
-        except ProcessLookupError:      # (a thread that ended meanwhile)
-            continue
-    return out

@@ -29,11 +29,12 @@ import pytest
 
 from hybridkv import SamplingParams
 from hybridkv.engine import core_client
+from hybridkv.engine.affinity import thread_cpus
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.core_client import EngineCoreClient, EngineStartError
 from hybridkv.engine.engine import RequestError
 from hybridkv.engine.front import EngineDeadError
-from tests._server import ENGINE_ARGS, ROOT, ServerProcess, cpus_allowed, free_port, offline_llm, tiny_checkpoint
+from tests._server import ENGINE_ARGS, ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
 
 TIMEOUT = 60.0
 PROMPTS = ["The lazy fox", "Hybrid models mix", "def add(a, b):", "1234 blocks"]
@@ -127,12 +128,12 @@ def test_the_step_loop_runs_alone_on_its_cpu(client: EngineCoreClient, checkpoin
     try:
         assert engine.engine_cpu == cpu
         pid = engine.process.pid
-        threads = cpus_allowed(pid)
+        threads = thread_cpus(pid)
         assert threads.pop(pid) == {cpu}                  # the main thread: the step loop
         assert threads and all(cpu not in cpus for cpus in threads.values())    # readers, torch's, ...
         want = offline.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert run(collect(engine, PROMPTS[0], GREEDY, stream=True))[0][0] == list(want)
-        later = cpus_allowed(pid)                        # (and no thread started while serving shares it)
+        later = thread_cpus(pid)                         # (and no thread started while serving shares it)
         assert later.pop(pid) == {cpu}
         assert all(cpu not in cpus for cpus in later.values()), later
     finally:

@@ -22,7 +22,8 @@ import httpx
 import openai
 import pytest
 
-from tests._server import ROOT, ServerProcess, cpus_allowed, free_port, offline_llm, tiny_checkpoint
+from hybridkv.engine.affinity import thread_cpus
+from tests._server import ROOT, ServerProcess, free_port, offline_llm, tiny_checkpoint
 from tests.test_server import GREEDY, MESSAGES, PROMPTS, TIMEOUT, engine_idle, wait_for
 
 MODEL = "tiny"
@@ -66,7 +67,7 @@ def _off_the_step_loops_cpu(server: int, processes: set[int], cpu: int) -> None:
     """The engine process's main thread runs on ``cpu`` alone; every other thread of the server keeps off it."""
     for pid in {server, *processes}:
         engine = b"hybridkv.engine.core" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        for tid, cpus in cpus_allowed(pid).items():
+        for tid, cpus in thread_cpus(pid).items():
             assert (cpus == {cpu}) if engine and tid == pid else (cpu not in cpus), (pid, tid, cpus)
 
 

@@ -128,35 +128,35 @@ def keep_off(cpu: int | None) -> None:
     nothing for None, where the OS does not pin, or for a thread that has no other CPU."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         return
-    for tid in _threads():
-        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
-            others = os.sched_getaffinity(tid) - {cpu}
-            if others:
-                os.sched_setaffinity(tid, others)
+    for tid, cpus in thread_cpus().items():
+        if cpus - {cpu}:
+            with contextlib.suppress(ProcessLookupError):      # (a thread that ended meanwhile)
+                os.sched_setaffinity(tid, cpus - {cpu})
 
 
 def sharing(cpu: int) -> list[int]:
     """The threads of this process but the calling one that may run on ``cpu``: after ``pin_engine``, those started
     since by the pinned thread (they inherit its CPU: a library's lazily started pool would share the step loop's)."""
     me = threading.get_native_id()
-    found = []
-    for tid in _threads():
-        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
-            if tid != me and cpu in os.sched_getaffinity(tid):
-                found.append(tid)
-    return found
+    return [tid for tid, cpus in thread_cpus().items() if tid != me and cpu in cpus]
 
 
 def set_process_cpus(cpus: Collection[int]) -> None:
     """Let every thread of this process run on ``cpus`` (Linux)."""
-    for tid in _threads():
+    for tid in thread_cpus():
         with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
             os.sched_setaffinity(tid, cpus)
 
 
-def _threads() -> list[int]:
-    return [int(task) for task in os.listdir("/proc/self/task")]
+def thread_cpus(pid: int | str = "self") -> dict[int, set[int]]:
+    """The CPUs each live thread of process ``pid`` (default this one) may run on (Linux, ``/proc``)."""
+    out = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        with contextlib.suppress(ProcessLookupError):          # (a thread that ended meanwhile)
+            out[tid] = os.sched_getaffinity(tid)
+    return out
 
 
 __all__ = ["MIN_CPUS_TO_PIN", "allowed_cpus", "check_setting", "choose_engine_cpu", "format_cpu_list",
-           "gpu_local_cpus", "keep_off", "parse_cpu_list", "pin_engine", "set_process_cpus", "sharing"]
+           "gpu_local_cpus", "keep_off", "parse_cpu_list", "pin_engine", "set_process_cpus", "sharing",
+           "thread_cpus"]

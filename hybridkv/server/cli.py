@@ -46,7 +46,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _engine_cpu(text: str) -> str | int:
+def engine_cpu_arg(text: str) -> str | int:
+    """``--engine-cpu``: auto, off or a CPU number this process may use (a usage error otherwise)."""
     from hybridkv.engine.affinity import allowed_cpus, choose_engine_cpu
 
     if text in ("auto", "off"):
@@ -84,7 +85,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="API processes (HTTP, chat templates, tokenization, streaming) over the one engine "
                       "process, sharing the port; more than one when one process's event loop cannot keep up "
                       "with the engine (default 1)")
-    http.add_argument("--engine-cpu", type=_engine_cpu, default="auto",
+    http.add_argument("--engine-cpu", type=engine_cpu_arg, default="auto",
                       help="the CPU the engine's step loop runs on alone (the server's other threads and processes "
                       f"keep off it): auto (on a GPU with {MIN_CPUS_TO_PIN} or more CPUs: the highest-numbered CPU "
                       "of the GPU's NUMA node; default), off, or a CPU number")
